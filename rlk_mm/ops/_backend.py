@@ -1,0 +1,40 @@
+"""Backend choice for every op: Triton on CUDA tensors, torch elsewhere.
+
+``RLK_MM_BACKEND=torch`` or ``=triton`` forces one. Forcing Triton on CPU tensors works
+only under ``TRITON_INTERPRET=1`` (Triton's interpreter; slow, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CHOICES = ("auto", "torch", "triton")
+
+
+def backend_name() -> str:
+    name = os.environ.get("RLK_MM_BACKEND", "auto").strip().lower() or "auto"
+    if name not in _CHOICES:
+        raise ValueError(f"RLK_MM_BACKEND={name!r}: expected one of {', '.join(_CHOICES)}")
+    return name
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the op should run its Triton kernel for these tensors."""
+    name = backend_name()
+    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    if name == "torch":
+        return False
+    if name == "triton":
+        if not on_cuda and not triton_interpreting():
+            raise RuntimeError(
+                "RLK_MM_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                "(set it before rlk_mm is imported), or move the tensors to CUDA"
+            )
+        return True
+    return on_cuda
