@@ -1,0 +1,24 @@
+"""rlk_mm: multimodal RL operators with schema-first batch objects.
+
+The public API: the batch schema (``RLBatch``, spans), the ops (``rlk_mm.ops``: selected
+log-prob, losses, rewards, pack) and the parity checks (``rlk_mm.parity``).
+"""
+
+from . import ops
+from .schema import (
+    BatchFileError,
+    CoordinateSystem,
+    Modality,
+    RLBatch,
+    SchemaError,
+    Span,
+    SpanTable,
+    processor_fingerprint,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchFileError", "CoordinateSystem", "Modality", "RLBatch", "SchemaError", "Span", "SpanTable",
+    "ops", "processor_fingerprint", "__version__",
+]

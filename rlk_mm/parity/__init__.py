@@ -1,0 +1,21 @@
+"""Parity checks: layout parity, log-prob comparison, the numerical contract, invariance sweeps."""
+
+from .contract import CONTRACT, ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, Tolerance
+from .layout import LayoutParityError, LayoutParityReport, Mismatch, check_layout_parity
+from .logprobs import LogprobComparison, compare_logprobs
+
+
+def __getattr__(name: str):
+    # the invariance harness pulls in models and kernels: import it on first use
+    if name == "invariance_sweep":
+        from .invariance import invariance_sweep
+
+        return invariance_sweep
+    raise AttributeError(f"module 'rlk_mm.parity' has no attribute {name!r}")
+
+
+__all__ = [
+    "CONTRACT", "ELEMENTWISE_LOSS_MAX_ABS", "LOGPROB_GRAD_REL", "LOGPROB_MAX_ABS", "LayoutParityError",
+    "LayoutParityReport", "LogprobComparison", "Mismatch", "Tolerance", "check_layout_parity",
+    "compare_logprobs", "invariance_sweep",
+]

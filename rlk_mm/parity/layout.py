@@ -1,0 +1,247 @@
+"""Layout parity: do a rollout and a trainer see the same token layout?
+
+``check_layout_parity`` compares two ``RLBatch``es sample by sample, vectorized over
+all tokens: token ids, valid-token counts, media placeholder spans, M-RoPE positions
+(t, h, w separately), loss spans, media ids and cache keys, and the processor
+fingerprint. Padding is stripped when a batch is built, so the same content left- or
+right-padded compares equal. Every log-prob comparison must pass it first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..schema import Modality, RLBatch, Span
+
+#: compared per-token fields, in the order used to break ties at one position
+TOKEN_FIELDS = ("input_ids", "modality_spans", "position_ids.t", "position_ids.h", "position_ids.w", "loss_spans")
+CONTEXT_TOKENS = 3
+
+
+class LayoutParityError(ValueError):
+    """Two batches do not share a token layout; ``.report`` holds the details."""
+
+    def __init__(self, report: "LayoutParityReport"):
+        self.report = report
+        super().__init__(str(report))
+
+
+@dataclass
+class Mismatch:
+    """One field of one sample that differs (``sample``/``position`` are None for batch-level fields)."""
+
+    field: str
+    sample: Optional[int]
+    position: Optional[int]
+    rollout: Any
+    training: Any
+    count: int = 1  # differing positions (or items) of this field in this sample
+    span: Optional[str] = None  # the rollout-side span holding the position, e.g. "image #0[14, 30)"
+    context_rollout: Optional[str] = None
+    context_training: Optional[str] = None
+
+    def describe(self) -> str:
+        where = "batch" if self.sample is None else f"sample {self.sample}" + ("" if self.position is None else f", position {self.position}")
+        span = f" in {self.span}" if self.span else ""
+        more = f" ({self.count} differing)" if self.count > 1 else ""
+        text = f"{self.field}: {where}{span}: rollout {self.rollout!r} vs training {self.training!r}{more}"
+        if self.context_rollout is not None:
+            text += f"\n    rollout : {self.context_rollout}\n    training: {self.context_training}"
+        return text
+
+
+@dataclass
+class LayoutParityReport:
+    """Result of ``check_layout_parity``: ``ok``, every mismatch ordered by (sample, position), ``first``."""
+
+    mismatches: list[Mismatch] = field(default_factory=list)
+    num_samples: int = 0
+    num_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def first(self) -> Optional[Mismatch]:
+        """The earliest per-token mismatch; a batch-level one (fingerprint, sample count) if none."""
+        per_sample = [m for m in self.mismatches if m.sample is not None]
+        return (per_sample or self.mismatches or [None])[0]
+
+    def fields(self) -> list[str]:
+        return sorted({m.field for m in self.mismatches})
+
+    def raise_if_mismatch(self) -> "LayoutParityReport":
+        if not self.ok:
+            raise LayoutParityError(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "first": None if self.first is None else asdict(self.first),
+            "mismatches": [asdict(m) for m in self.mismatches],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"layout parity OK: {self.num_samples} samples, {self.num_tokens} tokens match"
+        lines = [f"layout parity FAILED: {len(self.mismatches)} mismatches over {self.num_samples} samples", "first: " + self.first.describe()]
+        others = [m for m in self.mismatches if m is not self.first]
+        for m in others[:20]:
+            lines.append("  - " + m.describe().replace("\n", "\n    "))
+        if len(others) > 20:
+            lines.append(f"  ... {len(others) - 20} more (report.to_dict() has them all)")
+        return "\n".join(lines)
+
+
+def _segment_first(diff: torch.Tensor, sample_of: torch.Tensor, position: torch.Tensor, num_samples: int):
+    """Per sample: first differing position (or -1) and the number of differing positions."""
+    big = torch.iinfo(torch.int64).max
+    first = torch.full((num_samples,), big, dtype=torch.int64)
+    first.scatter_reduce_(0, sample_of[diff], position[diff], reduce="amin")
+    count = torch.bincount(sample_of[diff], minlength=num_samples)
+    first[first == big] = -1
+    return first, count
+
+
+def _token_views(batch: RLBatch) -> dict[str, torch.Tensor]:
+    """Per-token integer views of the compared fields, all [T]."""
+    ms = batch.modality_spans
+    # media spans are numbered 1.. in sequence order within their sample; text is 0
+    is_media = (ms.modality != int(Modality.TEXT)).long()
+    before = torch.cumsum(is_media, 0) - is_media
+    rank = before - before[ms.sample_ptr[:-1].long()][ms.span_sample()]
+    span_code = ms.modality.long() * (1 << 20) + (rank + 1) * is_media
+    sample, p, span = ms.token_positions()
+    modality_code = torch.empty(batch.num_tokens, dtype=torch.int64)
+    modality_code[batch.cu_seqlens.long()[sample] + p] = span_code[span]
+    pos = batch.position_ids
+    return {
+        "input_ids": batch.input_ids,
+        "modality_spans": modality_code,
+        "position_ids.t": pos[0],
+        "position_ids.h": pos[1],
+        "position_ids.w": pos[2],
+        "loss_spans": batch.loss_mask().long(),
+    }
+
+
+def _describe_value(field_name: str, value: int) -> Any:
+    if field_name == "modality_spans":
+        modality, media = divmod(int(value), 1 << 20)
+        label = Modality(modality).label
+        return label if media == 0 else f"{label} #{media - 1}"
+    if field_name == "loss_spans":
+        return "scored" if value else "not scored"
+    return int(value)
+
+
+def _span_at(batch: RLBatch, b: int, p: int) -> Optional[str]:
+    if b >= batch.num_samples:
+        return None
+    for s in batch.modality_spans_of(b):
+        if p in s:
+            if s.modality == Modality.TEXT:
+                return str(s)
+            local = sum(1 for t in batch.modality_spans_of(b) if t.media_index >= 0 and t.start < s.start)
+            return str(Span(s.start, s.end, s.modality, local))
+    return None
+
+
+def _context(batch: RLBatch, b: int, p: int, decode: Optional[Callable]) -> str:
+    ids = batch.sample_tokens(b).tolist()
+    lo, hi = max(0, p - CONTEXT_TOKENS), min(len(ids), p + CONTEXT_TOKENS + 1)
+
+    def show(tok: int) -> str:
+        return repr(decode([tok])) if decode else str(tok)
+
+    left = " ".join(show(t) for t in ids[lo:p])
+    here = f"[{show(ids[p])}]" if p < len(ids) else "[<end>]"
+    right = " ".join(show(t) for t in ids[p + 1 : hi])
+    return f"...{left} {here} {right}...".replace("  ", " ")
+
+
+def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) -> LayoutParityReport:
+    """Compare two batches' layouts; ``tokenizer`` (optional) decodes context tokens."""
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
+    report = LayoutParityReport(num_samples=training.num_samples, num_tokens=training.num_tokens)
+    found: list[Mismatch] = []
+    if rollout.processor_fingerprint != training.processor_fingerprint:
+        found.append(Mismatch("processor_fingerprint", None, None, rollout.processor_fingerprint[:16], training.processor_fingerprint[:16]))
+    if rollout.num_samples != training.num_samples:
+        found.append(Mismatch("num_samples", None, None, rollout.num_samples, training.num_samples))
+    B = min(rollout.num_samples, training.num_samples)
+    ra, tb = rollout.to("cpu"), training.to("cpu")
+    if rollout.num_samples != B:
+        ra = ra.select(range(B))
+    if training.num_samples != B:
+        tb = tb.select(range(B))
+    la, lb = ra.seq_lengths(), tb.seq_lengths()
+    views_a, views_b = _token_views(ra), _token_views(tb)
+    # compare the common prefix of every sample, vectorized over the whole batch
+    common = torch.minimum(la, lb)
+    sample_of = torch.repeat_interleave(torch.arange(B), common)
+    starts = torch.cumsum(common, 0) - common
+    position = torch.arange(int(common.sum())) - starts[sample_of]
+    idx_a = ra.cu_seqlens.long()[sample_of] + position
+    idx_b = tb.cu_seqlens.long()[sample_of] + position
+    per_field = {}
+    for name in TOKEN_FIELDS:
+        diff = views_a[name][idx_a] != views_b[name][idx_b]
+        per_field[name] = _segment_first(diff, sample_of, position, B)
+    for b in torch.nonzero(la != lb).flatten().tolist():
+        found.append(Mismatch("length", b, int(common[b]), int(la[b]), int(lb[b]), count=abs(int(la[b] - lb[b]))))
+    for name, (first, count) in per_field.items():
+        for b in torch.nonzero(first >= 0).flatten().tolist():
+            p = int(first[b])
+            va = views_a[name][int(ra.cu_seqlens[b]) + p]
+            vb = views_b[name][int(tb.cu_seqlens[b]) + p]
+            found.append(Mismatch(name, b, p, _describe_value(name, va), _describe_value(name, vb), count=int(count[b])))
+    # media ids / keys, per sample in sequence order
+    for name in ("media_ids", "media_cache_keys"):
+        found += _compare_media(ra, tb, name, B)
+    order = {n: i for i, n in enumerate(("length",) + TOKEN_FIELDS + ("media_ids", "media_cache_keys"))}
+    found.sort(key=lambda m: (-1 if m.sample is None else m.sample, -1 if m.position is None else m.position, order.get(m.field, -1)))
+    for m in found:
+        if m.sample is not None and m.position is not None:
+            m.span = _span_at(ra, m.sample, m.position) or _span_at(tb, m.sample, m.position)
+    first = next((m for m in found if m.sample is not None), None)
+    if first is not None and first.position is not None:
+        first.context_rollout = _context(ra, first.sample, first.position, decode)
+        first.context_training = _context(tb, first.sample, first.position, decode)
+    report.mismatches = found
+    return report
+
+
+def _media_in_order(batch: RLBatch, b: int, name: str) -> list[tuple[int, str]]:
+    values = getattr(batch, name)
+    return [(s.start, values[s.media_index]) for s in batch.modality_spans_of(b) if s.media_index >= 0]
+
+
+def _compare_media(ra: RLBatch, tb: RLBatch, name: str, B: int) -> list[Mismatch]:
+    if not ra.num_media and not tb.num_media:
+        return []
+    out = []
+    for b in range(B):
+        ma, mb = _media_in_order(ra, b, name), _media_in_order(tb, b, name)
+        if [v for _, v in ma] == [v for _, v in mb]:
+            continue
+        for k in range(max(len(ma), len(mb))):
+            va = ma[k][1] if k < len(ma) else None
+            vb = mb[k][1] if k < len(mb) else None
+            if va != vb:
+                p = (ma[k] if k < len(ma) else mb[k])[0]
+                n = sum(1 for j in range(max(len(ma), len(mb))) if (ma[j][1] if j < len(ma) else None) != (mb[j][1] if j < len(mb) else None))
+                out.append(Mismatch(name, b, p, va, vb, count=n))
+                break
+    return out

@@ -1,0 +1,126 @@
+"""Log-prob comparison between a rollout and a trainer, gated by layout parity.
+
+A log-prob, KL or ratio comparison between two different token layouts is meaningless,
+so ``compare_logprobs`` refuses (``LayoutParityError``) unless the layouts match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+from ..schema import RLBatch
+from .contract import LOGPROB_MAX_ABS
+from .layout import LayoutParityError, check_layout_parity
+
+#: importance ratios outside 1 ± this are counted (the PPO clip range's usual size)
+RATIO_BAND = 0.2
+
+
+@dataclass
+class LogprobComparison:
+    """Differences of two log-prob tensors over the same loss tokens."""
+
+    tolerance: float
+    num_tokens: int
+    max_abs: float
+    mean_abs: float
+    per_sample_max_abs: list[float] = field(default_factory=list)
+    per_sample_mean_abs: list[float] = field(default_factory=list)
+    first_beyond: Optional[dict] = None  # sample, position, rollout, training, abs_diff
+    ratio_min: float = 1.0
+    ratio_max: float = 1.0
+    ratio_outside_band: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.first_beyond is None
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, **asdict(self)}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        head = "log-prob parity OK" if self.ok else "log-prob parity FAILED"
+        text = (
+            f"{head}: {self.num_tokens} tokens, max |Δ| {self.max_abs:.3g}, mean |Δ| {self.mean_abs:.3g} "
+            f"(tolerance {self.tolerance:g}); ratio exp(Δ) in [{self.ratio_min:.4f}, {self.ratio_max:.4f}], "
+            f"{100 * self.ratio_outside_band:.2f}% outside 1±{RATIO_BAND}"
+        )
+        if self.first_beyond:
+            f = self.first_beyond
+            text += (
+                f"\n  first token beyond tolerance: sample {f['sample']}, position {f['position']}: "
+                f"rollout {f['rollout']:.6g} vs training {f['training']:.6g} (|Δ| {f['abs_diff']:.3g})"
+            )
+        return text
+
+
+def _flat(values: torch.Tensor, batch: RLBatch, name: str) -> torch.Tensor:
+    """Loss-token log-probs as [n] (loss-span order); accepts [n] or padded [B, R] over the response."""
+    n = int(batch.loss_spans.lengths().sum())
+    values = torch.as_tensor(values)
+    if values.ndim == 1:
+        if values.numel() != n:
+            raise ValueError(f"{name} has {values.numel()} values; the batch has {n} loss tokens")
+        return values.detach().double().cpu()
+    if values.ndim == 2 and values.shape[0] == batch.num_samples and batch.prompt_lengths is not None:
+        sample, pos, _ = batch.loss_spans.token_positions()
+        col = pos - batch.prompt_lengths[sample]
+        if int(col.max(initial=0)) >= values.shape[1]:
+            raise ValueError(f"{name} has {values.shape[1]} response columns; loss tokens reach column {int(col.max())}")
+        return values.detach().double().cpu()[sample, col]
+    raise ValueError(f"{name} has shape {tuple(values.shape)}; expected [n loss tokens] or [B, R] over the responses")
+
+
+def compare_logprobs(
+    rollout_logprobs: torch.Tensor,
+    training_logprobs: torch.Tensor,
+    rollout: RLBatch,
+    training: RLBatch,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tolerance: Optional[float] = None,
+    tokenizer=None,
+) -> LogprobComparison:
+    """Compare log-probs of the same loss tokens; refuses unless the layouts match.
+
+    ``dtype`` is the models' compute dtype and picks the contract's tolerance
+    (fp32: 1e-5, bf16/fp16: 2e-3) unless ``tolerance`` is given.
+    """
+    report = check_layout_parity(rollout, training, tokenizer=tokenizer)
+    if not report.ok:
+        raise LayoutParityError(report)
+    tol = LOGPROB_MAX_ABS.for_dtype(dtype) if tolerance is None else float(tolerance)
+    a = _flat(rollout_logprobs, rollout, "rollout_logprobs")
+    b = _flat(training_logprobs, training, "training_logprobs")
+    sample, pos, _ = training.loss_spans.token_positions()
+    diff = (b - a).abs()
+    B = training.num_samples
+    counts = torch.bincount(sample, minlength=B).double()
+    per_max = torch.zeros(B, dtype=torch.float64).scatter_reduce_(0, sample, diff, reduce="amax", include_self=False)
+    per_mean = torch.zeros(B, dtype=torch.float64).index_add_(0, sample, diff) / counts.clamp(min=1)
+    beyond = torch.nonzero(~(diff <= tol)).flatten()  # NaN counts as beyond
+    first = None
+    if beyond.numel():
+        k = int(beyond[0])
+        first = dict(sample=int(sample[k]), position=int(pos[k]), rollout=float(a[k]), training=float(b[k]), abs_diff=float(diff[k]))
+    ratio = torch.exp(b - a)
+    n = diff.numel()
+    return LogprobComparison(
+        tolerance=tol,
+        num_tokens=n,
+        max_abs=float(diff.max()) if n else 0.0,
+        mean_abs=float(diff.mean()) if n else 0.0,
+        per_sample_max_abs=per_max.tolist(),
+        per_sample_mean_abs=per_mean.tolist(),
+        first_beyond=first,
+        ratio_min=float(ratio.min()) if n else 1.0,
+        ratio_max=float(ratio.max()) if n else 1.0,
+        ratio_outside_band=float(((ratio - 1).abs() > RATIO_BAND).double().mean()) if n else 0.0,
+    )
