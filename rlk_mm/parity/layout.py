@@ -214,7 +214,7 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
     found.sort(key=lambda m: (-1 if m.sample is None else m.sample, -1 if m.position is None else m.position, order.get(m.field, -1)))
     for m in found:
         if m.sample is not None and m.position is not None:
-            m.span = _span_at(ra, m.sample, m.position) or _span_at(tb, m.sample, m.position)
+            m.span = _span_at(tb, m.sample, m.position) or _span_at(ra, m.sample, m.position)
     first = next((m for m in found if m.sample is not None), None)
     if first is not None and first.position is not None:
         first.context_rollout = _context(ra, first.sample, first.position, decode)

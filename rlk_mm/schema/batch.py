@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .grounding import CoordinateSystem
 from .spans import Modality, SchemaError, Span, SpanTable
@@ -106,6 +106,12 @@ class RLBatch(BaseModel):
     screen_size: Optional[Tensor] = None  # int64 [B, 2] (width, height)
 
     # ------------------------------------------------------------------ validation
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _schema_error(e) from None
+
     @model_validator(mode="after")
     def _validate(self) -> "RLBatch":
         _check(self)
@@ -380,8 +386,6 @@ class RLBatch(BaseModel):
             return cls(**values)
         except SchemaError as e:
             raise BatchFileError(f"{path}: {e}") from None
-        except Exception as e:  # pydantic's own errors (a missing field, a wrong type)
-            raise BatchFileError(f"{path}: invalid batch ({e})") from None
 
     # ------------------------------------------------------------------ reading
     def summary(self, decode=None, max_rows: int = 16) -> str:
@@ -523,6 +527,18 @@ def vision_token_offsets(grid_thw: Tensor, modality: Tensor, merge_size: int) ->
 
 
 # ---------------------------------------------------------------------- invariants
+def _schema_error(error: ValidationError) -> SchemaError:
+    """pydantic wraps our SchemaError; unwrap it, or name the fields pydantic rejected."""
+    problems = []
+    for item in error.errors():
+        inner = (item.get("ctx") or {}).get("error")
+        if isinstance(inner, SchemaError):
+            return inner
+        field_name = ".".join(str(x) for x in item.get("loc", ())) or "batch"
+        problems.append(f"{field_name}: {item.get('msg')}")
+    return SchemaError("invalid RLBatch: " + "; ".join(problems))
+
+
 def _span_name(table: SpanTable, i: int) -> str:
     s = Span(int(table.starts[i]), int(table.ends[i]), int(table.modality[i]), int(table.media_index[i]))
     return str(s)
@@ -754,9 +770,16 @@ def _check_media(batch: RLBatch, lengths: Tensor) -> None:
         k = int(torch.nonzero(mismatch)[0])
         g = int(idx[k])
         grid = batch.media_grid_thw[g].tolist()
+        b = int(sample[k])
+        at_end = int(ms.ends[span_ids[k]]) == int(lengths[b])
+        hint = (
+            "; the media span was cut by truncation: raise the prompt length limit or lower max_pixels"
+            if at_end and int(span_len[k]) < int(counts[g])
+            else "; the placeholders and the grid come from different processing (another size or max_pixels?)"
+        )
         raise SchemaError(
-            f"modality_spans: sample {int(sample[k])}, {_span_name(ms, int(span_ids[k]))} has {int(span_len[k])} placeholder tokens "
-            f"but grid_thw {grid} of media item {g} implies {int(counts[g])} (t*h*w/{batch.spatial_merge_size}²)"
+            f"modality_spans: sample {b}, {_span_name(ms, int(span_ids[k]))} has {int(span_len[k])} placeholder tokens "
+            f"but grid_thw {grid} of media item {g} implies {int(counts[g])} (t*h*w/{batch.spatial_merge_size}²){hint}"
         )
     expected = vision_token_offsets(batch.media_grid_thw, batch.media_modality, batch.spatial_merge_size)
     if not torch.equal(expected.cpu(), batch.vision_token_offsets.long().cpu()):

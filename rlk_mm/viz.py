@@ -1,0 +1,53 @@
+"""Pictures of batch layouts: each sample as a coloured strip of its spans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .schema import Modality, RLBatch
+
+COLOURS = {
+    Modality.TEXT: "#c8c8c8",
+    Modality.IMAGE: "#4c9be8",
+    Modality.VIDEO: "#9b59b6",
+    Modality.AUDIO: "#e67e22",
+}
+LOSS_COLOUR = "#e74c3c"
+
+
+def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, title: Optional[str] = None) -> Path:
+    """Draw the chosen samples (default: up to 16) as strips: modality spans on top, loss spans below."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    samples = list(range(min(batch.num_samples, 16))) if samples is None else list(samples)
+    longest = max((int(batch.seq_lengths()[b]) for b in samples), default=1)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * len(samples)))
+    for row, b in enumerate(samples):
+        y = len(samples) - 1 - row
+        for s in batch.modality_spans_of(b):
+            ax.broken_barh([(s.start, len(s))], (y + 0.35, 0.5), facecolors=COLOURS[s.modality], edgecolor="white", linewidth=0.3)
+        for s in batch.loss_spans_of(b):
+            ax.broken_barh([(s.start, len(s))], (y + 0.05, 0.25), facecolors=LOSS_COLOUR)
+    ax.set_yticks([len(samples) - 1 - r + 0.5 for r in range(len(samples))])
+    labels = []
+    for b in samples:
+        group = "" if batch.group_ids is None else f" g={batch.group_ids[b]}"
+        labels.append(f"sample {b}{group}")
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlim(0, longest)
+    ax.set_ylim(0, len(samples))
+    ax.set_xlabel("token position")
+    handles = [Patch(color=COLOURS[m], label=m.label) for m in (Modality.TEXT, Modality.IMAGE, Modality.VIDEO)]
+    handles.append(Patch(color=LOSS_COLOUR, label="loss (scored targets)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(samples) < 4 else -0.12), ncol=4, fontsize=8)
+    ax.set_title(title or f"layout: {batch.num_samples} samples, fingerprint {batch.processor_fingerprint[:12]}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
