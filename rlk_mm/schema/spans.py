@@ -261,10 +261,11 @@ class SpanTable:
         return SpanTable.from_lists([self.spans_of(int(i)) for i in indices])
 
     def to(self, device) -> "SpanTable":
-        return SpanTable(
-            self.starts.to(device), self.ends.to(device), self.sample_ptr.to(device),
-            self.modality.to(device), self.media_index.to(device),
-        )
+        """The same spans on ``device`` (already validated: no re-check, no host sync)."""
+        moved = object.__new__(SpanTable)
+        for name in self.__slots__:
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flat dict for safetensors; ``from_tensors`` reads it back."""
