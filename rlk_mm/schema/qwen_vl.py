@@ -290,18 +290,20 @@ def _unpad(row: Tensor, mask: Tensor, what: str, b: int) -> Tensor:
     return row[mask]
 
 
-def _positions_3(position_ids: Tensor, b: int, mask: Tensor) -> Tensor:
-    """(3, L) positions of sample b from (B, 4, L), (B, 3, L), (3, B, L) or (B, L) padded positions."""
+def _positions_3(position_ids: Tensor, b: int, mask: Tensor, *, batch_first: bool) -> Tensor:
+    """(3, L) positions of sample b from padded positions: (B, L) 1-D, or 3-D as
+    (B, 4, L) / (B, 3, L) when ``batch_first`` (verl) else (3, B, L) (transformers)."""
+    keep = mask.bool()
     if position_ids.ndim == 2:
-        pos = position_ids[b][mask.bool()]
-        return pos.unsqueeze(0).expand(3, -1).clone()
-    if position_ids.ndim == 3 and position_ids.shape[0] == 3 and position_ids.shape[1] != 3:
-        return position_ids[:, b][:, mask.bool()]
-    if position_ids.ndim == 3 and position_ids.shape[1] == 4:
-        return position_ids[b, 1:][:, mask.bool()]  # verl: row 0 text positions, rows 1-3 M-RoPE
-    if position_ids.ndim == 3 and position_ids.shape[1] == 3:
-        return position_ids[b][:, mask.bool()]
-    raise SchemaError(f"position_ids has shape {tuple(position_ids.shape)}; expected (B, L), (B, 3, L), (B, 4, L) or (3, B, L)")
+        return position_ids[b][keep].unsqueeze(0).expand(3, -1).clone()
+    if position_ids.ndim == 3 and batch_first and position_ids.shape[1] == 4:
+        return position_ids[b, 1:][:, keep]  # verl: row 0 text positions, rows 1-3 M-RoPE
+    if position_ids.ndim == 3 and batch_first and position_ids.shape[1] == 3:
+        return position_ids[b][:, keep]
+    if position_ids.ndim == 3 and not batch_first and position_ids.shape[0] == 3:
+        return position_ids[:, b][:, keep]
+    expected = "(B, L), (B, 3, L) or (B, 4, L)" if batch_first else "(B, L) or (3, B, L)"
+    raise SchemaError(f"position_ids has shape {tuple(position_ids.shape)}; expected {expected}")
 
 
 # ---------------------------------------------------------------------- entry points
@@ -328,7 +330,8 @@ def from_qwen_vl(
     - ``assistant_mask`` (``[B, L]`` like ``input_ids``): multi-turn; only the tokens it
       marks are scored (the appended responses are scored too).
     - ``position_ids``: the positions a framework actually used, to record instead of
-      computing them (e.g. a rollout that fell back to 1-D positions).
+      computing them (e.g. a rollout that fell back to 1-D positions): ``(3, B, L)`` as
+      transformers' ``get_rope_index`` returns, or ``(B, L)``.
     """
     info = LayoutInfo.of(processor, tokens_per_second)
     input_ids = torch.as_tensor(processor_output["input_ids"])
@@ -351,7 +354,7 @@ def from_qwen_vl(
             loss_masks.append(torch.cat([m, torch.ones(0 if r is None else r.numel(), dtype=torch.bool)]))
     positions = None
     if position_ids is not None:
-        positions = [_positions_3(torch.as_tensor(position_ids), b, attention[b]) for b in range(B)]
+        positions = [_positions_3(torch.as_tensor(position_ids), b, attention[b], batch_first=False) for b in range(B)]
         positions = [_extend_positions(p, resp[b]) for b, p in enumerate(positions)]
     return _build(
         prompts,
@@ -484,7 +487,7 @@ def from_verl(
         if R:
             rm = response_mask[b][attention_mask[b, L - R :].bool()].bool()
             masks.append(torch.cat([torch.zeros(p.numel(), dtype=torch.bool), rm.cpu()]))
-        positions.append(_positions_3(position_ids, b, attention_mask[b]))
+        positions.append(_positions_3(position_ids, b, attention_mask[b], batch_first=True))
     mm = list(multi_modal_inputs or [])
     if mm and len(mm) != B:
         raise SchemaError(f"multi_modal_inputs has {len(mm)} entries; expected one per sample ({B})")
