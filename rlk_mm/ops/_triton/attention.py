@@ -1,0 +1,132 @@
+"""Batch-invariant varlen attention (causal or not, GQA) over segments, in Triton.
+
+A *segment* is one sequence's queries ``[q0, q0 + q_len)`` and keys ``[k0, k0 + k_len)``
+inside batch row ``b`` of ``q [B, Hq, Lq, D]`` and ``k, v [B, Hkv, Lk, D]``. Packed
+sequences (cu_seqlens), left/right padding and a KV-cached prefix are all segments.
+Causal segments align bottom-right: query i sees keys ``[0, k_len - q_len + i]``.
+
+Why it is batch-invariant: key tiles start at the segment's first key (never at an
+absolute position of the pack), the tile sizes depend only on the head dim and dtype,
+each query row keeps its own online-softmax state, and tiles past a row's causal limit
+add exact zeros. So a query's output depends on its own sequence only, not on the
+neighbours in the pack, the padding, or its position.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+_LOG2E = 1.4426950408889634
+
+
+def attention_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile shape: a function of the head dim and dtype only."""
+    bd = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        return dict(BM=32, BN=32, BD=bd, num_warps=4, num_stages=2)
+    return dict(BM=128, BN=64, BD=bd, num_warps=8, num_stages=2)
+
+
+@triton.jit(do_not_specialize=["max_q"])
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    seg_b_ptr, seg_q0_ptr, seg_ql_ptr, seg_k0_ptr, seg_kl_ptr,
+    s_qb, s_qh, s_qm, s_qd,
+    s_kb, s_kh, s_kn, s_kd,
+    s_vb, s_vh, s_vn, s_vd,
+    s_ob, s_om, s_oh, s_od,
+    qk_scale, group, D, max_q,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seg = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(seg_ql_ptr + seg)
+    if pid_m * BM < q_len:
+        b = tl.load(seg_b_ptr + seg).to(tl.int64)
+        q0 = tl.load(seg_q0_ptr + seg).to(tl.int64)
+        k0 = tl.load(seg_k0_ptr + seg).to(tl.int64)
+        k_len = tl.load(seg_kl_ptr + seg)
+        kvh = (h // group).to(tl.int64)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
+        offs_d = tl.arange(0, BD)
+        d_ok = offs_d < D
+        q = tl.load(
+            q_ptr + b * s_qb + h * s_qh + (q0 + offs_m)[:, None] * s_qm + offs_d[None, :] * s_qd,
+            mask=(offs_m[:, None] < q_len) & d_ok[None, :], other=0.0,
+        )
+        if UPCAST:  # Triton's CPU interpreter mis-handles bf16 dot operands
+            q = q.to(tl.float32)
+        k_base = k_ptr + b * s_kb + kvh * s_kh + k0 * s_kn
+        v_base = v_ptr + b * s_vb + kvh * s_vh + k0 * s_vn
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, BD), tl.float32)
+        diag = k_len - q_len  # causal: query i sees keys [0, diag + i]
+        if CAUSAL:
+            end = tl.minimum(k_len, diag + (pid_m + 1) * BM)
+        else:
+            end = k_len
+        for start_n in range(0, end, BN):
+            kn = start_n + offs_n
+            k_ok = kn < k_len
+            k = tl.load(k_base + kn[None, :] * s_kn + offs_d[:, None] * s_kd,
+                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k) * qk_scale
+            ok = k_ok[None, :]
+            if CAUSAL:
+                ok = ok & (kn[None, :] <= diag + offs_m[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + kn[:, None] * s_vn + offs_d[None, :] * s_vd,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v_ptr.dtype.element_ty).to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(
+            o_ptr + b * s_ob + h * s_oh + (q0 + offs_m)[:, None] * s_om + offs_d[None, :] * s_od,
+            out.to(o_ptr.dtype.element_ty),
+            mask=(offs_m[:, None] < q_len) & d_ok[None, :],
+        )
+
+
+def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int, out=None) -> torch.Tensor:
+    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] within segments.
+
+    ``segments`` is five int32 tensors (batch, q0, q_len, k0, k_len), on q's device.
+    Returns ``out [B, Lq, Hq, D]`` (the layout transformers' attention functions return);
+    query rows outside every segment are zero. Validation is the caller's (prefill.py).
+    """
+    bsz, hq, lq, d = q.shape
+    if out is None:
+        out = torch.zeros((bsz, lq, hq, d), dtype=q.dtype, device=q.device)
+    seg_b, seg_q0, seg_ql, seg_k0, seg_kl = segments
+    n_seg = seg_b.numel()
+    if n_seg == 0 or max_q == 0 or out.numel() == 0:
+        return out
+    cfg = attention_config(d, q.dtype)
+    grid = (triton.cdiv(max_q, cfg["BM"]), n_seg, hq)
+    _attention_kernel[grid](
+        q, k, v, out, seg_b, seg_q0, seg_ql, seg_k0, seg_kl,
+        *q.stride(), *k.stride(), *v.stride(),
+        out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+        float(scale) * _LOG2E, hq // k.shape[1], d, max_q,
+        CAUSAL=causal, UPCAST=triton_interpreting() and not q.is_cuda,
+        BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

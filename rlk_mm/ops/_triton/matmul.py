@@ -1,0 +1,126 @@
+"""Batch-invariant persistent matmul (+ bias) in Triton.
+
+Why it is batch-invariant: the tile shape is chosen from N, K and the dtype alone (never
+from M, the token count that changes with the batch), there is no split-K and no
+atomics, and M is not a specialisation key of the kernel. So every output element is one
+fixed sequence of K-tile dot products accumulated in fp32, whatever else is in the batch
+and whichever row it sits in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreting
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def mm_config(n: int, k: int, dtype: torch.dtype) -> dict:
+    """Tile shape for a [*, K] x [K, N] product: a function of N, K and dtype only."""
+    if dtype == torch.float32:
+        bn = 64 if n > 32 else max(16, triton.next_power_of_2(n))
+        return dict(BM=64, BN=bn, BK=32, GROUP_M=8, num_warps=4, num_stages=3)
+    bn = 256 if n >= 256 else max(16, triton.next_power_of_2(n))
+    bk = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_kernel(
+    a_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K,
+    s_ab, s_am, s_ak,
+    s_bb, s_bk, s_bn,
+    s_cb, s_cm, s_cn,
+    s_biasb, s_biasm, s_biasn,
+    alpha, beta, num_programs,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    start = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    a_ptr += batch * s_ab
+    b_ptr += batch * s_bb
+    c_ptr += batch * s_cb
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    for tile in range(start, num_m * num_n, num_programs):
+        # grouped ordering: a run of GROUP_M row tiles shares column tiles (L2 reuse)
+        group = tile // (GROUP_M * num_n)
+        first_m = group * GROUP_M
+        group_rows = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
+        pid_n = (tile % (GROUP_M * num_n)) // group_rows
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_rows = a_ptr + rm.to(tl.int64)[:, None] * s_am
+        b_cols = b_ptr + rn.to(tl.int64)[None, :] * s_bn
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(a_rows + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if UPCAST:  # Triton's CPU interpreter mis-handles bf16 dot operands
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = acc * alpha
+        out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if HAS_BIAS:
+            bias = tl.load(
+                bias_ptr + batch * s_biasb + rm.to(tl.int64)[:, None] * s_biasm + rn[None, :] * s_biasn,
+                mask=out_mask, other=0.0,
+            )
+            acc += beta * bias.to(tl.float32)
+        c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+        *, alpha: float = 1.0, beta: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """alpha * (a @ b) + beta * bias for a [Bt, M, K], b [Bt, K, N], bias broadcastable to [Bt, M, N].
+
+    Inputs are validated by the caller (prefill.py); strides are used as given, no copies.
+    """
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if out is None:
+        out = torch.empty((batch, m, n), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        if bias is not None and beta != 0:
+            out += beta * bias.expand(batch, m, n).to(out.dtype)
+        return out
+    cfg = mm_config(n, k, a.dtype)
+    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
+    programs = tiles if not a.is_cuda else min(tiles, _num_sms(a.device.index or 0))
+    has_bias = bias is not None and beta != 0
+    bias_t = bias.expand(batch, m, n) if has_bias else out
+    if a.dtype == torch.float32:
+        precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    else:
+        precision = "tf32"  # ignored for 16-bit operands
+    interp = triton_interpreting() and not a.is_cuda
+    _mm_kernel[(programs, batch)](
+        a, b, out, bias_t, m, n, k,
+        a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        bias_t.stride(0), bias_t.stride(1), bias_t.stride(2),
+        float(alpha), float(beta), programs,
+        HAS_BIAS=has_bias, UPCAST=interp, PRECISION="ieee" if interp else precision,
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
