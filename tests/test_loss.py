@@ -1,0 +1,258 @@
+"""Policy loss, KL penalty and aggregation: against real verl 0.9.1 and the references.
+
+Both backends are run on every parity check: torch, and the Triton kernel (under
+TRITON_INTERPRET=1 on a machine without CUDA, as conftest sets up).
+"""
+
+import math
+
+import pytest
+import torch
+
+from rlk_mm.ops import _reference
+from rlk_mm.ops._reference import loss as ref
+from rlk_mm.ops.loss import AGG_MODES, agg_loss, kl_penalty, policy_loss
+from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
+
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+from verl.workers.config import ActorConfig  # noqa: E402
+
+TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32
+VERL_MODES = AGG_MODES[:5]
+BACKENDS = ["torch", "triton"]
+assert _reference  # the references package is the oracle of these tests
+
+
+def close(actual, expected, tol=TOL):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def inputs(seed, B=6, R=23, spread=0.4):
+    """Random padded inputs: ragged mask, one all-masked row, some large log-ratios."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.randn(B, R, generator=g) * 0.5 - 1.0
+    old = logp + torch.randn(B, R, generator=g) * spread
+    old[0, :3] = logp[0, :3] + torch.tensor([25.0, -25.0, 1.5])  # hit the ±20 clamp and the dual clip
+    adv = torch.randn(B, R, generator=g)
+    lengths = torch.randint(1, R + 1, (B,), generator=g)
+    mask = torch.arange(R)[None, :] < lengths[:, None]
+    mask[min(2, B - 1)] = False
+    return logp.requires_grad_(), old, adv, mask
+
+
+def actor_config(**kw):
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, **kw)
+
+
+def compact(t, mask):
+    return t[mask]
+
+
+# ----------------------------------------------------------------------------- aggregation, KL
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("global_info", [{}, {"dp_size": 4, "batch_num_tokens": 200, "global_batch_size": 24, "loss_scale_factor": 64}])
+def test_agg_loss_matches_verl(mode, global_info):
+    logp, _, _, mask = inputs(1)
+    loss_mat = (logp * 1.3).detach().requires_grad_()
+    expected = core_algos.agg_loss(loss_mat, mask, mode, **global_info)
+    (g_expected,) = torch.autograd.grad(expected, loss_mat)
+    actual = agg_loss(loss_mat, mask, mode, **global_info)
+    (g_actual,) = torch.autograd.grad(actual, loss_mat)
+    close(actual, expected)
+    close(g_actual, g_expected)
+
+
+@pytest.mark.parametrize("mode", ["token", "seq"])
+def test_agg_loss_easyr1_modes(mode):
+    logp, _, _, mask = inputs(2)
+    close(agg_loss(logp, mask, mode), ref.agg(logp, mask, mode))
+
+
+def test_agg_loss_compact_equals_padded():
+    logp, _, _, mask = inputs(3)
+    sample = torch.arange(mask.shape[0])[:, None].expand_as(mask)[mask]
+    for mode in AGG_MODES:
+        kw = {"loss_scale_factor": mask.shape[1]} if mode == "seq-mean-token-sum-norm" else {}
+        padded = agg_loss(logp, mask, mode, **kw)
+        flat = agg_loss(logp[mask], None, mode, sample_index=sample, num_samples=mask.shape[0], **kw)
+        close(flat, padded)
+
+
+@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k2+", "k3+"])
+def test_kl_penalty_matches_verl(kind):
+    logp, old, _, _ = inputs(4, spread=2.0)
+    old = old.clone()
+    old[1, :4] = logp[1, :4].detach() + torch.tensor([30.0, -30.0, 12.0, 0.0])  # both clamps, and x = 0
+    expected = core_algos.kl_penalty(logp, old, kind)
+    (g_expected,) = torch.autograd.grad(expected.sum(), logp)
+    actual = kl_penalty(logp, old, kind)
+    (g_actual,) = torch.autograd.grad(actual.sum(), logp)
+    close(actual, expected)
+    close(g_actual, g_expected)
+
+
+# ----------------------------------------------------------------------------- policy loss vs verl
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", VERL_MODES)
+def test_policy_loss_matches_verl_vanilla(backend, mode, monkeypatch):
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    logp, old, adv, mask = inputs(5)
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(9)) + 0.5
+    cfg = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.5)
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=90, global_batch_size=11)
+    expected, m_expected = core_algos.compute_policy_loss_vanilla(old, logp, adv, mask, mode, cfg, weights)
+    (g_expected,) = torch.autograd.grad(expected, logp)
+    actual, metrics = policy_loss(
+        logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.5,
+        rollout_is_weights=weights, loss_agg_mode=mode, **cfg.global_batch_info,
+    )
+    (g_actual,) = torch.autograd.grad(actual, logp)
+    close(actual, expected)
+    close(g_actual, g_expected)
+    assert g_actual.dtype == logp.dtype
+    for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        assert metrics[name].item() == pytest.approx(m_expected[f"actor/{name}"], abs=TOL)
+    assert m_expected["actor/pg_clipfrac_lower"] > 0 and m_expected["actor/pg_clipfrac"] > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gspo_matches_verl(backend, monkeypatch):
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    logp, old, adv, mask = inputs(6, spread=0.1)
+    old = old.clone()
+    old[3] = old[3] - 12.0  # sequence log-ratio above verl's clamp at 10: no gradient there
+    cfg = actor_config(clip_ratio_low=0.1, clip_ratio_high=0.15)
+    expected, m_expected = core_algos.compute_policy_loss_gspo(old, logp, adv, mask, "seq-mean-token-mean", cfg)
+    (g_expected,) = torch.autograd.grad(expected, logp)
+    actual, metrics = policy_loss(
+        logp, old, adv, mask, clip_ratio_low=0.1, clip_ratio_high=0.15, clip_ratio_c=None,
+        ratio="gspo_token", log_ratio_clamp=(None, 10.0), loss_agg_mode="seq-mean-token-mean",
+    )
+    (g_actual,) = torch.autograd.grad(actual, logp)
+    close(actual, expected)
+    close(g_actual, g_expected)
+    assert g_actual[3].abs().sum() == 0
+    for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        assert metrics[name].item() == pytest.approx(m_expected[f"actor/{name}"], abs=TOL)
+
+
+# ----------------------------------------------------------------------------- layouts, terms
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ratio", ["token", "gspo_token", "gspo"])
+def test_compact_equals_padded(backend, ratio, monkeypatch):
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    logp, old, adv, mask = inputs(7)
+    B, R = mask.shape
+    sample = torch.arange(B)[:, None].expand(B, R)[mask]
+    flat_logp = logp.detach()[mask].requires_grad_()
+    for mode in AGG_MODES:
+        kw = dict(ratio=ratio, loss_agg_mode=mode, loss_scale_factor=R if mode == "seq-mean-token-sum-norm" else None)
+        padded, m_padded = policy_loss(logp, old, adv, mask, **kw)
+        (g_padded,) = torch.autograd.grad(padded, logp)
+        flat, m_flat = policy_loss(flat_logp, old[mask], adv[mask], sample_index=sample, num_samples=B, **kw)
+        (g_flat,) = torch.autograd.grad(flat, flat_logp)
+        close(flat, padded)
+        close(g_flat, g_padded[mask])
+        for k in m_padded:
+            close(m_flat[k], m_padded[k])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kl_type", ["low_var_kl", "k1+", "abs"])
+def test_kl_and_entropy_terms_match_reference(backend, kl_type, monkeypatch):
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    logp, old, adv, mask = inputs(8)
+    g = torch.Generator().manual_seed(3)
+    ref_logp = logp.detach() + torch.randn(mask.shape, generator=g) * 0.3
+    entropy = (torch.rand(mask.shape, generator=g) * 2).requires_grad_()
+    mode = "seq-mean-token-mean"
+    actual, metrics = policy_loss(
+        logp, old, adv, mask, ref_log_probs=ref_logp, kl_type=kl_type, kl_coef=0.05,
+        entropy=entropy, entropy_coeff=0.01, loss_agg_mode=mode,
+    )
+    g_actual = torch.autograd.grad(actual, (logp, entropy))
+    pg, _ = ref.ppo_loss(logp, old, adv, mask, mode=mode)
+    kl = ref.agg(ref.kl(logp, ref_logp, kl_type), mask, mode)
+    ent = ref.agg(entropy, mask, mode)
+    expected = pg + 0.05 * kl - 0.01 * ent
+    g_expected = torch.autograd.grad(expected, (logp, entropy))
+    close(actual, expected)
+    close(metrics["kl_loss"], kl.detach())
+    close(metrics["entropy_loss"], ent.detach())
+    for a, e in zip(g_actual, g_expected):
+        close(a, e)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_and_backends_agree(backend, monkeypatch):
+    logp, old, adv, mask = inputs(9, B=5, R=300)  # several kernel blocks
+    runs = []
+    for be in (backend, backend, "torch"):
+        monkeypatch.setenv("RLK_MM_BACKEND", be)
+        loss, metrics = policy_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+        (grad,) = torch.autograd.grad(loss, logp)
+        runs.append((loss, grad, metrics["pg_clipfrac"]))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))  # bitwise run to run
+    close(runs[0][0], runs[2][0])
+    assert relative_error(runs[0][1], runs[2][1]) < LOGPROB_GRAD_REL.fp32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_inputs(backend, monkeypatch):
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    logp, old, adv, mask = inputs(10)
+    low = logp.detach().bfloat16().requires_grad_()
+    loss, _ = policy_loss(low, old.bfloat16(), adv.bfloat16(), mask)
+    (grad,) = torch.autograd.grad(loss, low)
+    up = low.detach().float().requires_grad_()
+    expected, _ = ref.ppo_loss(up, old.bfloat16().float(), adv.bfloat16().float(), mask)
+    (g_expected,) = torch.autograd.grad(expected, up)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    tol = ELEMENTWISE_LOSS_MAX_ABS.for_dtype(torch.bfloat16)
+    assert abs(loss.item() - expected.item()) < tol
+    assert relative_error(grad, g_expected) < LOGPROB_GRAD_REL.for_dtype(torch.bfloat16)
+
+
+def test_empty_and_fully_masked():
+    logp, old, adv, mask = inputs(11)
+    loss, metrics = policy_loss(logp, old, adv, torch.zeros_like(mask))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == 0 and not grad.any() and metrics["pg_clipfrac"].item() == 0
+    empty = torch.zeros(0, requires_grad=True)
+    idx = torch.zeros(0, dtype=torch.int64)
+    loss, _ = policy_loss(empty, empty.detach(), empty.detach(), sample_index=idx, num_samples=3)
+    loss.backward()
+    assert loss.item() == 0 and empty.grad.shape == (0,)
+
+
+def test_custom_op_registration():
+    logp, old, adv, mask = inputs(12, B=2, R=5)
+    coef = torch.full((2,), 0.1)
+    args = (logp.detach().reshape(-1).requires_grad_(), old.reshape(-1), adv.reshape(-1), coef, mask.reshape(-1),
+            None, None, None, None, None, 5, 0.2, 0.2, 3.0, -20.0, 20.0, 0, False, False)
+    torch.library.opcheck(torch.ops.rlk_mm.policy_loss_partials.default, args)
+
+
+def test_errors_name_the_field():
+    logp, old, adv, mask = inputs(13)
+    with pytest.raises(ValueError, match="advantages has shape"):
+        policy_loss(logp, old, adv[:, :3], mask)
+    with pytest.raises(ValueError, match="loss_agg_mode='mean'"):
+        policy_loss(logp, old, adv, mask, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="dual-clip bound must be > 1"):
+        policy_loss(logp, old, adv, mask, clip_ratio_c=0.5)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        policy_loss(logp, old, adv, mask, dp_size=2)
+    flat = logp.detach()[mask]
+    sample = torch.arange(mask.shape[0])[:, None].expand_as(mask)[mask]
+    with pytest.raises(ValueError, match="num_samples is required"):
+        policy_loss(flat, flat, flat, sample_index=sample)
+    with pytest.raises(ValueError, match=r"sample_index\[\d+\] = \d+ follows \d+"):
+        policy_loss(flat, flat, flat, sample_index=sample.flip(0), num_samples=6)
+    with pytest.raises(ValueError, match="outside"):
+        policy_loss(flat, flat, flat, sample_index=sample, num_samples=2)
+    with pytest.raises(ValueError, match="loss_scale_factor is required"):
+        policy_loss(flat, flat, flat, sample_index=sample, num_samples=6, loss_agg_mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="kl type 'k4'"):
+        kl_penalty(flat, flat, "k4")
+    assert math.isfinite(policy_loss(logp, old, adv, mask)[0].item())
