@@ -223,25 +223,30 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
     return report
 
 
-def _media_in_order(batch: RLBatch, b: int, name: str) -> list[tuple[int, str]]:
+def _media_by_sample(batch: RLBatch, name: str, B: int) -> list[list[tuple[int, str]]]:
+    """Per sample, (span start, value of ``name``) of its media items in sequence order."""
+    ms = batch.modality_spans
+    sel = ms.media_index >= 0
     values = getattr(batch, name)
-    return [(s.start, values[s.media_index]) for s in batch.modality_spans_of(b) if s.media_index >= 0]
+    out: list[list[tuple[int, str]]] = [[] for _ in range(B)]
+    for g, b, start in zip(ms.media_index[sel].tolist(), ms.span_sample()[sel].tolist(), ms.starts[sel].tolist()):
+        out[b].append((start, values[g]))
+    return out
 
 
 def _compare_media(ra: RLBatch, tb: RLBatch, name: str, B: int) -> list[Mismatch]:
     if not ra.num_media and not tb.num_media:
         return []
     out = []
-    for b in range(B):
-        ma, mb = _media_in_order(ra, b, name), _media_in_order(tb, b, name)
-        if [v for _, v in ma] == [v for _, v in mb]:
+    for b, (ma, mb) in enumerate(zip(_media_by_sample(ra, name, B), _media_by_sample(tb, name, B))):
+        va, vb = [v for _, v in ma], [v for _, v in mb]
+        if va == vb:
             continue
-        for k in range(max(len(ma), len(mb))):
-            va = ma[k][1] if k < len(ma) else None
-            vb = mb[k][1] if k < len(mb) else None
-            if va != vb:
-                p = (ma[k] if k < len(ma) else mb[k])[0]
-                n = sum(1 for j in range(max(len(ma), len(mb))) if (ma[j][1] if j < len(ma) else None) != (mb[j][1] if j < len(mb) else None))
-                out.append(Mismatch(name, b, p, va, vb, count=n))
-                break
+        n = max(len(va), len(vb))
+        va += [None] * (n - len(va))
+        vb += [None] * (n - len(vb))
+        differing = [k for k in range(n) if va[k] != vb[k]]
+        k = differing[0]
+        position = (mb[k] if k < len(mb) else ma[k])[0]
+        out.append(Mismatch(name, b, position, va[k], vb[k], count=len(differing)))
     return out
