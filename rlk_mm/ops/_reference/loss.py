@@ -123,5 +123,5 @@ def easyr1_policy_loss(old, logp, adv, mask, clip_low, clip_high, clip_dual, los
         "pg_clipfrac_higher": (l1 < l2).float(),
         "pg_clipfrac_lower": (hi_ > l3).float() * (adv < 0).float(),
     }
-    metrics = {k: float(masked_mean(v, maskf)) for k, v in per.items()}
+    metrics = {k: float(masked_mean(v, maskf).detach()) for k, v in per.items()}
     return agg(final, maskf, avg_mode), metrics

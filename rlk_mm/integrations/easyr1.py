@@ -1,0 +1,125 @@
+"""EasyR1 adapter: drop-in functions with the signatures of EasyR1's ``verl/trainer/core_algos.py``.
+
+EasyR1 (hiyouga/EasyR1) is not on PyPI; these follow its documented semantics:
+PPO clipping in log space with ``clip_ratio_high`` 0.3 by default (DAPO's clip-higher),
+the ratio's log clamped to ±20 before ``exp``, dual clip for negative advantages,
+``loss_avg_mode`` ``token`` (masked mean over the batch) or ``seq`` (mean of per-sequence
+means), metrics as floats, and GRPO / RLOO that need at least two samples per group.
+Clipping ``exp(clamp(log r, log(1 - lo), log(1 + hi)))`` equals ``clamp(r, 1 - lo, 1 + hi)``
+up to one rounding of ``exp`` at the band edges; rlk_mm's fused kernel uses the latter.
+``examples/easyr1_swap.py`` shows how to swap these into an EasyR1 run.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+from rlk_mm.ops import loss as _loss
+from rlk_mm.ops.loss import agg_loss, policy_loss
+from rlk_mm.ops.rewards import group_advantages
+
+#: EasyR1 loss types this module fuses; ``cispo`` and ``sapo`` are not provided
+LOSS_TYPES = ("default", "gspo", "gspo_token")
+_KL = ("kl", "abs", "mse", "low_var_kl")
+
+
+def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token", "seq"], eps: float = 1e-8) -> torch.Tensor:
+    """EasyR1's ``average_loss``: ``token`` = masked mean, ``seq`` = mean over rows of row masked means."""
+    if mode not in ("token", "seq"):
+        raise ValueError(f"mode={mode!r}: EasyR1 averages by 'token' or 'seq'")
+    if eps != 1e-8:
+        raise ValueError(f"eps={eps}: rlk_mm implements EasyR1's default eps 1e-8 only")
+    return agg_loss(values, mask, mode)
+
+
+def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """EasyR1's ``compute_kl`` (``kl``, ``abs``, ``mse``, ``low_var_kl``), in float32."""
+    if kl_penalty not in _KL:
+        raise ValueError(
+            f"kl_penalty={kl_penalty!r}: expected one of {', '.join(_KL)} ('full' needs whole distributions, "
+            "not the selected log-probs rlk_mm works on)"
+        )
+    return _loss.kl_penalty(log_probs.float(), ref_log_probs.float(), kl_penalty)
+
+
+def compute_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.3,
+    clip_ratio_dual: float = 3.0,
+    tau_positive: float = 1.0,
+    tau_negative: float = 1.05,
+    loss_type: str = "default",
+    loss_avg_mode: str = "token",
+    **kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EasyR1's ``compute_policy_loss`` for ``default``, ``gspo`` and ``gspo_token``, fused.
+
+    Returns ``(pg_loss, metrics)`` with EasyR1's metric names: ``ppo_kl``, ``entropy_loss``
+    (mean of -log-prob, an entropy estimate), ``pg_clipfrac_higher``, ``pg_clipfrac_lower``
+    (floats). ``tau_positive``/``tau_negative`` belong to ``sapo``, which is not provided.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(
+            f"loss_type={loss_type!r}: rlk_mm fuses {', '.join(LOSS_TYPES)}; keep EasyR1's own "
+            "compute_policy_loss for cispo and sapo"
+        )
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
+    loss, fused = policy_loss(
+        log_probs, old_log_probs, advantages, response_mask,
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_dual,
+        ratio="token" if loss_type == "default" else loss_type, log_ratio_clamp=(-20.0, 20.0),
+        loss_agg_mode=loss_avg_mode,
+    )
+    with torch.no_grad():
+        mask = response_mask.to(torch.float32)
+        count = mask.sum() + 1e-8
+        ppo_kl = agg_loss(old_log_probs.float() - log_probs.float(), mask, "token")
+        entropy = agg_loss(-log_probs.float(), mask, loss_avg_mode)
+        entropy = entropy * mask.sum() / count  # EasyR1 takes the masked mean of this scalar
+        values = torch.stack([ppo_kl, entropy, fused["pg_clipfrac"], fused["pg_clipfrac_lower"]]).tolist()
+    names = ("ppo_kl", "entropy_loss", "pg_clipfrac_higher", "pg_clipfrac_lower")
+    return loss, dict(zip(names, values))
+
+
+def _groups(index, estimator: str) -> np.ndarray:
+    """EasyR1 group ids -> dense ints; every group needs two samples or more."""
+    uniq, inverse, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
+    if (counts < 2).any():
+        g = int(np.nonzero(counts < 2)[0][0])
+        sample = int(np.nonzero(inverse.reshape(-1) == g)[0][0])
+        raise ValueError(
+            f"{estimator}: group {uniq[g]!r} (sample {sample}) has a single response; "
+            f"{estimator} needs rollout.n > 1"
+        )
+    return inverse.reshape(-1)
+
+
+def _outcome_advantage(token_level_rewards, response_mask, index, estimator, eps):
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        groups = torch.as_tensor(_groups(index, estimator.upper()), dtype=torch.int64, device=scores.device)
+        adv = group_advantages(scores, groups, estimator=estimator, eps=eps)
+        returns = adv.unsqueeze(-1) * response_mask
+    return returns, returns
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, eps: float = 1e-6, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EasyR1's GRPO: (s - mean_g) / (std_g + eps) on every response token; (advantages, returns)."""
+    return _outcome_advantage(token_level_rewards, response_mask, index, "grpo", eps)
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """EasyR1's RLOO: the score minus the mean of the group's other scores; (advantages, returns)."""
+    return _outcome_advantage(token_level_rewards, response_mask, index, "rloo", 1e-6)
