@@ -1,0 +1,67 @@
+"""Triton row gather for pack/unpad: ``out[r] = src[index[r]]``, or ``fill`` where ``index[r] < 0``.
+
+Both directions of ``[B, L, F] ↔ [T, F]`` are this one gather, indexed by the output:
+packing reads the valid rows of the padded tensor; unpadding reads, for every padded row,
+its packed row or the fill value. Each output element is written exactly once (no
+atomics, no separate memset), so results are deterministic and bitwise copies.
+
+One program copies a ``[BLOCK_R, BLOCK_F]`` tile: ``BLOCK_R`` output rows, ``BLOCK_F``
+contiguous features of each (16-byte accesses when ``F`` and the base pointers allow).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+#: elements one program moves (BLOCK_R × BLOCK_F) on CUDA
+TILE_ELEMENTS = 4096
+#: widest feature block on CUDA
+MAX_BLOCK_F = 512
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, index_ptr, out_ptr, fill_ptr, n_out, F,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    row_ok = rows < n_out
+    col_ok = cols < F
+    src_row = tl.load(index_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    fill = tl.load(fill_ptr)
+    offs = src_row[:, None] * F + cols[None, :]
+    take = (src_row >= 0)[:, None] & col_ok[None, :]
+    values = tl.load(src_ptr + offs, mask=take, other=fill)
+    dst = rows.to(tl.int64)[:, None] * F + cols[None, :]
+    tl.store(out_ptr + dst, values, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def blocks(F: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_F, num_warps): a function of the row width and the device only."""
+    if device.type != "cuda":  # Triton's interpreter (tests): small tiles
+        return 4, min(triton.next_power_of_2(max(F, 1)), 32), 1
+    block_f = min(triton.next_power_of_2(max(F, 1)), MAX_BLOCK_F)
+    return max(1, TILE_ELEMENTS // block_f), block_f, 4
+
+
+def gather_rows(src: Tensor, index: Tensor, fill: Tensor, *, config: tuple[int, int, int] | None = None) -> Tensor:
+    """``[len(index), F]`` rows of the contiguous ``src [N, F]``; rows with ``index < 0`` get ``fill``.
+
+    ``index`` is int64 with values in ``[-1, N)`` (checked by the caller); ``fill`` a
+    one-element tensor of ``src``'s dtype. ``config`` overrides ``blocks`` (benchmarks).
+    """
+    n_out, F = index.numel(), src.shape[1]
+    out = src.new_empty((n_out, F))
+    if n_out == 0 or F == 0:
+        return out
+    as_bytes = src.dtype == torch.bool  # Triton has no bool pointer of byte width: copy bytes
+    s, o, f = (t.view(torch.uint8) for t in (src, out, fill)) if as_bytes else (src, out, fill)
+    block_r, block_f, warps = config or blocks(F, src.device)
+    grid = (triton.cdiv(n_out, block_r), triton.cdiv(F, block_f))
+    _gather_rows_kernel[grid](s, index, o, f, n_out, F, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    return out
