@@ -1,0 +1,349 @@
+"""Triton kernels of the selected log-prob: logits tiles that never reach memory.
+
+Forward: one program per (row block, vocab block) tile computes the tile's logits
+``z = (h[rows] · Wᵀ + b) / T`` in an fp32 accumulator and reduces it at once to a
+per-row partial (max, Σ exp(z - max), Σ exp(z - max)·(z - max)); the program whose block holds a
+row's target also writes that logit. A second kernel combines the partials of each row
+over the vocabulary blocks in block order. Backward: the same tiles are recomputed and
+turned into ``dz`` for one vocabulary chunk at a time (``[n, chunk]``, the only buffer of
+that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator) and the chunk's
+rows of ``d weight``.
+
+Reduction order: tile sizes depend only on the dtype and the device (``config``), every
+logit is one dot product over H in the same order, and the combine runs over vocabulary
+blocks in a fixed order, so a row's log-prob and entropy are bitwise the same whatever
+else is in the batch and wherever the row stands. No float atomics anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+Tensor = torch.Tensor
+
+#: bytes of per-(row, vocab block) partials one forward launch may hold
+PARTIALS_BUDGET = 128 << 20
+#: bytes of the ``dz`` chunk ``[n, chunk]`` the backward holds
+DZ_BUDGET = 96 << 20
+#: read tiles with the copy engine (tensor descriptors) where alignment allows
+USE_TMA = True
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def config(dtype: torch.dtype, device: torch.device) -> TileConfig:
+    """Tile sizes: a function of dtype and device only (never of the number of rows)."""
+    if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
+        return TileConfig(16, 32, 16, 4, 1, 1)
+    if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
+        return TileConfig(64, 64, 32, 8, 4, 2)
+    return TileConfig(128, 256, 64, 8, 8, 3)
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a · bᵀ``; IEEE: fp32 products and sums (fp32 inputs, no TF32; and 16-bit
+    inputs in Triton's interpreter, whose 16-bit dot is wrong in triton 3.9 - products of
+    16-bit values are exact in fp32)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _logits_tile(
+    h_src, w_src, b_ptr, rows, m0, n0, V, H, stride_h, stride_w, inv_temp,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, vocabulary columns from ``n0``.
+
+    With ``TMA``, ``h_src``/``w_src`` are tensor descriptors of the selected rows (tile rows
+    from ``m0``) and of W, read by the copy engine (out-of-range reads are zeros).
+    Otherwise they are pointers: hidden rows ``rows`` are gathered, and out-of-range
+    vocabulary columns are read from the last row of W; the caller discards them.
+    """
+    cols = tl.minimum(n0 + tl.arange(0, BLOCK_N), V - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            a = h_src.load([m0, k * BLOCK_K])
+            b = w_src.load([n0, k * BLOCK_K])
+            acc = _mma(a, b, acc, IEEE)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_src + rows[:, None] * stride_h + offs_k[None, :]
+        b_ptrs = w_src + cols[:, None] * stride_w + offs_k[None, :]
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k[None, :] < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            acc = _mma(a, b, acc, IEEE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    return acc * inv_temp
+
+
+@triton.jit
+def _tile_ids(n_rows, n_vblocks, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, vocab block) of this program, grouped so that tiles in flight share
+    rows and columns in L2. Only the schedule changes, never a tile's arithmetic."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(n_rows, BLOCK_M)
+    per_group = GROUP_M * n_vblocks
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _forward_tiles_kernel(
+    h_src, w_src, b_ptr, rows_ptr, tgt_ptr,
+    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
+    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(n_rows, n_vblocks, BLOCK_M, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n_rows
+    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < V
+    z = _logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
+                     inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = tl.where(n_ok[None, :], z, -float("inf"))
+    z_max = tl.max(z, axis=1)
+    e = tl.exp(z - z_max[:, None])
+    part = pid_n * n_rows + offs_m  # partials are [n_vblocks, n_rows]: coalesced stores
+    tl.store(part_max_ptr + part, z_max, mask=m_ok)
+    tl.store(part_sum_ptr + part, tl.sum(e, axis=1), mask=m_ok)
+    if WITH_ENTROPY:
+        centered = tl.where(n_ok[None, :], z - z_max[:, None], 0.0)
+        tl.store(part_zsum_ptr + part, tl.sum(e * centered, axis=1), mask=m_ok)
+    tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
+    hit = offs_n[None, :] == tgt[:, None]
+    mine = m_ok & (tgt >= pid_n * BLOCK_N) & (tgt < pid_n * BLOCK_N + BLOCK_N)
+    tl.store(tgt_logit_ptr + offs_m, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=mine)
+
+
+@triton.jit
+def _combine_kernel(
+    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
+    logp_ptr, entropy_ptr, lse_ptr, n_rows, n_vblocks,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per row, over vocabulary blocks in order: log-sum-exp, log-prob and entropy."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_rows
+    top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    for j in range(0, n_vblocks):
+        top = tl.maximum(top, tl.load(part_max_ptr + j * n_rows + offs, mask=ok, other=0.0))
+    total = tl.zeros((BLOCK,), tl.float32)
+    zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
+    for j in range(0, n_vblocks):
+        shift = tl.load(part_max_ptr + j * n_rows + offs, mask=ok, other=0.0) - top
+        scale = tl.exp(shift)
+        block_sum = tl.load(part_sum_ptr + j * n_rows + offs, mask=ok, other=1.0)
+        total += scale * block_sum
+        if WITH_ENTROPY:
+            zsum += scale * (tl.load(part_zsum_ptr + j * n_rows + offs, mask=ok, other=0.0) + shift * block_sum)
+    log_total = tl.log(total)
+    lse = top + log_total
+    tl.store(lse_ptr + offs, lse, mask=ok)
+    tl.store(logp_ptr + offs, tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0) - lse, mask=ok)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + offs, log_total - zsum / total, mask=ok)
+
+
+@triton.jit
+def _dlogits_kernel(
+    h_src, w_src, b_ptr, rows_ptr, tgt_ptr, lse_ptr, mean_z_ptr, g_ptr, ge_ptr, dz_ptr,
+    n_rows, V, H, stride_h, stride_w, inv_temp, chunk_start, chunk_cols,
+    HAS_BIAS: tl.constexpr, HAS_GE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``dz`` (gradient w.r.t. ``h Wᵀ + b``) for vocabulary columns
+    ``[chunk_start, chunk_start + chunk_cols)``, stored as ``[n_rows, chunk_cols]``."""
+    pid_m, pid_n = _tile_ids(n_rows, tl.cdiv(chunk_cols, BLOCK_N), BLOCK_M, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n_rows
+    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
+    local_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = chunk_start + local_n
+    n_ok = (local_n < chunk_cols) & (offs_n < V)
+    z = _logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, chunk_start + pid_n * BLOCK_N, V, H,
+                     stride_h, stride_w, inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    lse = tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)
+    g = tl.load(g_ptr + offs_m, mask=m_ok, other=0.0)
+    p = tl.exp(z - lse[:, None])
+    tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
+    dz = tl.where(offs_n[None, :] == tgt[:, None], g[:, None], 0.0) - g[:, None] * p
+    if HAS_GE:
+        mean_z = tl.load(mean_z_ptr + offs_m, mask=m_ok, other=0.0)
+        ge = tl.load(ge_ptr + offs_m, mask=m_ok, other=0.0)
+        dz -= ge[:, None] * p * (z - mean_z[:, None])
+    dz = dz * inv_temp
+    out = dz_ptr + offs_m[:, None] * chunk_cols + local_n[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _ieee(weight: Tensor) -> bool:
+    return weight.dtype == torch.float32 or not weight.is_cuda
+
+
+def _bias_arg(bias: Optional[Tensor], weight: Tensor) -> Tensor:
+    return weight if bias is None else bias  # any valid pointer when HAS_BIAS is off
+
+
+def _tma_ok(*ts: Tensor) -> bool:
+    """The copy engine needs 16-byte aligned bases and row strides."""
+    return USE_TMA and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
+
+
+def _is_all_rows(rows: Tensor, T: int) -> bool:
+    return rows.numel() == T and bool(torch.equal(rows, torch.arange(T, device=rows.device)))
+
+
+class _Operands:
+    """How the kernels read hidden rows and W: tensor descriptors over the selected rows
+    (a gathered copy unless every row is scored, in order) when the copy engine can read
+    them, else pointers and the row index (gathered inside the kernel)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: TileConfig, need_sel: bool = False):
+        full = _is_all_rows(rows, hidden.shape[0])
+        self.tma = _tma_ok(hidden, weight)
+        self.h_sel = hidden if full else (hidden.index_select(0, rows) if self.tma or need_sel else None)
+        self.hidden, self.weight, self.rows, self.cfg = hidden, weight, rows, cfg
+        if self.tma:
+            self.w_src = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+
+    def args(self, start: int, count: int) -> tuple:
+        """(h_src, w_src, rows) for the selected rows ``[start, start + count)``."""
+        rows = self.rows[start : start + count]
+        if not self.tma:
+            return self.hidden, self.weight, rows
+        h = TensorDescriptor.from_tensor(self.h_sel[start : start + count], [self.cfg.block_m, self.cfg.block_k])
+        return h, self.w_src, rows
+
+
+def forward(
+    hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
+    bias: Optional[Tensor], temperature: float, with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated."""
+    n, (V, H) = rows.numel(), weight.shape
+    dev = hidden.device
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    if n == 0:
+        return logp, entropy, lse
+    cfg = config(weight.dtype, dev)
+    ops = _Operands(hidden, weight, rows, cfg)
+    n_vblocks = triton.cdiv(V, cfg.block_n)
+    per_row = n_vblocks * 4 * (3 if with_entropy else 2)
+    step = min(n, max(cfg.block_m, PARTIALS_BUDGET // per_row // cfg.block_m * cfg.block_m))
+    part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
+    part_sum = torch.empty_like(part_max)
+    part_zsum = torch.empty_like(part_max) if with_entropy else part_max
+    tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
+    comb_block = 128 if dev.type == "cuda" else 16
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        h_src, w_src, rows_s = ops.args(s, m)
+        _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
+            h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
+            part_max, part_sum, part_zsum, tgt_logit,
+            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, IEEE=_ieee(weight),
+            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _combine_kernel[(triton.cdiv(m, comb_block),)](
+            part_max, part_sum, part_zsum, tgt_logit,
+            logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, n_vblocks,
+            WITH_ENTROPY=with_entropy, BLOCK=comb_block,
+        )
+    return logp, entropy, lse
+
+
+def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Vocabulary columns per backward chunk: as many as ``DZ_BUDGET`` allows, whole tiles."""
+    block_n = config(dtype, device).block_n
+    cols = DZ_BUDGET // max(n * torch.finfo(dtype).bits // 8, 1) // block_n * block_n
+    return max(block_n, min(cols, triton.cdiv(V, block_n) * block_n))
+
+
+def backward(
+    grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
+    rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, mean_z: Optional[Tensor],
+    temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """``(d hidden[rows] fp32 [n, H], d weight [V, H], d bias fp32 [V])``, each None when
+    not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it."""
+    n, (V, H) = rows.numel(), weight.shape
+    dev = hidden.device
+    cfg = config(weight.dtype, dev)
+    ops = _Operands(hidden, weight, rows, cfg, need_sel=need_weight)
+    h_src, w_src, _ = ops.args(0, n)
+    d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else None
+    d_bias = torch.empty(V, dtype=torch.float32, device=dev) if need_bias else None
+    cols = dz_chunk_columns(n, V, weight.dtype, dev)
+    dz_buf = torch.empty(n * cols, dtype=weight.dtype, device=dev)
+    has_ge = grad_entropy is not None
+    for c0 in range(0, V, cols):
+        c = min(cols, V - c0)
+        dz = dz_buf[: n * c].view(n, c)
+        _dlogits_kernel[(triton.cdiv(n, cfg.block_m) * triton.cdiv(c, cfg.block_n),)](
+            h_src, w_src, _bias_arg(bias, weight), rows, targets, lse,
+            mean_z if has_ge else lse, grad_logp, grad_entropy if has_ge else grad_logp, dz,
+            n, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, c0, c,
+            HAS_BIAS=bias is not None, HAS_GE=has_ge, IEEE=_ieee(weight),
+            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        w_c = weight[c0 : c0 + c]
+        if need_hidden:
+            _accumulate_mm(d_sel, dz, w_c)
+        if need_weight:
+            torch.mm(dz.T, ops.h_sel, out=d_weight[c0 : c0 + c])
+        if need_bias:
+            d_bias[c0 : c0 + c] = dz.sum(0, dtype=torch.float32)
+    return d_sel, d_weight, d_bias
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with fp32 ``acc`` and fp32 accumulation for 16-bit ``a``, ``b``."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:  # cuBLAS: 16-bit operands, fp32 C updated in place (beta = 1)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # Triton's interpreter (tests)
+        acc.addmm_(a.float(), b.float())
