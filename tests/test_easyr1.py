@@ -119,3 +119,10 @@ def test_unsupported_loss_types_are_refused():
     with pytest.raises(ValueError, match="cispo and sapo"):
         easyr1.compute_policy_loss(old, logp, adv, mask, loss_type="sapo")
     assert math.isfinite(easyr1.compute_policy_loss(old, logp, adv, mask)[0].item())
+
+
+def test_patch_refuses_verl_itself():
+    """The installed package named 'verl' here is verl 0.9.1, not EasyR1: patch() says so."""
+    pytest.importorskip("verl.trainer.ppo.core_algos")
+    with pytest.raises(ImportError, match="not EasyR1"):
+        easyr1.patch()

@@ -123,3 +123,31 @@ def compute_rloo_outcome_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """EasyR1's RLOO: the score minus the mean of the group's other scores; (advantages, returns)."""
     return _outcome_advantage(token_level_rewards, response_mask, index, "rloo", 1e-6)
+
+
+def patch() -> None:
+    """Swap these functions into an installed EasyR1 (its package is also named ``verl``).
+
+    Patches ``verl.trainer.core_algos`` (the advantage map used by the driver's trainer, and
+    the loss functions) and ``verl.workers.actor.dp_actor`` (which imported the loss
+    functions by name). Call it in the driver and in every Ray worker, e.g.
+    ``ray.init(runtime_env={"worker_process_setup_hook": "rlk_mm.integrations.easyr1.patch"})``.
+    """
+    import importlib
+
+    try:
+        core = importlib.import_module("verl.trainer.core_algos")
+    except ModuleNotFoundError:
+        core = None
+    if not hasattr(core, "ADV_ESTIMATOR_MAP"):
+        raise ImportError(
+            "no verl.trainer.core_algos with an ADV_ESTIMATOR_MAP: the installed 'verl' is not EasyR1 "
+            "(for verl itself, use rlk_mm.integrations.verl)"
+        )
+    core.ADV_ESTIMATOR_MAP["grpo"] = torch.no_grad()(compute_grpo_outcome_advantage)
+    core.ADV_ESTIMATOR_MAP["rloo"] = torch.no_grad()(compute_rloo_outcome_advantage)
+    actor = importlib.import_module("verl.workers.actor.dp_actor")
+    for module in (core, actor):
+        for name in ("compute_policy_loss", "compute_kl", "average_loss"):
+            if hasattr(module, name):
+                setattr(module, name, globals()[name])

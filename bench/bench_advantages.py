@@ -1,0 +1,142 @@
+"""Benchmark of ``group_advantages`` against verl 0.9.1's GRPO advantage, peers in one process.
+
+8,192 sequences in groups of 16 (verl's ``uid`` strings, each group's samples adjacent as
+verl repeats prompts), responses of 512 tokens. Timed, on each device given:
+
+* ``verl_grpo``: ``verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage`` (the default
+  ``grpo`` estimator: a Python loop over samples);
+* ``verl_grpo_vectorized``: verl's ``grpo_vectorized`` estimator, for reference;
+* ``ours_op``: ``rlk_mm.ops.group_advantages`` on the per-sample scores with int group ids;
+* ``ours_verl_adapter``: the registered ``rlk_mm_grpo`` estimator, verl's signature end to
+  end (sums token rewards, maps uid strings to ints on the host, multiplies by the mask).
+
+Medians of wall-clock (CPU) or CUDA-event (GPU) timings after warm-up; results checked equal
+to verl's. Writes ``advantages_<device>.json`` to ``--out`` (default ``$OUT`` or ``.``).
+
+    python bench/bench_advantages.py [--devices cpu,cuda] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import _install_ray_stand_in  # noqa: E402  (verl imports ray at import time)
+
+_install_ray_stand_in()
+from verl.trainer.ppo import core_algos  # noqa: E402
+
+from rlk_mm.integrations import verl as rlk_verl  # noqa: E402
+from rlk_mm.ops import group_advantages  # noqa: E402
+
+B, GROUP, R = 8192, 16, 512
+
+
+def timed(fn, device: str, reps: int, warmup: int = 1) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": round(statistics.median(times), 4), "times_ms": [round(t, 4) for t in times]}
+
+
+def run(device: str, reps: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, R + 1, (B,), generator=g)
+    mask = (torch.arange(R)[None] < lengths[:, None]).float()
+    scores = (torch.rand(B, generator=g) < 0.5).float() + 0.1 * torch.randn(B, generator=g)
+    rewards = torch.zeros(B, R)
+    rewards[torch.arange(B), lengths - 1] = scores  # verl: the reward on the last response token
+    index = np.array([f"uid-{i // GROUP}" for i in range(B)], dtype=object)
+    rewards, mask = rewards.to(device), mask.to(device)
+    group_ids = torch.arange(B, device=device) // GROUP
+    seq_scores = rewards.sum(-1)
+
+    expected, _ = core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index)
+    ours = group_advantages(seq_scores, group_ids)
+    adapter, _ = rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index)
+    vectorized, _ = core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index)
+    check = {
+        "op_max_abs_vs_verl": (ours[:, None] * mask - expected).abs().max().item(),
+        "adapter_max_abs_vs_verl": (adapter - expected).abs().max().item(),
+        "verl_vectorized_max_abs_vs_verl": (vectorized - expected).abs().max().item(),
+        "op_bitwise_run_to_run": bool(torch.equal(group_advantages(seq_scores, group_ids), ours)),
+    }
+    check["ok"] = check["op_max_abs_vs_verl"] < 1e-5 and check["adapter_max_abs_vs_verl"] < 1e-5 and check["op_bitwise_run_to_run"]
+
+    t = {
+        "verl_grpo": timed(lambda: core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index), device, max(2, reps // 2)),
+        "verl_grpo_vectorized": timed(lambda: core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index), device, reps),
+        "ours_op": timed(lambda: group_advantages(seq_scores, group_ids), device, reps * 20, warmup=3),
+        "ours_verl_adapter": timed(lambda: rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index), device, reps * 4, warmup=2),
+    }
+    ms = {k: v["ms"] for k, v in t.items()}
+    return {
+        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "cpu_threads": torch.get_num_threads(),
+        "shape": {"sequences": B, "group_size": GROUP, "response_length": R},
+        "correctness": check,
+        "timings": t,
+        "speedup_vs_verl_grpo": {
+            "ours_op": round(ms["verl_grpo"] / ms["ours_op"], 1),
+            "ours_verl_adapter": round(ms["verl_grpo"] / ms["ours_verl_adapter"], 1),
+            "verl_grpo_vectorized": round(ms["verl_grpo"] / ms["verl_grpo_vectorized"], 1),
+        },
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (small ops: 1 avoids thread spin)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import verl
+
+    meta = {
+        "torch": torch.__version__,
+        "verl": verl.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "command": " ".join(["python"] + sys.argv),
+    }
+    for device in args.devices.split(","):
+        res = {**meta, **run(device, args.reps)}
+        name = "cpu" if device == "cpu" else "gpu"
+        path = Path(args.out) / f"advantages_{name}.json"
+        path.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps({"device": res["device"], "ms": {k: v["ms"] for k, v in res["timings"].items()},
+                          "speedup": res["speedup_vs_verl_grpo"], "ok": res["correctness"]["ok"]}), flush=True)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
