@@ -442,11 +442,10 @@ def unpack(packed: Union[PackedBatch, Sequence[PackedBatch]], values=None):
     values = list(values)
     if len(values) != len(packs):
         raise ValueError(f"unpack got {len(values)} value tensors for {len(packs)} packs")
-    first = values[0]
-    total = packs[0].source_tokens
-    out = first.new_empty((total,) + tuple(first.shape[1:]))
     for i, (p, v) in enumerate(zip(packs, values)):
         _check_values(p, v, f"values[{i}]")
+    out = values[0].new_empty((packs[0].source_tokens,) + tuple(values[0].shape[1:]))
+    for p, v in zip(packs, values):
         out[p.source_rows[p.valid].to(out.device)] = v[p.valid.to(v.device)]
     return out
 
