@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlk_mm.ops._triton import pack as tri  # noqa: E402
 
-P = importlib.import_module("rlk_mm.ops.pack")  # the module (rlk_mm.ops.pack is also the function's name)
+P = importlib.import_module("rlk_mm.ops.packing")
 
 GIB = float(1 << 30)
 DEVICE = "cuda"

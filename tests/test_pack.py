@@ -1,4 +1,4 @@
-"""rlk_mm.ops.pack: RLBatch ↔ PackedBatch and [B, L, *] ↔ [T, *], bitwise, against the
+"""rlk_mm.ops.packing: RLBatch ↔ PackedBatch and [B, L, *] ↔ [T, *], bitwise, against the
 sample-by-sample references in rlk_mm.ops._reference.pack; the Triton gather under
 TRITON_INTERPRET=1 at tiny shapes (forward and backward); clear errors."""
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from rlk_mm import fixtures as F
 from rlk_mm.ops._reference import pack as ref
-from rlk_mm.ops.pack import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
+from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
 from rlk_mm.schema.batch import RLBatch, media_token_counts
 from rlk_mm.schema.spans import SpanTable
 

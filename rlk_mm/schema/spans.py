@@ -229,7 +229,7 @@ class SpanTable:
     def span_sample(self) -> torch.Tensor:
         """int64[num_spans]: the sample each span belongs to."""
         counts = torch.diff(self.sample_ptr).long()
-        return torch.repeat_interleave(torch.arange(self.num_samples, device=self.device), counts)
+        return torch.repeat_interleave(torch.arange(self.num_samples, device=self.device), counts, output_size=self.num_spans)
 
     def spans_of(self, sample: int) -> list[Span]:
         lo, hi = int(self.sample_ptr[sample]), int(self.sample_ptr[sample + 1])
@@ -246,7 +246,8 @@ class SpanTable:
         Vectorized: one ``repeat_interleave`` over span lengths, no Python loop.
         """
         lengths = self.lengths().long()
-        span_id = torch.repeat_interleave(torch.arange(self.num_spans, device=self.device), lengths)
+        total = int(lengths.sum()) if lengths.device.type == "cpu" else None  # no host sync on the GPU
+        span_id = torch.repeat_interleave(torch.arange(self.num_spans, device=self.device), lengths, output_size=total)
         first = torch.cumsum(lengths, 0) - lengths
         position = torch.arange(span_id.numel(), device=self.device) - first[span_id] + self.starts.long()[span_id]
         return self.span_sample()[span_id], position, span_id

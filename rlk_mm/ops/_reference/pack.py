@@ -1,6 +1,6 @@
 """Plain-torch pack/unpad, one sample at a time: the oracle of the pack tests.
 
-Deliberately a Python loop over samples (obviously right, slow); ``rlk_mm.ops.pack``
+Deliberately a Python loop over samples (obviously right, slow); ``rlk_mm.ops.packing``
 holds the vectorized torch backend and the Triton dispatch.
 """
 
