@@ -422,3 +422,108 @@ def batch_invariant(backend: str | None = None):
             else:
                 setattr(target, name, old)
         lib._destroy()
+
+
+# --------------------------------------------------------------------------- running a model on an RLBatch
+
+LAYOUTS = ("packed", "right", "left")
+
+
+def layout_inputs(batch, layout: str, pad_token_id: int = 0) -> tuple[dict, torch.Tensor]:
+    """A Qwen2.5-VL model's token inputs for ``batch`` in one layout, and each token's row.
+
+    ``packed``: one row ``[1, T]`` with 4-row position ids (per-sample text positions first,
+    which is how transformers recognises packed sequences); ``right`` / ``left``: ``[B, L]``
+    padded with ``pad_token_id`` and an attention mask. ``rows`` (int64 [T]) is each packed
+    token's row in the output flattened to ``[-1, H]``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    device = batch.input_ids.device
+    lengths = batch.seq_lengths().to(device)
+    starts = batch.cu_seqlens.long().to(device)[:-1]
+    sample = torch.repeat_interleave(torch.arange(batch.num_samples, device=device), lengths)
+    pos = torch.arange(batch.num_tokens, device=device) - starts[sample]
+    if layout == "packed":
+        position_ids = torch.cat([pos[None], batch.position_ids], 0)[:, None, :]
+        inputs = dict(input_ids=batch.input_ids[None], position_ids=position_ids, attention_mask=None)
+        return inputs, torch.arange(batch.num_tokens, device=device)
+    width = int(lengths.max()) if batch.num_samples else 0
+    shift = (width - lengths)[sample] if layout == "left" else 0
+    rows = sample * width + pos + shift
+    n = batch.num_samples * width
+    ids = torch.full((n,), pad_token_id, dtype=torch.int64, device=device)
+    ids[rows] = batch.input_ids
+    mask = torch.zeros(n, dtype=torch.int64, device=device)
+    mask[rows] = 1
+    positions = torch.ones((3, n), dtype=torch.int64, device=device)
+    positions[:, rows] = batch.position_ids
+    shape = (batch.num_samples, width)
+    return dict(input_ids=ids.view(shape), attention_mask=mask.view(shape), position_ids=positions.view(3, *shape)), rows
+
+
+def media_inputs(batch) -> dict:
+    """The vision-tower inputs a transformers Qwen-VL forward takes, from the batch."""
+    names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    return {name: getattr(batch, name) for name in names if getattr(batch, name) is not None}
+
+
+def media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, item, index) int64 [n]: the packed row of every media placeholder token, its
+    media item, and its index among that item's placeholders."""
+    table = batch.modality_spans
+    sample, pos, span = table.token_positions()
+    item = table.media_index.long()[span]
+    keep = item >= 0
+    rows = batch.cu_seqlens.long()[sample[keep]] + pos[keep]
+    return rows, item[keep], (pos - table.starts.long()[span])[keep]
+
+
+def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -> torch.Tensor:
+    """Last hidden states ``[T, H]`` (packed token order) of a transformers Qwen2.5-VL model.
+
+    Without ``media_embeds`` the model's own forward runs the vision tower on the batch's
+    pixels. With ``media_embeds`` (a ``VisionCache``'s output: every media item's vision
+    rows, items in batch order, concatenated) the placeholders are filled from it and only
+    the language model runs.
+    """
+    inputs, rows = layout_inputs(batch, layout, getattr(model.config.text_config, "pad_token_id", None) or 0)
+    backbone = model.model
+    if media_embeds is None:
+        out = backbone(**inputs, **media_inputs(batch), use_cache=False)
+    else:
+        embeds = model.get_input_embeddings()(batch.input_ids)
+        embeds = fill_media(embeds, batch, media_embeds)
+        width = inputs["input_ids"].numel()
+        padded = embeds.new_zeros((width, embeds.shape[-1])).index_put((rows,), embeds)
+        out = backbone(inputs_embeds=padded.view(*inputs["input_ids"].shape, -1),
+                       attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[rows]
+
+
+def fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
+    """Packed token embeddings with every media placeholder replaced by its vision row."""
+    rows, item, index = media_token_rows(batch)
+    counts = media_token_counts(batch).to(item.device)
+    if media_embeds.shape[0] != int(counts.sum()):
+        raise ValueError(f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}")
+    src = (torch.cumsum(counts, 0) - counts)[item] + index
+    return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.dtype))
+
+
+def media_token_counts(batch) -> torch.Tensor:
+    """int64 [M]: vision rows (placeholder tokens) of each media item."""
+    if batch.media_grid_thw is None:
+        return torch.zeros(0, dtype=torch.int64)
+    return batch.media_grid_thw.long().prod(-1) // batch.spatial_merge_size**2
+
+
+def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:
+    """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` then the LM head
+    through ``selected_logprob`` (never materialising logits)."""
+    from .logprob import selected_logprob
+
+    hidden = forward_hidden(model, batch, layout=layout, media_embeds=media_embeds)
+    head = model.get_output_embeddings()
+    return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))

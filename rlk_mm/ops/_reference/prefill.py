@@ -1,9 +1,9 @@
 """Plain-torch prefill references that are batch-invariant by construction.
 
-They use only elementwise arithmetic and sums whose order is spelled out here (a running
-sum over K, a halving tree over a fixed width), never a library matmul or reduction
-whose blocking might change with the number of rows. So on any device a row's result is
-a function of that row (and, for attention, its own sequence) alone. They are the torch
+They never hand a library a matmul or reduction whose blocking could change with the
+number of rows: sums run in an order spelled out here (a halving tree over a fixed width),
+and a matmul is one fixed-shape matrix-vector product per row. So a row's result is a
+function of that row (and, for attention, its own sequence) alone. They are the torch
 backend of ``batch_invariant()`` and the oracle of the Triton kernels' tests (which
 compare within tolerance: the two backends sum in different orders).
 """
@@ -37,20 +37,25 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            *, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
     """alpha * (a @ b) + beta * bias, a [..., M, K] and b [..., K, N] (same leading dims).
 
-    fp32 running sum over k = 0..K-1 of the products (one multiply and one add per step,
-    never fused), then one rounding to the input dtype.
+    Each output row is its own matrix-vector product ``b^T x`` in fp32 on a fresh copy of
+    the row: the same call with the same shapes, strides and alignment for every row,
+    whatever M is, so a row's result is a function of that row alone. (A library matmul
+    over all rows picks kernels by M: on CPU, M = 1 takes a different path.)
     """
     acc_dtype = torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
-    af, bf = a.to(acc_dtype), b.to(acc_dtype)
-    shape = (*a.shape[:-1], b.shape[-1])
-    acc = torch.zeros(shape, dtype=acc_dtype, device=a.device)
-    for k in range(a.shape[-1]):
-        acc += af[..., k : k + 1] * bf[..., k : k + 1, :]
+    a3 = a.reshape(-1, *a.shape[-2:])
+    b3 = b.reshape(-1, *b.shape[-2:])
+    out = torch.empty((a3.shape[0], a3.shape[1], b3.shape[-1]), dtype=acc_dtype, device=a.device)
+    for i in range(a3.shape[0]):
+        bt = b3[i].to(acc_dtype).t().contiguous()  # [N, K]
+        for r in range(a3.shape[1]):
+            out[i, r] = torch.mv(bt, a3[i, r].to(acc_dtype).clone())
+    out = out.reshape(*a.shape[:-1], b.shape[-1])
     if alpha != 1.0:
-        acc = acc * alpha
+        out = out * alpha
     if bias is not None and beta != 0:
-        acc = acc + beta * bias.to(acc_dtype)
-    return acc.to(a.dtype)
+        out = out + beta * bias.to(acc_dtype)
+    return out.to(a.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

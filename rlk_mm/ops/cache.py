@@ -1,0 +1,205 @@
+"""Media-prefix cache: vision rows by ``media_cache_key``, and GRPO group scoring that
+prefills a group's shared prompt (images included) once.
+
+Under ``batch_invariant()`` both are bitwise equal to the uncached forward: a vision item's
+rows and a prompt's keys/values do not depend on what else was in the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .logprob import selected_logprob
+from .prefill import fill_media, media_token_counts
+
+_IMAGE, _VIDEO = 1, 2  # Modality.IMAGE / VIDEO (schema/spans.py)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``table[index]`` whose backward sums each table row's users in a fixed (item) order."""
+
+    @staticmethod
+    def forward(ctx, table, index, ranks):
+        ctx.ranks, ctx.rows = ranks, table.shape[0]
+        return table.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        for dst, src in ctx.ranks:  # rank r: the r-th user of every shared row; dst rows distinct
+            out[dst] += grad[src]
+        return out, None, None
+
+
+class VisionCache:
+    """Vision-tower rows of media items by ``media_cache_key``: each unique item runs once.
+
+    ``cache(batch)`` returns every media item's rows, items in batch order, concatenated
+    (the ``media_embeds`` of ``prefill.forward_hidden``). Items sharing a key (a GRPO
+    group's image) go through the tower once and are gathered to each user; the backward
+    of that gather sums the users' gradients in item order (no atomics). With
+    ``keep=True`` rows also stay cached across calls until ``clear()`` (no-grad use, e.g.
+    old/reference log-probs of one step that see the same images).
+    """
+
+    def __init__(self, model, *, keep: bool = False):
+        self.model = model
+        self.keep = keep
+        self._kept: dict[str, torch.Tensor] = {}
+        self.items_requested = 0
+        self.items_encoded = 0
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+    def __call__(self, batch) -> torch.Tensor:
+        visual = self.model.model.visual
+        m = batch.num_media
+        self.items_requested += m
+        if m == 0:
+            return torch.zeros((0, self.model.config.text_config.hidden_size), dtype=visual.dtype, device=visual.device)
+        if self.keep and torch.is_grad_enabled():
+            raise RuntimeError("VisionCache(keep=True) keeps rows across calls; use it under torch.no_grad()")
+        keys, grids, modality = batch.media_cache_keys, batch.media_grid_thw.long(), batch.media_modality.long()
+        users: dict[str, list[int]] = {}
+        for item, key in enumerate(keys):
+            first = users.setdefault(key, [item])[0]
+            if first != item:
+                if not torch.equal(grids[first], grids[item]) or int(modality[first]) != int(modality[item]):
+                    raise ValueError(
+                        f"media_cache_keys: items {first} and {item} share key {key!r} but have grids "
+                        f"{grids[first].tolist()} / {grids[item].tolist()} (modality {int(modality[first])} / "
+                        f"{int(modality[item])}); equal keys must mean identical vision-tower input"
+                    )
+                users[key].append(item)
+        rows = dict(self._kept)
+        missing = [users[k][0] for k in users if k not in rows]
+        pixels = _item_pixels(batch)
+        for kind in (_IMAGE, _VIDEO):
+            todo = [i for i in missing if int(modality[i]) == kind]
+            if not todo:
+                continue
+            out = visual(torch.cat([pixels[i] for i in todo]).type(visual.dtype), grid_thw=grids[todo].to(visual.device))
+            merged = out.pooler_output
+            counts = (grids[todo].prod(-1) // batch.spatial_merge_size**2).tolist()
+            for i, part in zip(todo, torch.split(merged, counts)):
+                rows[keys[i]] = part
+            self.items_encoded += len(todo)
+        if self.keep:
+            self._kept.update({k: v.detach() for k, v in rows.items()})
+        unique = list(users)
+        table = torch.cat([rows[k] for k in unique])
+        counts = media_token_counts(batch)
+        sizes = torch.tensor([rows[k].shape[0] for k in unique])
+        start_of_key = dict(zip(unique, (torch.cumsum(sizes, 0) - sizes).tolist()))
+        out_start = (torch.cumsum(counts, 0) - counts).tolist()
+        index = torch.cat([torch.arange(start_of_key[k], start_of_key[k] + int(c)) for k, c in zip(keys, counts)])
+        ranks = []
+        for r in range(max(len(u) for u in users.values())):
+            pairs = [(start_of_key[k], out_start[u[r]], int(counts[u[r]])) for k, u in users.items() if len(u) > r]
+            dst = torch.cat([torch.arange(a, a + n) for a, _, n in pairs]).to(table.device)
+            src = torch.cat([torch.arange(b, b + n) for _, b, n in pairs]).to(table.device)
+            ranks.append((dst, src))
+        return _GatherRows.apply(table, index.to(table.device), ranks)
+
+
+def _item_pixels(batch) -> list[torch.Tensor]:
+    """Each media item's vision-tower input rows (images from pixel_values, videos from
+    pixel_values_videos, in item order within each)."""
+    out = [None] * batch.num_media
+    for kind, pixels in ((_IMAGE, batch.pixel_values), (_VIDEO, batch.pixel_values_videos)):
+        items = [i for i in range(batch.num_media) if int(batch.media_modality[i]) == kind]
+        if items and pixels is None:
+            raise ValueError(f"batch has {'image' if kind == _IMAGE else 'video'} items but no pixel values")
+        start = 0
+        for i in items:
+            n = int(batch.media_grid_thw[i].prod())
+            out[i] = pixels[start : start + n]
+            start += n
+        if items and start != pixels.shape[0]:
+            raise ValueError(f"pixel values have {pixels.shape[0]} rows; the media grids need {start}")
+    return out
+
+
+def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, temperature: float = 1.0) -> torch.Tensor:
+    """Selected log-probs ``[n]`` (loss-span order) scoring each GRPO group against one prompt prefill.
+
+    The samples of a group (``batch.group_ids``) must share their prompt: the first
+    ``prompt_lengths`` tokens (or, without them, the tokens before the first loss span),
+    positions and media. Vision rows come from ``vision_cache`` (each unique item once);
+    the prompt's keys/values are computed once per group and the group's responses are
+    scored against them as one right-padded batch.
+    """
+    vision_cache = vision_cache or VisionCache(model)
+    lm = model.model.language_model
+    embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
+    rows, targets = batch.loss_token_index()
+    token_sample = batch.loss_token_sample()
+    cu = batch.cu_seqlens.long().tolist()
+    prompt = _prompt_lengths(batch)
+    hidden = embeds.new_zeros((rows.numel(), embeds.shape[-1]))
+    group = batch.group_index().tolist()
+    for g in range(max(group, default=-1) + 1):
+        members = [b for b, x in enumerate(group) if x == g]
+        p = _shared_prompt(batch, members, prompt, cu)
+        first = cu[members[0]]
+        pos = batch.position_ids
+        out = lm(inputs_embeds=embeds[None, first : first + p], position_ids=pos[:, None, first : first + p], use_cache=True)
+        prompt_hidden, kv = out.last_hidden_state[0], out.past_key_values
+        lengths = [cu[b + 1] - cu[b] - p for b in members]
+        width = max(lengths)
+        resp_hidden = None
+        if width:
+            kv.batch_repeat_interleave(len(members))
+            resp = embeds.new_zeros((len(members), width, embeds.shape[-1]))
+            resp_pos = torch.ones((3, len(members), width), dtype=pos.dtype, device=pos.device)
+            mask = torch.zeros((len(members), p + width), dtype=torch.int64, device=embeds.device)
+            mask[:, :p] = 1
+            for j, (b, n) in enumerate(zip(members, lengths)):
+                resp[j, :n] = embeds[cu[b] + p : cu[b + 1]]
+                resp_pos[:, j, :n] = pos[:, cu[b] + p : cu[b + 1]]
+                mask[j, p : p + n] = 1
+            resp_hidden = lm(inputs_embeds=resp, attention_mask=mask, position_ids=resp_pos,
+                             past_key_values=kv, use_cache=True).last_hidden_state
+        for j, b in enumerate(members):
+            sel = torch.nonzero(token_sample == b).flatten()
+            t = rows[sel] - cu[b]  # position of the scoring hidden state within the sample
+            in_prompt = t < p
+            hidden[sel[in_prompt]] = prompt_hidden[t[in_prompt]]
+            if resp_hidden is not None and bool((~in_prompt).any()):
+                hidden[sel[~in_prompt]] = resp_hidden[j, t[~in_prompt] - p]
+    head = model.get_output_embeddings()
+    return selected_logprob(hidden, head.weight, index=torch.arange(rows.numel(), device=hidden.device),
+                            targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
+
+
+def _prompt_lengths(batch) -> list[int]:
+    if batch.prompt_lengths is not None:
+        return [int(x) for x in batch.prompt_lengths.tolist()]
+    lengths = batch.seq_lengths().tolist()
+    starts = batch.loss_spans.starts.long().tolist()
+    ptr = batch.loss_spans.sample_ptr.long().tolist()
+    return [starts[ptr[b]] if ptr[b + 1] > ptr[b] else lengths[b] for b in range(batch.num_samples)]
+
+
+def _shared_prompt(batch, members: list[int], prompt: list[int], cu: list[int]) -> int:
+    """The group's common prompt length, after checking tokens, positions and media agree."""
+    b0 = members[0]
+    p = prompt[b0]
+    ids, pos = batch.input_ids, batch.position_ids
+    media = [] if batch.media_sample is None else batch.media_sample.tolist()
+    keys0 = [batch.media_cache_keys[i] for i, s in enumerate(media) if s == b0]
+    for b in members[1:]:
+        what = None
+        if prompt[b] != p:
+            what = f"prompt length {prompt[b]} != {p}"
+        elif not torch.equal(ids[cu[b] : cu[b] + p], ids[cu[b0] : cu[b0] + p]):
+            what = "prompt tokens differ"
+        elif not torch.equal(pos[:, cu[b] : cu[b] + p], pos[:, cu[b0] : cu[b0] + p]):
+            what = "prompt positions differ"
+        elif [batch.media_cache_keys[i] for i, s in enumerate(media) if s == b] != keys0:
+            what = "media_cache_keys differ"
+        if what:
+            gid = batch.group_ids[b] if batch.group_ids else str(b)
+            raise ValueError(f"group_logprobs: group {gid!r}: sample {b} does not share sample {b0}'s prompt ({what})")
+    return p
