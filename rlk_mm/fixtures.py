@@ -46,7 +46,10 @@ from transformers import (
 from transformers.image_processing_utils import BatchFeature
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.video_processing_utils import VideoProcessorMixin
+try:  # transformers >= 5.18 (5.23 here)
+    from transformers.video_processing_utils import VideoProcessorMixin
+except ImportError:  # 5.17 (the GPU machine) has no such mixin: the image-processor base serves
+    from transformers.image_processing_utils import BaseImageProcessor as VideoProcessorMixin
 from transformers.video_utils import VideoMetadata, make_batched_videos
 
 DEFAULT_MIN_PIXELS = 4 * 28 * 28
@@ -150,6 +153,9 @@ class FramesVideoProcessor(VideoProcessorMixin):
             fps=fps,
             **kwargs,
         )
+
+    def __call__(self, videos, **kwargs) -> BatchFeature:
+        return self.preprocess(videos, **kwargs)
 
     def preprocess(self, videos, fps=None, return_metadata=False, return_tensors=None, **unsupported) -> BatchFeature:
         """Patchify `videos` (every frame used, at frame rate `fps`, default `self.fps`)."""
