@@ -34,8 +34,10 @@ SHAPES = {"7b": (16384, 3584, 152064), "3b": (4096, 2048, 151936)}
 GIB = float(1 << 30)
 
 
-def measure(fn, reps: int, warmup: int = 2) -> dict:
-    """Median ms of ``fn`` over ``reps`` CUDA-event timings, and its peak extra memory."""
+def measure(fn, reps: int, warmup: int = 2, before=None) -> dict:
+    """Median ms of ``fn`` over ``reps`` CUDA-event timings, and its peak memory above what
+    was allocated before one more call (``before()`` runs first: it frees the gradients of
+    earlier calls, so that the new ones count as extra)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -47,12 +49,14 @@ def measure(fn, reps: int, warmup: int = 2) -> dict:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    if before is not None:
+        before()
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    held = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
+    extra = torch.cuda.max_memory_allocated() - held
     return {"ms": round(statistics.median(times), 3), "extra_gib": round(extra / GIB, 4), "times_ms": [round(t, 3) for t in times]}
 
 
@@ -119,14 +123,17 @@ def run_shape(name: str, reps: int) -> dict:
         else:
             selected_logprob(hg, wg, index=rows, targets=tg[rows]).backward(up[rows])
 
+    def free_grads():
+        hg.grad = wg.grad = None
+
     t = {}
     t["ours_fwd"] = measure(ours_fwd, reps)
-    t["ours_fwd_bwd"] = measure(ours_fb, reps)
-    t["ours_fwd_bwd_entropy"] = measure(lambda: ours_fb(entropy=True), reps)
+    t["ours_fwd_bwd"] = measure(ours_fb, reps, before=free_grads)
+    t["ours_fwd_bwd_entropy"] = measure(lambda: ours_fb(entropy=True), reps, before=free_grads)
     t["ours_fwd_25pct"] = measure(lambda: ours_fwd(quarter), reps)
-    t["ours_fwd_bwd_25pct"] = measure(lambda: ours_fb(quarter), reps)
+    t["ours_fwd_bwd_25pct"] = measure(lambda: ours_fb(quarter), reps, before=free_grads)
     t["torch_fwd"] = measure(torch_fwd, reps)
-    t["torch_fwd_bwd"] = measure(torch_fb, reps)
+    t["torch_fwd_bwd"] = measure(torch_fb, reps, before=free_grads)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -141,7 +148,7 @@ def run_shape(name: str, reps: int) -> dict:
             flce(wg, hg, tg).backward()
 
         t["liger_flce_fwd"] = measure(liger_fwd, reps)
-        t["liger_flce_fwd_bwd"] = measure(liger_fb, reps)
+        t["liger_flce_fwd_bwd"] = measure(liger_fb, reps, before=free_grads)
         if N % 1024 == 0:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -155,7 +162,7 @@ def run_shape(name: str, reps: int) -> dict:
                 out = grpo(hg.view(B, 1024, H), wg, tg.view(B, 1024), mask, adv)
                 out[0].backward()
 
-            t[f"liger_grpo_fwd_bwd_{B}x1024"] = measure(grpo_fb, max(2, reps // 3), warmup=1)
+            t[f"liger_grpo_fwd_bwd_{B}x1024"] = measure(grpo_fb, max(2, reps // 3), warmup=1, before=free_grads)
     except ImportError as exc:
         res["liger_missing"] = str(exc)
     res["timings"] = t
@@ -166,6 +173,7 @@ def run_shape(name: str, reps: int) -> dict:
         "fwd_bwd_25pct_vs_all": round(ms["ours_fwd_bwd_25pct"] / ms["ours_fwd_bwd"], 3),
         "fwd_25pct_vs_all": round(ms["ours_fwd_25pct"] / ms["ours_fwd"], 3),
     }
+    res["fwd_bwd_extra_above_grads_gib"] = round(t["ours_fwd_bwd"]["extra_gib"] - res["grads_gib"], 4)
     if "liger_flce_fwd_bwd" in ms:
         res["ratios"]["fwd_bwd_vs_liger_flce"] = round(ms["ours_fwd_bwd"] / ms["liger_flce_fwd_bwd"], 3)
     res["matmul_floor_ms_at_790tflops"] = {
@@ -181,12 +189,12 @@ def sweep(reps: int) -> list:
     rows = torch.arange(N, device="cuda")
     base_cfg, base_budget = tri.config, tri.DZ_BUDGET
     out = []
-    cands = [
-        tri.TileConfig(128, 256, 64, 8, 8, 3),
-        tri.TileConfig(128, 128, 64, 8, 8, 4),
-        tri.TileConfig(128, 128, 64, 8, 4, 4),
-        tri.TileConfig(256, 128, 64, 8, 8, 3),
-        tri.TileConfig(128, 256, 32, 8, 8, 4),
+    cands = [  # (tiles, read through tensor descriptors)
+        (tri.TileConfig(128, 256, 64, 8, 8, 3), False),
+        (tri.TileConfig(128, 256, 64, 8, 8, 3), True),
+        (tri.TileConfig(128, 256, 64, 8, 8, 4), True),
+        (tri.TileConfig(256, 128, 64, 8, 8, 3), True),
+        (tri.TileConfig(128, 128, 64, 8, 4, 4), True),
     ]
 
     def fb():
@@ -199,9 +207,10 @@ def sweep(reps: int) -> list:
 
     with torch.no_grad():
         base = selected_logprob(hg, wg, index=rows, targets=tg)
-    for cfg in cands:
+    for cfg, tma in cands:
         tri.config = lambda dtype, device, cfg=cfg: cfg
-        row = {"cfg": cfg.__dict__}
+        tri.USE_TMA = tma
+        row = {"cfg": cfg.__dict__, "tma": tma}
         try:
             t0 = time.time()
             with torch.no_grad():
@@ -214,10 +223,10 @@ def sweep(reps: int) -> list:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(row, flush=True)
         out.append(row)
-    tri.config = base_cfg
+    tri.config, tri.USE_TMA = base_cfg, True
     for budget in (64 << 20, 128 << 20, 192 << 20):
         tri.DZ_BUDGET = budget
-        r = measure(fb, 3)
+        r = measure(fb, 3, before=lambda: (setattr(hg, "grad", None), setattr(wg, "grad", None)))
         out.append({"dz_budget_mib": budget >> 20, "fwd_bwd": r["ms"], "extra_gib": r["extra_gib"]})
         print(out[-1], flush=True)
     tri.DZ_BUDGET = base_budget
