@@ -230,7 +230,8 @@ def main() -> None:
         "command": " ".join(["python"] + sys.argv),
         "loss": bench_losses(args.reps),
     }
-    print(json.dumps({k: {n: v.get("ms", v) for n, v in d.items()} for k, d in res["loss"]["timings"].items()}), flush=True)
+    print(json.dumps({k: {n: v["ms"] if isinstance(v, dict) else v for n, v in d.items()}
+                      for k, d in res["loss"]["timings"].items()}), flush=True)
     print(json.dumps(res["loss"]["correctness"]), flush=True)
     if not args.skip_combined:
         res["combined"] = bench_combined(args.reps)

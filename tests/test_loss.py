@@ -228,9 +228,12 @@ def test_empty_and_fully_masked():
 def test_custom_op_registration():
     logp, old, adv, mask = inputs(12, B=2, R=5)
     coef = torch.full((2,), 0.1)
-    args = (logp.detach().reshape(-1).requires_grad_(), old.reshape(-1), adv.reshape(-1), coef, mask.reshape(-1),
-            None, None, None, None, None, 5, 0.2, 0.2, 3.0, -20.0, 20.0, 0, False, False)
-    torch.library.opcheck(torch.ops.rlk_mm.policy_loss_partials.default, args)
+    entropy = torch.rand(10, requires_grad=True)
+    for c, ent in ((coef, None), (None, entropy)):
+        args = (logp.detach().reshape(-1).requires_grad_(), ent,
+                [old.reshape(-1), adv.reshape(-1), c, mask.reshape(-1), None, None, None, None],
+                [0.2, 0.2, 3.0, -20.0, 20.0], [2, 5, 0, 0, 0])
+        torch.library.opcheck(torch.ops.rlk_mm.policy_loss_partials.default, args)
 
 
 def test_errors_name_the_field():

@@ -8,9 +8,9 @@ Two layouts, one semantics:
   with ``sample_index`` int64 ``[n]`` (``RLBatch.loss_token_sample()``: non-decreasing,
   in ``[0, num_samples)``) and ``num_samples``; ``mask`` ``[n]`` is optional.
 
-Aggregation is a weighted sum ``sum_t w_t * loss_t`` with ``w_t = mask_t * c[seq(t)]``,
-where ``c`` comes from the mode (verl 0.9.1's ``agg_loss`` formulas, plus EasyR1's
-``token`` and ``seq``). ``policy_loss`` runs one fused pass over the tokens (Triton on
+Aggregation is ``scale * sum_t mask_t * c[seq(t)] * loss_t``: per-sequence weights ``c``
+(the seq modes) and an outer factor (dp_size over token or sequence counts) from the mode —
+verl 0.9.1's ``agg_loss`` formulas, plus EasyR1's ``token`` and ``seq``. ``policy_loss`` runs one fused pass over the tokens (Triton on
 CUDA, the same math in torch elsewhere) for the forward and one for the backward; the
 per-block partial sums are added in a fixed order, so results are deterministic.
 ``old_log_probs``, ``advantages``, ``rollout_is_weights`` and ``ref_log_probs`` are
@@ -52,6 +52,7 @@ class _Layout:
     """Where each token's sequence is: row of a padded [B, R] tensor, or sample_index[t]."""
 
     shape: torch.Size
+    device: torch.device
     num_seqs: int
     row_length: int  # R for padded tensors, 0 for compact ones
     sample_index: Optional[Tensor]
@@ -80,7 +81,7 @@ def _layout(name: str, ref: Tensor, sample_index: Optional[Tensor], num_samples:
                 f"{name} has shape {tuple(ref.shape)}: padded inputs are [B, R]; for compact [n] inputs pass "
                 "sample_index (RLBatch.loss_token_sample()) and num_samples"
             )
-        return _Layout(ref.shape, ref.shape[0], ref.shape[1], None)
+        return _Layout(ref.shape, ref.device, ref.shape[0], ref.shape[1], None)
     if ref.ndim != 1:
         raise ValueError(f"{name} has shape {tuple(ref.shape)}: with sample_index, inputs are compact [n]")
     if num_samples is None:
@@ -106,7 +107,7 @@ def _layout(name: str, ref: Tensor, sample_index: Optional[Tensor], num_samples:
                 )
             t = 0 if int(idx[0]) < 0 else idx.numel() - 1
             raise ValueError(f"sample_index[{t}] = {int(idx[t])} is outside [0, num_samples={num_samples})")
-    return _Layout(ref.shape, int(num_samples), 0, idx)
+    return _Layout(ref.shape, ref.device, int(num_samples), 0, idx)
 
 
 def _check_like(layout: _Layout, **tensors: Optional[Tensor]) -> None:
@@ -115,50 +116,43 @@ def _check_like(layout: _Layout, **tensors: Optional[Tensor]) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(layout.shape)} like log_probs")
 
 
-def _flat_mask(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if mask is None else mask.reshape(-1)
-
-
 def _mask_f32(mask: Optional[Tensor], n: int, device) -> Tensor:
     return torch.ones(n, device=device) if mask is None else mask.reshape(-1).to(torch.float32)
 
 
 # ----------------------------------------------------------------------------- aggregation
-def _as_f32(x, device) -> Tensor:
-    return torch.as_tensor(x, dtype=torch.float32, device=device)
-
-
-def _agg_coefficients(
-    layout: _Layout, m: Tensor, mode: str, *, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+def _aggregation(
+    layout: _Layout, mask: Optional[Tensor], mode: str, *, dp_size=1, batch_num_tokens=None, global_batch_size=None,
     loss_scale_factor=None,
-) -> Tensor:
-    """float32 [S]: the weight c_s of each token of sequence s (times its mask) in the loss sum."""
+):
+    """How ``mode`` aggregates: ``(coef, scale)`` with ``loss = scale(mask_sum) * sum_t mask_t * coef[seq(t)] * loss_t``.
+
+    ``coef`` is float32 ``[S]``, or None for the token modes (weight = mask); ``scale`` maps the
+    batch's total mask sum (a 0-d tensor, known only after the token pass) to the outer factor.
+    Divisions by a zero count give 0, not NaN.
+    """
     if mode not in AGG_MODES:
         raise ValueError(f"loss_agg_mode={mode!r}: expected one of {', '.join(AGG_MODES)}")
-    device, S = m.device, layout.num_seqs
-    dp = _as_f32(dp_size, device)
     if mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
-            batch_num_tokens = m.sum()
-        return (dp / _as_f32(batch_num_tokens, device)).expand(S)
+            return None, lambda total: _safe_div(dp_size, total)
+        return None, lambda total: _safe_div(dp_size, batch_num_tokens)
     if mode == "token-sum":
-        return dp.expand(S)
+        return None, lambda total: dp_size
     if mode == "token":
-        return (1.0 / (m.sum() + 1e-8)).expand(S)
-    counts = layout.seq_sum(m)
+        return None, lambda total: 1.0 / (total + 1e-8)
+    S = layout.num_seqs
+    counts = layout.seq_sum(_mask_f32(mask, layout.shape.numel(), layout.device))
     if mode == "seq":
-        return 1.0 / (counts + 1e-8) / S
-    seq_mask = (counts > 0).to(torch.float32)
+        return 1.0 / (counts + 1e-8), lambda total: 1.0 / S
+    present = (counts > 0).to(torch.float32)
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
-        global_batch_size = seq_mask.sum()
-    per_seq = dp / _as_f32(global_batch_size, device)
-    if mode == "seq-mean-token-mean":
-        return seq_mask / (counts + 1e-8) * per_seq
-    coef = seq_mask * per_seq
+        global_batch_size = present.sum()
+    norm = 1.0
     if mode == "seq-mean-token-sum-norm":
         if loss_scale_factor is None:
             if not layout.padded:
@@ -167,8 +161,17 @@ def _agg_coefficients(
                     "(verl's default is the padded response length)"
                 )
             loss_scale_factor = layout.row_length
-        coef = coef / _as_f32(loss_scale_factor, device)
-    return coef
+        norm = loss_scale_factor
+    coef = present / (counts + 1e-8) if mode == "seq-mean-token-mean" else present
+    return coef, lambda total: _safe_div(dp_size, global_batch_size) / norm
+
+
+def _safe_div(num, den):
+    """num / den for a count den >= 0; a zero count only ever multiplies a zero sum, so it is
+    clamped to the smallest normal float (0 * finite = 0, where num / 0 would give NaN)."""
+    if isinstance(den, Tensor):
+        return num / den.to(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
+    return num / den if den else 0.0
 
 
 def agg_loss(
@@ -194,14 +197,15 @@ def agg_loss(
     """
     layout = _layout("loss_mat", loss_mat, sample_index, num_samples)
     _check_like(layout, mask=mask)
-    m = _mask_f32(mask, loss_mat.numel(), loss_mat.device)
-    coef = _agg_coefficients(
-        layout, m, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+    coef, scale = _aggregation(
+        layout, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
     )
-    w = m * coef[layout.token_seq(m.device)]
+    m = _mask_f32(mask, loss_mat.numel(), loss_mat.device)
+    w = m if coef is None else m * coef[layout.token_seq(m.device)]
     values = loss_mat.reshape(-1)
-    return torch.where(m != 0, values * w, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+    total = torch.where(m != 0, values * w, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+    return scale(m.sum()) * total
 
 
 # ----------------------------------------------------------------------------- KL
@@ -246,14 +250,14 @@ def _token_terms(
     adv = advantages.float()
     m = torch.ones_like(logp) if mask is None else mask.to(torch.float32)
     valid = m != 0
-    w = m * seq_coef[seq]
+    w = m if seq_coef is None else m * seq_coef[seq]
     tok_lr = logp - old_log_probs.float()
     lr_raw = seq_log_ratio[seq] if seq_log_ratio is not None else tok_lr
     lr_pass = (lr_raw >= log_ratio_min) & (lr_raw <= log_ratio_max)
     lr = torch.clamp(lr_raw, log_ratio_min, log_ratio_max)
     ratio = torch.exp(lr)
     pg1 = -adv * ratio
-    pg2 = -adv * torch.minimum(torch.maximum(ratio, _as_f32(1.0 - clip_low, ratio.device)), _as_f32(1.0 + clip_high, ratio.device))
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     m1 = torch.maximum(pg1, pg2)
     dpg = torch.where(pg1 >= pg2, -adv * ratio, 0.0)
     if math.isinf(clip_c):
@@ -353,26 +357,30 @@ def _term_args(args: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- fused op (registration)
+# The op takes its constant inputs packed in three lists (names below): torch's custom-op
+# autograd re-binds every argument on each call at a cost that grows with the square of
+# the argument count, and 20 separate arguments cost ~0.3 ms a call.
 _OP_TENSORS = (
-    "log_probs", "old_log_probs", "advantages", "seq_coef", "mask", "sample_index", "seq_log_ratio",
-    "rollout_weights", "ref_log_probs", "entropy",
+    "old_log_probs", "advantages", "seq_coef", "mask", "sample_index", "seq_log_ratio", "rollout_weights",
+    "ref_log_probs",
 )
-_OP_SCALARS = (
-    "row_length", "clip_low", "clip_high", "clip_c", "log_ratio_min", "log_ratio_max", "kl_kind",
-    "kl_straight_through", "sequence_mean_grad",
-)
+_OP_FLOATS = ("clip_low", "clip_high", "clip_c", "log_ratio_min", "log_ratio_max")
+_OP_INTS = ("num_seqs", "row_length", "kl_kind", "kl_straight_through", "sequence_mean_grad")
+
+
+def _unpack(log_probs, entropy, tensors, floats, ints) -> dict:
+    args = dict(zip(_OP_TENSORS, tensors), log_probs=log_probs, entropy=entropy)
+    args.update(zip(_OP_FLOATS, floats))
+    args.update(zip(_OP_INTS, ints))
+    return args
 
 
 @torch.library.custom_op("rlk_mm::policy_loss_partials", mutates_args=())
 def _policy_loss_partials(
-    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, seq_coef: Tensor,
-    mask: Optional[Tensor], sample_index: Optional[Tensor], seq_log_ratio: Optional[Tensor],
-    rollout_weights: Optional[Tensor], ref_log_probs: Optional[Tensor], entropy: Optional[Tensor],
-    row_length: int, clip_low: float, clip_high: float, clip_c: float, log_ratio_min: float,
-    log_ratio_max: float, kl_kind: int, kl_straight_through: bool, sequence_mean_grad: bool,
+    log_probs: Tensor, entropy: Optional[Tensor], tensors: list[Optional[Tensor]], floats: list[float], ints: list[int]
 ) -> Tensor:
     """float32 [len(PARTIALS), num_blocks]: per-block partial sums of the loss terms and metrics."""
-    args = dict(locals())
+    args = _unpack(log_probs, entropy, tensors, floats, ints)
     if not use_triton(log_probs):
         return _torch_partials(args)
     from rlk_mm.ops._triton import loss as kernels
@@ -383,74 +391,64 @@ def _policy_loss_partials(
 
 
 @_policy_loss_partials.register_fake
-def _(log_probs, *rest):
+def _(log_probs, entropy, tensors, floats, ints):
     return log_probs.new_empty((len(PARTIALS), _num_blocks(log_probs.numel())), dtype=torch.float32)
 
 
 @torch.library.custom_op("rlk_mm::policy_loss_partials_backward", mutates_args=())
 def _policy_loss_partials_backward(
-    grad_partials: Tensor, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, seq_coef: Tensor,
-    mask: Optional[Tensor], sample_index: Optional[Tensor], seq_log_ratio: Optional[Tensor],
-    rollout_weights: Optional[Tensor], ref_log_probs: Optional[Tensor], entropy: Optional[Tensor],
-    row_length: int, clip_low: float, clip_high: float, clip_c: float, log_ratio_min: float,
-    log_ratio_max: float, kl_kind: int, kl_straight_through: bool, sequence_mean_grad: bool,
+    grad_partials: Tensor, log_probs: Tensor, entropy: Optional[Tensor], tensors: list[Optional[Tensor]],
+    floats: list[float], ints: list[int],
 ) -> tuple[Tensor, Tensor]:
     """(d/d log_probs, d/d entropy — empty when entropy is None) from the partials' gradient."""
-    args = dict(locals())
-    grad_partials = args.pop("grad_partials").float().contiguous()
+    args = _unpack(log_probs, entropy, tensors, floats, ints)
+    grad_partials = grad_partials.float().contiguous()
     if not use_triton(log_probs):
-        return _torch_partials_backward(grad_partials, args)
-    from rlk_mm.ops._triton import loss as kernels
+        grad_logp, grad_ent = _torch_partials_backward(grad_partials, args)
+    else:
+        from rlk_mm.ops._triton import loss as kernels
 
-    grad_logp = torch.empty_like(log_probs)
-    grad_ent = torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0)
-    kernels.launch(
-        backward=True, grad_partials=grad_partials, grad_log_probs=grad_logp,
-        grad_entropy=grad_ent if entropy is not None else None, **_launch_args(args),
-    )
+        grad_logp = torch.empty_like(log_probs)
+        grad_ent = torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0)
+        kernels.launch(
+            backward=True, grad_partials=grad_partials, grad_log_probs=grad_logp,
+            grad_entropy=grad_ent if entropy is not None else None, **_launch_args(args),
+        )
+    if args["sequence_mean_grad"]:
+        grad_logp = _spread_over_sequence(grad_logp, args)
     return grad_logp, grad_ent
 
 
 @_policy_loss_partials_backward.register_fake
-def _(grad_partials, log_probs, *rest):
-    entropy = rest[8]
+def _(grad_partials, log_probs, entropy, tensors, floats, ints):
     return torch.empty_like(log_probs), (torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0))
 
 
 def _launch_args(args: dict) -> dict:
-    out = {k: args[k] for k in _OP_TENSORS}
-    out.update({k: args[k] for k in _OP_SCALARS if k != "sequence_mean_grad"})
-    return out
+    skip = ("sequence_mean_grad", "num_seqs")
+    return {k: v for k, v in args.items() if k not in skip}
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[: len(_OP_TENSORS)])
-    ctx.scalars = inputs[len(_OP_TENSORS):]
+    log_probs, entropy, tensors, floats, ints = inputs
+    ctx.save_for_backward(log_probs, entropy, *tensors)
+    ctx.floats, ctx.ints = floats, ints
 
 
 def _backward(ctx, grad_partials):
-    tensors = ctx.saved_tensors
-    grad_logp, grad_ent = _policy_loss_partials_backward(grad_partials, *tensors, *ctx.scalars)
-    args = dict(zip(_OP_TENSORS + _OP_SCALARS, (*tensors, *ctx.scalars)))
-    if args["sequence_mean_grad"]:
-        grad_logp = _spread_over_sequence(grad_logp, args)
-    grads = [None] * (len(_OP_TENSORS) + len(_OP_SCALARS))
-    grads[0] = grad_logp
-    if args["entropy"] is not None:
-        grads[_OP_TENSORS.index("entropy")] = grad_ent
-    return tuple(grads)
+    log_probs, entropy, *tensors = ctx.saved_tensors
+    grad_logp, grad_ent = _policy_loss_partials_backward(grad_partials, log_probs, entropy, tensors, ctx.floats, ctx.ints)
+    return grad_logp, (grad_ent if entropy is not None else None), None, None, None
 
 
 def _spread_over_sequence(grad_logp: Tensor, args: dict) -> Tensor:
     """GSPO's gradient through the sequence mean: each token gets mask_u / |y| of its sequence's sum."""
     n, R = grad_logp.numel(), args["row_length"]
-    S = args["seq_coef"].numel()
-    layout = _Layout(grad_logp.shape, S, R, None if R > 0 else args["sample_index"])
+    layout = _Layout(grad_logp.shape, grad_logp.device, args["num_seqs"], R, None if R > 0 else args["sample_index"])
     m = _mask_f32(args["mask"], n, grad_logp.device)
-    seq = layout.token_seq(grad_logp.device)
     total = layout.seq_sum(grad_logp.float())
     counts = layout.seq_sum(m).clamp(min=1.0)
-    return (m * (total / counts)[seq]).to(grad_logp.dtype)
+    return (m * (total / counts)[layout.token_seq(grad_logp.device)]).to(grad_logp.dtype)
 
 
 torch.library.register_autograd("rlk_mm::policy_loss_partials", _backward, setup_context=_setup_context)
@@ -517,40 +515,38 @@ def policy_loss(
     lo = -math.inf if lo is None else float(lo)
     hi = math.inf if hi is None else float(hi)
 
-    device, n = log_probs.device, log_probs.numel()
+    device = log_probs.device
     flat = lambda t: None if t is None else t.detach().reshape(-1).contiguous()  # noqa: E731
-    m = _mask_f32(mask, n, device)
-    coef = _agg_coefficients(
-        layout, m, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+    coef, scale = _aggregation(
+        layout, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
-    ).contiguous()
+    )
     seq_lr = None
     if ratio != "token":
+        m = _mask_f32(mask, log_probs.numel(), device)
         tok_lr = log_probs.detach().reshape(-1).float() - old_log_probs.detach().reshape(-1).float()
         tok_lr = torch.where(m != 0, tok_lr * m, torch.zeros((), device=device))
         seq_lr = (layout.seq_sum(tok_lr) / layout.seq_sum(m).clamp(min=1.0)).contiguous()
 
     partials = _policy_loss_partials(
-        log_probs.reshape(-1).contiguous(), flat(old_log_probs), flat(advantages), coef,
-        flat(mask), layout.sample_index, seq_lr, flat(rollout_is_weights), flat(ref_log_probs),
+        log_probs.reshape(-1).contiguous(),
         None if entropy is None else entropy.reshape(-1).contiguous(),
-        layout.row_length, float(clip_ratio_low), float(clip_ratio_high),
-        math.inf if clip_ratio_c is None else float(clip_ratio_c), lo, hi, kl_kind, kl_st, ratio == "gspo",
+        [flat(old_log_probs), flat(advantages), None if coef is None else coef.contiguous(), flat(mask),
+         layout.sample_index, seq_lr, flat(rollout_is_weights), flat(ref_log_probs)],  # _OP_TENSORS
+        [float(clip_ratio_low), float(clip_ratio_high), math.inf if clip_ratio_c is None else float(clip_ratio_c),
+         lo, hi],  # _OP_FLOATS
+        [layout.num_seqs, layout.row_length, kl_kind, int(kl_st), int(ratio == "gspo")],  # _OP_INTS
     )
     sums = partials.sum(-1)
-    count = sums[6].detach() + 1e-8
-    pg_loss = sums[0]
-    loss = pg_loss
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "pg_clipfrac": sums[3].detach() / count,
-        "pg_clipfrac_lower": sums[4].detach() / count,
-        "ppo_kl": sums[5].detach() / count,
-    }
+    mask_sum = sums[6].detach()
+    terms = sums[:3] * scale(mask_sum)  # aggregated pg, kl and entropy losses
+    rates = sums[3:6].detach() / (mask_sum + 1e-8)
+    loss = terms[0]
+    metrics = {"pg_loss": terms[0].detach(), "pg_clipfrac": rates[0], "pg_clipfrac_lower": rates[1], "ppo_kl": rates[2]}
     if ref_log_probs is not None:
-        loss = loss + kl_coef * sums[1]
-        metrics["kl_loss"] = sums[1].detach()
+        loss = loss + kl_coef * terms[1]
+        metrics["kl_loss"] = terms[1].detach()
     if entropy is not None:
-        loss = loss - entropy_coeff * sums[2]
-        metrics["entropy_loss"] = sums[2].detach()
+        loss = loss - entropy_coeff * terms[2]
+        metrics["entropy_loss"] = terms[2].detach()
     return loss, metrics

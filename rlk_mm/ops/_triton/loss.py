@@ -30,6 +30,7 @@ def _policy_loss_kernel(
     BLOCK: tl.constexpr,
     BACKWARD: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_COEF: tl.constexpr,
     PADDED: tl.constexpr,
     SEQ_RATIO: tl.constexpr,
     HAS_DUAL: tl.constexpr,
@@ -54,7 +55,10 @@ def _policy_loss_kernel(
     else:
         m = tl.where(inb, 1.0, 0.0)
     valid = m != 0.0
-    w = m * tl.load(coef_ptr + seq, mask=inb, other=0.0)
+    if HAS_COEF:
+        w = m * tl.load(coef_ptr + seq, mask=inb, other=0.0)
+    else:
+        w = m
 
     # ratio and its clip
     tok_lr = logp - old
@@ -154,7 +158,7 @@ def launch(
         return
     dummy = log_probs  # stands in for absent optional pointers; never read
     _policy_loss_kernel[(num_blocks,)](
-        log_probs, old_log_probs, advantages, seq_coef,
+        log_probs, old_log_probs, advantages, dummy if seq_coef is None else seq_coef,
         dummy if mask is None else mask,
         dummy if sample_index is None else sample_index,
         dummy if seq_log_ratio is None else seq_log_ratio,
@@ -170,6 +174,7 @@ def launch(
         BLOCK=BLOCK,
         BACKWARD=backward,
         HAS_MASK=mask is not None,
+        HAS_COEF=seq_coef is not None,
         PADDED=row_length > 0,
         SEQ_RATIO=seq_log_ratio is not None,
         HAS_DUAL=clip_c != float("inf"),
