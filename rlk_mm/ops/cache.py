@@ -128,15 +128,29 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     ``prompt_lengths`` tokens (or, without them, the tokens before the first loss span),
     positions and media. Vision rows come from ``vision_cache`` (each unique item once);
     the prompt's keys/values are computed once per group and the group's responses are
-    scored against them as one right-padded batch.
+    scored against them as one right-padded batch. Under ``batch_invariant()`` the result
+    is bitwise that of ``prefill.batch_logprobs`` on the same batch.
     """
+    _, targets = batch.loss_token_index()
+    hidden = group_hidden(model, batch, vision_cache=vision_cache)
+    head = model.get_output_embeddings()
+    return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
+                            targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
+
+
+def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> torch.Tensor:
+    """The hidden states ``[n, H]`` that score the batch's loss tokens (loss-span order),
+    computed as ``group_logprobs`` does: one prompt prefill per group, responses against its KV.
+
+    Language-model calls, in order: for each group (first-appearance order) the prompt,
+    then (when any member has tokens after the prompt) the members' right-padded rest."""
     vision_cache = vision_cache or VisionCache(model)
     lm = model.model.language_model
     embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
-    rows, targets = batch.loss_token_index()
+    rows, _ = batch.loss_token_index()
     token_sample = batch.loss_token_sample()
     cu = batch.cu_seqlens.long().tolist()
-    prompt = _prompt_lengths(batch)
+    prompt = prompt_lengths(batch)
     hidden = embeds.new_zeros((rows.numel(), embeds.shape[-1]))
     group = batch.group_index().tolist()
     for g in range(max(group, default=-1) + 1):
@@ -168,12 +182,11 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
             hidden[sel[in_prompt]] = prompt_hidden[t[in_prompt]]
             if resp_hidden is not None and bool((~in_prompt).any()):
                 hidden[sel[~in_prompt]] = resp_hidden[j, t[~in_prompt] - p]
-    head = model.get_output_embeddings()
-    return selected_logprob(hidden, head.weight, index=torch.arange(rows.numel(), device=hidden.device),
-                            targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
+    return hidden
 
 
-def _prompt_lengths(batch) -> list[int]:
+def prompt_lengths(batch) -> list[int]:
+    """Per sample: ``prompt_lengths`` when the batch has them, else the tokens before the first loss span."""
     if batch.prompt_lengths is not None:
         return [int(x) for x in batch.prompt_lengths.tolist()]
     lengths = batch.seq_lengths().tolist()

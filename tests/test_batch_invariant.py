@@ -1,0 +1,292 @@
+"""Batch-invariant prefill kernels and batch_invariant(): the Triton kernels (under
+TRITON_INTERPRET=1 on CPU) and the torch references against fp64 oracles within the
+numerical contract; bitwise row/sequence invariance of both; mask -> segments; exact
+restore of every override; autograd; VisionCache's gather and group scoring errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlk_mm import fixtures
+from rlk_mm.ops import batch_invariant
+from rlk_mm.ops import prefill as P
+from rlk_mm.ops._reference import prefill as R
+from rlk_mm.ops.cache import VisionCache, _GatherRows, group_logprobs
+from rlk_mm.parity.contract import LOGPROB_GRAD_REL, relative_error
+from rlk_mm.schema.batch import RLBatch
+
+BACKENDS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The torch reference matmul is many small fixed-shape products: one thread is fastest."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _rel_bound(dtype):
+    # bf16 outputs are rounded once (the Triton interpreter rounds toward zero: up to 1 ulp)
+    return LOGPROB_GRAD_REL.for_dtype(dtype)
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_matches_fp64_and_is_row_invariant(backend, dtype):
+    a = _randn(70, 48, dtype=dtype)
+    w = _randn(40, 48, dtype=dtype, seed=1)
+    bias = _randn(40, dtype=dtype, seed=2)
+    with batch_invariant(backend=backend):
+        out = P.matmul(a, w.t(), bias)
+        alone = [P.matmul(a[i : i + 1], w.t(), bias) for i in (0, 33, 69)]
+        shifted = P.matmul(torch.cat([a[5:9], a]), w.t(), bias)[4:]
+        scaled = P.matmul(a, w.t(), bias, alpha=0.5, beta=2.0)
+    exact = a.double() @ w.double().t() + bias.double()
+    assert out.dtype == dtype
+    assert relative_error(out, exact) < _rel_bound(dtype)
+    assert relative_error(scaled, 0.5 * (a.double() @ w.double().t()) + 2 * bias.double()) < _rel_bound(dtype)
+    for i, row in zip((0, 33, 69), alone):
+        assert torch.equal(row, out[i : i + 1])
+    assert torch.equal(shifted, out)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aten_overrides_route_linear_bmm_and_patch_conv(backend):
+    x = _randn(2, 9, 24)
+    lin = torch.nn.Linear(24, 20)
+    b1, b2 = _randn(3, 5, 7, seed=3), _randn(3, 7, 6, seed=4)
+    conv = torch.nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4), bias=False)
+    patches = _randn(11, 3, 2, 4, 4, seed=5)
+    with torch.no_grad():
+        expect = (lin(x), torch.bmm(b1, b2), conv(patches))
+        with batch_invariant(backend=backend):
+            got = (lin(x), torch.bmm(b1, b2), conv(patches))
+            assert torch.equal(lin(x[:1, 3:4]), got[0][:1, 3:4])  # one token alone
+            with pytest.raises(NotImplementedError, match="patch embedding"):
+                torch.nn.functional.conv2d(_randn(1, 3, 8, 8), _randn(4, 3, 3, 3))
+    for g, e in zip(got, expect):
+        assert g.shape == e.shape and relative_error(g, e) < 1e-5
+
+
+def test_matmul_rejects_mismatched_operands():
+    with pytest.raises(ValueError, match="one dtype"):
+        P.matmul(_randn(3, 4), _randn(4, 5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cannot be multiplied"):
+        P.matmul(_randn(3, 4), _randn(5, 5))
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_transformers_and_is_row_invariant(backend, dtype):
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+    norm = Qwen2_5_VLRMSNorm(40, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(40, seed=7).to(dtype))
+        x = _randn(3, 11, 40, dtype=dtype)
+        expect = norm(x)
+        with batch_invariant(backend=backend):
+            got = norm(x)
+            one = norm(x[1:2, 4:5])
+    assert got.dtype == expect.dtype
+    assert relative_error(got, expect) < _rel_bound(dtype)
+    assert torch.equal(one[0, 0], got[1, 4])
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _sdpa_oracle(q, k, v, causal):
+    """fp64 attention of one sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D], bottom-right causal."""
+    group = q.shape[1] // k.shape[1]
+    qq, kk, vv = (t.double().transpose(0, 1) for t in (q, k, v))
+    kk, vv = kk.repeat_interleave(group, 0), vv.repeat_interleave(group, 0)
+    mask = None
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask).transpose(0, 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_attention_matches_sdpa_and_ignores_neighbours(backend, dtype, causal):
+    lens = [37, 5, 70]
+    total = sum(lens)
+    q, k, v = (_randn(total, h, 16, dtype=dtype, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
+    cu = torch.tensor([0, 37, 42, 112], dtype=torch.int32)
+    with batch_invariant(backend=backend):
+        out = P.varlen_attention(q, k, v, cu, causal=causal)
+        alone = P.varlen_attention(q[42:], k[42:], v[42:], torch.tensor([0, 70], dtype=torch.int32), causal=causal)
+        reordered = P.varlen_attention(torch.cat([q[42:], q[:42]]), torch.cat([k[42:], k[:42]]), torch.cat([v[42:], v[:42]]),
+                                       torch.tensor([0, 70, 107, 112], dtype=torch.int32), causal=causal)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        assert relative_error(out[s:e], _sdpa_oracle(q[s:e], k[s:e], v[s:e], causal)) < _rel_bound(dtype)
+    assert torch.equal(alone, out[42:])
+    assert torch.equal(reordered[:70], out[42:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_cached_queries_equal_the_full_prefill(backend):
+    """Queries of a response scored against a cached prompt (q_len < k_len) are bitwise the
+    last rows of the one-pass prefill."""
+    q, k, v = (_randn(1, h, 50, 16, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
+    full_mask = torch.ones(1, 1, 50, 50, dtype=torch.bool).tril()
+    with batch_invariant(backend=backend):
+        full, _ = P._attention_interface(None, q, k, v, full_mask)
+        tail, _ = P._attention_interface(None, q[:, :, 41:], k, v, full_mask[:, :, 41:])
+    assert torch.equal(tail, full[:, 41:])
+
+
+def test_segments_from_mask_padding_packing_and_errors():
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    right = causal.clone()
+    right[:, 4:] = False  # sample of 4 tokens, right-padded to 6
+    left = torch.zeros(6, 6, dtype=torch.bool)
+    left[2:, 2:] = causal[:4, :4]  # 4 tokens, left-padded
+    packed = torch.zeros(6, 6, dtype=torch.bool)
+    packed[:2, :2], packed[2:, 2:] = causal[:2, :2], causal[:4, :4]
+    mask = torch.stack([right, left, packed])[:, None]
+    segs, max_q, is_causal = P.segments_from_mask(mask, 3, 6, 6)
+    assert is_causal and max_q == 4
+    assert [t.tolist() for t in segs] == [[0, 1, 2, 2], [0, 2, 0, 2], [4, 4, 2, 4], [0, 2, 0, 2], [4, 4, 2, 4]]
+    holes = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    holes[0, 0, 2, 1] = False
+    with pytest.raises(NotImplementedError, match=r"batch 0, query 2\) attends a non-contiguous key set"):
+        P.segments_from_mask(holes, 1, 3, 3)
+
+
+def test_attention_interface_rejects_unsupported_options():
+    q = _randn(1, 2, 4, 16)
+    with batch_invariant(backend="torch"):
+        with pytest.raises(NotImplementedError, match="dropout"):
+            P._attention_interface(None, q, q, q, None, dropout=0.1)
+        with pytest.raises(NotImplementedError, match="sliding_window"):
+            P._attention_interface(None, q, q, q, None, sliding_window=2)
+
+
+# --------------------------------------------------------------------------- the context manager
+
+
+def _dispatch_state():
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+
+    return (
+        [torch._C._dispatch_dump(f"aten::{op}") for op in P._ATEN_OVERRIDES],
+        dict(AttentionInterface._global_mapping),
+        dict(AttentionMaskInterface._global_mapping),
+        m.Qwen2_5_VLRMSNorm.__dict__["forward"],
+        m.Qwen2_5_VLVisionAttention.__dict__["forward"],
+    )
+
+
+def test_batch_invariant_restores_everything_exactly():
+    a, b = _randn(1, 64), _randn(64, 33, seed=1)
+    before_state, before_out = _dispatch_state(), a @ b
+    with batch_invariant(backend="torch"):
+        inside = _dispatch_state()
+        with pytest.raises(RuntimeError, match="not re-entrant"):
+            with batch_invariant():
+                pass
+    assert inside[0] != before_state[0] and inside[3] is not before_state[3]
+    assert _dispatch_state() == before_state
+    assert torch.equal(a @ b, before_out)
+    with pytest.raises(KeyError):  # an error inside the block restores too
+        with batch_invariant(backend="torch"):
+            raise KeyError("boom")
+    assert _dispatch_state() == before_state
+    with pytest.raises(ValueError, match="backend must be"):
+        with batch_invariant(backend="cuda"):
+            pass
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return fixtures.tiny_qwen2_5_vl(seed=0), fixtures.qwen_vl_processor()
+
+
+def _group_batch(processor, samples, responses, group_ids):
+    out = fixtures.processor_inputs(processor, samples, padding_side="left")
+    return RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=group_ids)
+
+
+def test_gradients_under_batch_invariant_match_default(tiny):
+    model, processor = tiny
+    samples = fixtures.synthetic_image_text(2, seed=5, max_images=1)
+    batch = _group_batch(processor, samples, [[11, 12, 13, 151645], [14, 15, 151645]], None)
+
+    def grads(ctx):
+        model.zero_grad()
+        with ctx:
+            P.batch_logprobs(model, batch, layout="right").sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    import contextlib
+
+    expect = grads(contextlib.nullcontext())
+    got = grads(batch_invariant(backend="torch"))
+    model.zero_grad()
+    assert len(got) == len(expect)
+    assert relative_error(torch.cat([g.flatten() for g in got]), torch.cat([e.flatten() for e in expect])) < 1e-4
+
+
+def test_gather_backward_sums_users_in_item_order():
+    table = _randn(3, 4).requires_grad_()
+    index = torch.tensor([0, 1, 2, 0, 1, 0])
+    ranks = [(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2])), (torch.tensor([0, 1]), torch.tensor([3, 4])),
+             (torch.tensor([0]), torch.tensor([5]))]
+    out = _GatherRows.apply(table, index, ranks)
+    assert torch.equal(out, table.detach()[index])
+    grad = _randn(6, 4, seed=9)
+    out.backward(grad)
+    assert torch.equal(table.grad[0], (grad[0] + grad[3]) + grad[5])
+    assert torch.equal(table.grad[1], grad[1] + grad[4])
+    assert torch.equal(table.grad[2], grad[2])
+
+
+def test_vision_cache_encodes_each_key_once_and_keeps_gradients(tiny):
+    model, processor = tiny
+    sample = fixtures.synthetic_image_text(1, seed=2, max_images=2)[0]
+    batch = _group_batch(processor, [sample] * 3, [[5, 151645], [6, 7, 151645], [8, 151645]], ["g"] * 3)
+    cache = VisionCache(model)
+    with batch_invariant(backend="torch"):
+        rows = cache(batch)
+        direct = model.model.visual(batch.pixel_values, grid_thw=batch.image_grid_thw).pooler_output
+    assert cache.items_encoded == len(sample.images) and cache.items_requested == 3 * len(sample.images)
+    assert torch.equal(rows, direct)  # bitwise: the tower's rows of an item do not depend on the others
+    weight = model.model.visual.merger.mlp[2].weight
+    (g1,) = torch.autograd.grad((rows * _randn(*rows.shape, seed=1)).sum(), weight)
+    (g2,) = torch.autograd.grad((direct * _randn(*rows.shape, seed=1)).sum(), weight)
+    assert relative_error(g1, g2) < 1e-5
+    with torch.no_grad():
+        kept = VisionCache(model, keep=True)
+        kept(batch)
+        kept(batch)
+    assert kept.items_encoded == len(sample.images)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        VisionCache(model, keep=True)(batch)
+
+
+def test_group_logprobs_requires_a_shared_prompt(tiny):
+    model, processor = tiny
+    samples = fixtures.synthetic_image_text(2, seed=4, max_images=1)
+    batch = _group_batch(processor, samples, [[5, 151645], [6, 151645]], ["g", "g"])
+    with pytest.raises(ValueError, match="group 'g': sample 1 does not share sample 0's prompt"):
+        group_logprobs(model, batch)
