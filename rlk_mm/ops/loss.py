@@ -43,7 +43,7 @@ KL_KINDS = {"kl": 1, "k1": 1, "abs": 2, "mse": 3, "k2": 3, "low_var_kl": 4, "k3"
 RATIOS = ("token", "gspo_token", "gspo")
 #: the fused kernel's per-block partial sums, in row order
 PARTIALS = ("pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mask_sum")
-_BLOCK = 1024  # tokens per block of partial sums (both backends; equals _triton.loss.BLOCK)
+_BLOCK = 1024  # tokens per block of partial sums, both backends (the Triton kernel's program size)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -386,7 +386,7 @@ def _policy_loss_partials(
     from rlk_mm.ops._triton import loss as kernels
 
     partials = torch.empty(len(PARTIALS), _num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
-    kernels.launch(backward=False, partials=partials, **_launch_args(args))
+    kernels.launch(backward=False, block=_BLOCK, partials=partials, **_launch_args(args))
     return partials
 
 
@@ -411,7 +411,7 @@ def _policy_loss_partials_backward(
         grad_logp = torch.empty_like(log_probs)
         grad_ent = torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0)
         kernels.launch(
-            backward=True, grad_partials=grad_partials, grad_log_probs=grad_logp,
+            backward=True, block=_BLOCK, grad_partials=grad_partials, grad_log_probs=grad_logp,
             grad_entropy=grad_ent if entropy is not None else None, **_launch_args(args),
         )
     if args["sequence_mean_grad"]:

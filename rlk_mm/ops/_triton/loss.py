@@ -1,6 +1,6 @@
 """Fused policy-loss kernel: one elementwise pass over the loss tokens, forward or backward.
 
-Forward writes, per block of ``BLOCK`` tokens, the partial sums listed in
+Forward writes, per block of ``BLOCK`` tokens (``rlk_mm.ops.loss._BLOCK``), the partial sums listed in
 ``rlk_mm.ops.loss.PARTIALS`` (weighted policy loss, KL and entropy sums; clip counts;
 ppo_kl; mask sum) to ``partials[k, block]``; the caller sums blocks in a fixed order, so
 the result is deterministic. Backward re-reads the same inputs and writes d/d log-prob
@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-BLOCK = 1024
-NUM_PARTIALS = 7
-
 
 @triton.jit
 def _policy_loss_kernel(
@@ -146,14 +142,15 @@ def _policy_loss_kernel(
 
 
 def launch(
-    *, backward, log_probs, old_log_probs, advantages, seq_coef, mask, sample_index, seq_log_ratio,
+    *, backward, block, log_probs, old_log_probs, advantages, seq_coef, mask, sample_index, seq_log_ratio,
     rollout_weights, ref_log_probs, entropy, row_length, clip_low, clip_high, clip_c, log_ratio_min,
     log_ratio_max, kl_kind, kl_straight_through, partials=None, grad_partials=None, grad_log_probs=None,
     grad_entropy=None,
 ):
-    """Run the kernel over all ``log_probs.numel()`` tokens (flat, contiguous inputs)."""
+    """Run the kernel over all ``log_probs.numel()`` tokens (flat, contiguous inputs), ``block``
+    tokens per program (the caller sized ``partials`` with the same block)."""
     n = log_probs.numel()
-    num_blocks = triton.cdiv(n, BLOCK)
+    num_blocks = triton.cdiv(n, block)
     if num_blocks == 0:
         return
     dummy = log_probs  # stands in for absent optional pointers; never read
@@ -171,7 +168,7 @@ def launch(
         dummy if grad_entropy is None else grad_entropy,
         n, max(row_length, 1), num_blocks,
         1.0 - clip_low, 1.0 + clip_high, clip_c, log_ratio_min, log_ratio_max,
-        BLOCK=BLOCK,
+        BLOCK=block,
         BACKWARD=backward,
         HAS_MASK=mask is not None,
         HAS_COEF=seq_coef is not None,
