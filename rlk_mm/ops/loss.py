@@ -10,9 +10,10 @@ Two layouts, one semantics:
 
 Aggregation is ``scale * sum_t mask_t * c[seq(t)] * loss_t``: per-sequence weights ``c``
 (the seq modes) and an outer factor (dp_size over token or sequence counts) from the mode —
-verl 0.9.1's ``agg_loss`` formulas, plus EasyR1's ``token`` and ``seq``. ``policy_loss`` runs one fused pass over the tokens (Triton on
-CUDA, the same math in torch elsewhere) for the forward and one for the backward; the
-per-block partial sums are added in a fixed order, so results are deterministic.
+verl 0.9.1's ``agg_loss`` formulas, plus EasyR1's ``token`` and ``seq``. ``policy_loss``
+runs one fused pass over the tokens (Triton on CUDA, the same math in torch elsewhere) for
+the forward and one for the backward; the per-block partial sums are added in a fixed
+order, so results are deterministic.
 ``old_log_probs``, ``advantages``, ``rollout_is_weights`` and ``ref_log_probs`` are
 constants (no gradient flows to them), as in PPO.
 
@@ -61,9 +62,10 @@ class _Layout:
     def padded(self) -> bool:
         return self.row_length > 0
 
-    def token_seq(self, device) -> Tensor:
+    def token_seq(self) -> Tensor:
+        """int64 [N]: the sequence of each token."""
         if self.padded:
-            return torch.arange(self.num_seqs * self.row_length, device=device) // self.row_length
+            return torch.arange(self.num_seqs * self.row_length, device=self.device) // self.row_length
         return self.sample_index
 
     def seq_sum(self, values: Tensor) -> Tensor:
@@ -88,7 +90,7 @@ def _layout(name: str, ref: Tensor, sample_index: Optional[Tensor], num_samples:
         raise ValueError("num_samples is required with sample_index (the batch size B)")
     if sample_index.dtype not in (torch.int64, torch.int32) or sample_index.shape != ref.shape:
         raise ValueError(
-            f"sample_index must be an int64 tensor of shape {tuple(ref.shape)} (one sample per token), "
+            f"sample_index must be an int64 (or int32) tensor of shape {tuple(ref.shape)} (one sample per token), "
             f"got {sample_index.dtype} {tuple(sample_index.shape)}"
         )
     if sample_index.device != ref.device:
@@ -202,7 +204,7 @@ def agg_loss(
         global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
     )
     m = _mask_f32(mask, loss_mat.numel(), loss_mat.device)
-    w = m if coef is None else m * coef[layout.token_seq(m.device)]
+    w = m if coef is None else m * coef[layout.token_seq()]
     values = loss_mat.reshape(-1)
     total = torch.where(m != 0, values * w, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
     return scale(m.sum()) * total
@@ -448,7 +450,7 @@ def _spread_over_sequence(grad_logp: Tensor, args: dict) -> Tensor:
     m = _mask_f32(args["mask"], n, grad_logp.device)
     total = layout.seq_sum(grad_logp.float())
     counts = layout.seq_sum(m).clamp(min=1.0)
-    return (m * (total / counts)[layout.token_seq(grad_logp.device)]).to(grad_logp.dtype)
+    return (m * (total / counts)[layout.token_seq()]).to(grad_logp.dtype)
 
 
 torch.library.register_autograd("rlk_mm::policy_loss_partials", _backward, setup_context=_setup_context)
