@@ -15,6 +15,8 @@ _EXPORTS = {
     "agg_loss": "loss",
     "scatter_rewards": "rewards",
     "group_advantages": "rewards",
+    "SpanReward": "rewards",
+    "overlong_penalty": "rewards",
     "pack": "packing",
     "unpack": "packing",
     "PackedBatch": "packing",
