@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreting
+from .matmul import dot_precision
 
 _LOG2E = 1.4426950408889634
 
@@ -40,7 +41,7 @@ def _attention_kernel(
     s_vb, s_vh, s_vn, s_vd,
     s_ob, s_om, s_oh, s_od,
     qk_scale, group, D, max_q,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -80,7 +81,7 @@ def _attention_kernel(
                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            s = tl.dot(q, k) * qk_scale
+            s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
             ok = k_ok[None, :]
             if CAUSAL:
                 ok = ok & (kn[None, :] <= diag + offs_m[:, None])
@@ -92,9 +93,10 @@ def _attention_kernel(
             v = tl.load(v_base + kn[:, None] * s_vn + offs_d[None, :] * s_vd,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v_ptr.dtype.element_ty).to(tl.float32), v.to(tl.float32))
+                acc = acc * alpha[:, None] + tl.dot(p.to(v_ptr.dtype.element_ty).to(tl.float32), v.to(tl.float32),
+                                                    input_precision=PRECISION)
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
@@ -104,12 +106,14 @@ def _attention_kernel(
         )
 
 
-def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int, out=None) -> torch.Tensor:
+def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int, out=None,
+                      config: dict | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] within segments.
 
     ``segments`` is five int32 tensors (batch, q0, q_len, k0, k_len), on q's device.
     Returns ``out [B, Lq, Hq, D]`` (the layout transformers' attention functions return);
     query rows outside every segment are zero. Validation is the caller's (prefill.py).
+    ``config`` replaces ``attention_config``'s tiles (for tile benchmarks only).
     """
     bsz, hq, lq, d = q.shape
     if out is None:
@@ -118,14 +122,15 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
     n_seg = seg_b.numel()
     if n_seg == 0 or max_q == 0 or out.numel() == 0:
         return out
-    cfg = attention_config(d, q.dtype)
+    cfg = config or attention_config(d, q.dtype)
     grid = (triton.cdiv(max_q, cfg["BM"]), n_seg, hq)
+    interp = triton_interpreting() and not q.is_cuda
     _attention_kernel[grid](
         q, k, v, out, seg_b, seg_q0, seg_ql, seg_k0, seg_kl,
         *q.stride(), *k.stride(), *v.stride(),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         float(scale) * _LOG2E, hq // k.shape[1], d, max_q,
-        CAUSAL=causal, UPCAST=triton_interpreting() and not q.is_cuda,
+        CAUSAL=causal, UPCAST=interp, PRECISION=dot_precision(q.dtype, interp),
         BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

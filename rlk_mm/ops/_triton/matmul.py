@@ -33,6 +33,15 @@ def mm_config(n: int, k: int, dtype: torch.dtype) -> dict:
     return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+def dot_precision(dtype: torch.dtype, interpreting: bool) -> str | None:
+    """fp32 operands: full fp32 ("ieee") unless torch allows TF32 matmuls; 16-bit: Triton's default."""
+    if interpreting:
+        return "ieee"
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return None
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -86,10 +95,11 @@ def _mm_kernel(
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-        *, alpha: float = 1.0, beta: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+        *, alpha: float = 1.0, beta: float = 1.0, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """alpha * (a @ b) + beta * bias for a [Bt, M, K], b [Bt, K, N], bias broadcastable to [Bt, M, N].
 
     Inputs are validated by the caller (prefill.py); strides are used as given, no copies.
+    ``config`` replaces ``mm_config``'s tiles (for tile benchmarks only).
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -102,15 +112,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if bias is not None and beta != 0:
             out += beta * bias.expand(batch, m, n).to(out.dtype)
         return out
-    cfg = mm_config(n, k, a.dtype)
+    cfg = config or mm_config(n, k, a.dtype)
     tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
     programs = tiles if not a.is_cuda else min(tiles, _num_sms(a.device.index or 0))
     has_bias = bias is not None and beta != 0
     bias_t = bias.expand(batch, m, n) if has_bias else out
-    if a.dtype == torch.float32:
-        precision = "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-    else:
-        precision = "tf32"  # ignored for 16-bit operands
     interp = triton_interpreting() and not a.is_cuda
     _mm_kernel[(programs, batch)](
         a, b, out, bias_t, m, n, k,
@@ -119,7 +125,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         out.stride(0), out.stride(1), out.stride(2),
         bias_t.stride(0), bias_t.stride(1), bias_t.stride(2),
         float(alpha), float(beta), programs,
-        HAS_BIAS=has_bias, UPCAST=interp, PRECISION="ieee" if interp else precision,
+        HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(a.dtype, interp),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
