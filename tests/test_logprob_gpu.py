@@ -37,9 +37,9 @@ def test_batch_invariance_bitwise_gpu(dtype):
     in_64 = score(others[:40] + [r] + others[40:])
     elsewhere = score([r] + list(range(T - 1000, T)))
     everything = score(list(range(T)))
-    for lp, ent, at in ((*in_64, 40), (*elsewhere, 0), (*everything, r)):
-        assert torch.equal(lp[at : at + 1], alone[0])
-        assert torch.equal(ent[at : at + 1], alone[1])
+    for name, (lp, ent), at in (("in 64", in_64, 40), ("elsewhere", elsewhere, 0), ("all", everything, r)):
+        assert torch.equal(lp[at : at + 1], alone[0]), f"log-prob {name}: {lp[at].item()!r} vs {alone[0].item()!r}"
+        assert torch.equal(ent[at : at + 1], alone[1]), f"entropy {name}: {ent[at].item()!r} vs {alone[1].item()!r}"
 
 
 # bf16 at the 7B hidden size; fp32 at H=512: an fp32 dot product over H=3584 alone is

@@ -155,38 +155,41 @@ def _forward_tiles_kernel(
 def _combine_kernel(
     part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
     logp_ptr, entropy_ptr, lse_ptr, n_rows, n_vblocks,
-    WITH_ENTROPY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials,
-    read ``BLOCK_J`` blocks at a time and reduced in one fixed order (a function of V)."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < n_rows
-    offs_j = tl.arange(0, BLOCK_J)
-    top = tl.full((BLOCK_R,), -float("inf"), tl.float32)
-    for j0 in range(0, n_vblocks, BLOCK_J):
-        ok = ((j0 + offs_j) < n_vblocks)[:, None] & r_ok[None, :]
-        at = (j0 + offs_j)[:, None] * n_rows + offs_r[None, :]  # [BLOCK_J, BLOCK_R], rows contiguous
-        top = tl.maximum(top, tl.max(tl.load(part_max_ptr + at, mask=ok, other=-float("inf")), axis=0))
-    top = tl.where(r_ok, top, 0.0)
-    total = tl.zeros((BLOCK_R,), tl.float32)
-    zsum = tl.zeros((BLOCK_R,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
-    for j0 in range(0, n_vblocks, BLOCK_J):
-        ok = ((j0 + offs_j) < n_vblocks)[:, None] & r_ok[None, :]
-        at = (j0 + offs_j)[:, None] * n_rows + offs_r[None, :]
-        shift = tl.where(ok, tl.load(part_max_ptr + at, mask=ok, other=0.0) - top[None, :], 0.0)
-        block_sum = tl.load(part_sum_ptr + at, mask=ok, other=0.0)
-        scale = tl.where(ok, tl.exp(shift), 0.0)
-        total += tl.sum(scale * block_sum, axis=0)
-        if WITH_ENTROPY:
-            q = tl.load(part_zsum_ptr + at, mask=ok, other=0.0)
-            zsum += tl.sum(scale * (q + shift * block_sum), axis=0)
-    total = tl.where(r_ok, total, 1.0)
+    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials.
+
+    Each row is one thread's sequential sum over blocks 0, 1, 2, ... (no cross-thread
+    reduction, whose tree would follow the layout Triton picks for this launch's row
+    count), unrolled so that several blocks' loads are in flight at once.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_rows
+    top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    for j0 in range(0, n_vblocks, UNROLL):
+        for u in tl.static_range(UNROLL):
+            j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
+            top = tl.maximum(top, tl.load(part_max_ptr + (j0 + u) * n_rows + offs, mask=j_ok, other=-float("inf")))
+    top = tl.where(ok, top, 0.0)
+    total = tl.zeros((BLOCK,), tl.float32)
+    zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
+    for j0 in range(0, n_vblocks, UNROLL):
+        for u in tl.static_range(UNROLL):
+            j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
+            at = (j0 + u) * n_rows + offs
+            shift = tl.load(part_max_ptr + at, mask=j_ok, other=0.0) - top
+            block_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
+            scale = tl.where(j_ok, tl.exp(shift), 0.0)
+            total += scale * block_sum
+            if WITH_ENTROPY:
+                zsum += scale * (tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0) + shift * block_sum)
+    total = tl.where(ok, total, 1.0)
     log_total = tl.log(total)
     lse = top + log_total
-    tl.store(lse_ptr + offs_r, lse, mask=r_ok)
-    tl.store(logp_ptr + offs_r, tl.load(tgt_logit_ptr + offs_r, mask=r_ok, other=0.0) - lse, mask=r_ok)
+    tl.store(lse_ptr + offs, lse, mask=ok)
+    tl.store(logp_ptr + offs, tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0) - lse, mask=ok)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + offs_r, log_total - zsum / total, mask=r_ok)
+        tl.store(entropy_ptr + offs, log_total - zsum / total, mask=ok)
 
 
 @triton.jit
@@ -281,7 +284,7 @@ def forward(
     part_sum = torch.empty_like(part_max)
     part_zsum = torch.empty_like(part_max) if with_entropy else part_max
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
-    comb_r, comb_j = (64, 16) if dev.type == "cuda" else (16, 8)
+    comb_block, comb_unroll = (128, 8) if dev.type == "cuda" else (16, 4)
     for s in range(0, n, step):
         m = min(step, n - s)
         h_src, w_src, rows_s = ops.args(s, m)
@@ -294,10 +297,10 @@ def forward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        _combine_kernel[(triton.cdiv(m, comb_r),)](
+        _combine_kernel[(triton.cdiv(m, comb_block),)](
             part_max, part_sum, part_zsum, tgt_logit,
             logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, n_vblocks,
-            WITH_ENTROPY=with_entropy, BLOCK_R=comb_r, BLOCK_J=comb_j,
+            WITH_ENTROPY=with_entropy, BLOCK=comb_block, UNROLL=comb_unroll,
         )
     return logp, entropy, lse
 
