@@ -9,10 +9,16 @@ turned into ``dz`` for one vocabulary chunk at a time (``[n, chunk]``, the only 
 that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator) and the chunk's
 rows of ``d weight``.
 
+Tiles are read by the copy engine (tensor descriptors; hidden rows gathered into one
+copy first unless all rows are scored in order) or, where alignment does not allow it,
+by pointers with the row gather inside the kernel.
+
 Reduction order: tile sizes depend only on the dtype and the device (``config``), every
-logit is one dot product over H in the same order, and the combine runs over vocabulary
-blocks in a fixed order, so a row's log-prob and entropy are bitwise the same whatever
-else is in the batch and wherever the row stands. No float atomics anywhere.
+logit is one dot product over H in the same order, and the combine is each row's own
+sequential sum over vocabulary blocks 0, 1, 2, ... (a cross-thread reduction there would
+follow the layout Triton picks for a launch's row count), so a row's log-prob and entropy
+are bitwise the same whatever else is in the batch and wherever the row stands. No float
+atomics anywhere; gradients are deterministic (cuBLAS, fixed chunk order).
 """
 
 from __future__ import annotations
@@ -225,6 +231,7 @@ def _dlogits_kernel(
 
 
 def _ieee(weight: Tensor) -> bool:
+    """fp32 dot products (see ``_mma``): fp32 inputs, and the interpreter's 16-bit dots."""
     return weight.dtype == torch.float32 or not weight.is_cuda
 
 
