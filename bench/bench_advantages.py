@@ -32,11 +32,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import _install_ray_stand_in  # noqa: E402  (verl imports ray at import time)
+from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
-_install_ray_stand_in()
+ray_stand_in.install()  # verl imports ray at import time
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from rlk_mm.integrations import verl as rlk_verl  # noqa: E402

@@ -35,11 +35,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from conftest import _install_ray_stand_in  # noqa: E402  (verl imports ray at import time)
+from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
-_install_ray_stand_in()
+ray_stand_in.install()  # verl imports ray at import time
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -29,16 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_logprob import GIB, measure  # noqa: E402
 
-
-def _ray_stand_in() -> None:
-    """verl imports ray at import time; a GPU box without ray gets the tests' stand-in."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import _install_ray_stand_in
-
-        _install_ray_stand_in()
+from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +36,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    _ray_stand_in()
+    ray_stand_in.install()  # verl imports ray at import time
     from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlClass
 
     from rlk_mm.integrations import verl_fused

@@ -37,47 +37,13 @@ verl's ``FusedLinearForPPO`` and then with rlk_mm's, and prints both outputs sid
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 
-
-class _Absorb:
-    """Takes the decorators and annotations verl applies with ray at import time."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else _Absorb()
-
-    def __getattr__(self, name):
-        return _Absorb()
-
-    def __getitem__(self, key):
-        return _Absorb()
-
-
-def _ray_stand_in() -> None:
-    """verl imports ray at import time; this demo never uses it (a real install has ray)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        module = types.ModuleType("ray")
-
-        def __getattr__(name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Absorb()
-
-        module.__getattr__ = __getattr__
-        module.__path__ = []
-        sys.modules["ray"] = module
+from rlk_mm.integrations import ray_stand_in
 
 
 def main() -> None:
-    _ray_stand_in()
+    ray_stand_in.install()  # verl imports ray at import time; a real install has ray (no-op then)
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 

@@ -16,19 +16,12 @@ on a synthetic GRPO step, and checks them against verl's own ``grpo`` and ``vani
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
-try:
-    import ray  # noqa: F401
-except ModuleNotFoundError:  # this demo needs no cluster: verl only imports ray at import time
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import _install_ray_stand_in
+from rlk_mm.integrations import ray_stand_in
 
-    _install_ray_stand_in()
+ray_stand_in.install()  # this demo needs no cluster: verl only imports ray at import time (no-op with ray)
 
 import verl  # noqa: E402,F401  (loads the rlk_mm entry point when rlk-mm is installed)
 import rlk_mm.integrations.verl  # noqa: E402,F401  (registers explicitly, e.g. from a source checkout)

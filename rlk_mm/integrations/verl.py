@@ -19,7 +19,6 @@ module yourself to see any error. With ``RLK_MM_VERL_FUSED=1``, ``register()`` a
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -147,14 +146,13 @@ def register() -> None:
     core_algos.register_policy_loss("rlk_mm_gspo")(compute_policy_loss_gspo)
     core_algos.register_adv_est("rlk_mm_grpo")(compute_grpo_outcome_advantage)
     core_algos.register_adv_est("rlk_mm_rloo")(compute_rloo_outcome_advantage)
-    if os.environ.get("RLK_MM_VERL_FUSED", "0") == "1":
-        importlib.import_module("rlk_mm.integrations.verl_fused").enable()
+    importlib.import_module("rlk_mm.integrations.verl_fused").register()  # honours RLK_MM_VERL_FUSED
 
 
 # ---------------------------------------------------------------------------------------------
 # Fused LM-head path: ``FusedLinearForPPO``, ``enable`` and ``disable`` live in
 # ``rlk_mm.integrations.verl_fused`` and are re-exported here, imported on first use.
-_FUSED_EXPORTS = ("FusedLinearForPPO", "enable", "disable")
+_FUSED_EXPORTS = ("FusedLinearForPPO", "enable", "disable", "enabled", "scoring", "response_rows")
 
 
 def __getattr__(name: str):
