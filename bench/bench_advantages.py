@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import time_ms  # noqa: E402
 from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
 ray_stand_in.install()  # verl imports ray at import time
@@ -42,26 +41,6 @@ from rlk_mm.integrations import verl as rlk_verl  # noqa: E402
 from rlk_mm.ops import group_advantages  # noqa: E402
 
 B, GROUP, R = 8192, 16, 512
-
-
-def timed(fn, device: str, reps: int, warmup: int = 1) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": round(statistics.median(times), 4), "times_ms": [round(t, 4) for t in times]}
 
 
 def run(device: str, reps: int) -> dict:
@@ -89,10 +68,10 @@ def run(device: str, reps: int) -> dict:
     check["ok"] = check["op_max_abs_vs_verl"] < 1e-5 and check["adapter_max_abs_vs_verl"] < 1e-5 and check["op_bitwise_run_to_run"]
 
     t = {
-        "verl_grpo": timed(lambda: core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index), device, max(2, reps // 2)),
-        "verl_grpo_vectorized": timed(lambda: core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index), device, reps),
-        "ours_op": timed(lambda: group_advantages(seq_scores, group_ids), device, reps * 20, warmup=3),
-        "ours_verl_adapter": timed(lambda: rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index), device, reps * 4, warmup=2),
+        "verl_grpo": time_ms(lambda: core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index), max(2, reps // 2), warmup=1, device=device),
+        "verl_grpo_vectorized": time_ms(lambda: core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index), reps, warmup=1, device=device),
+        "ours_op": time_ms(lambda: group_advantages(seq_scores, group_ids), reps * 20, warmup=3, device=device),
+        "ours_verl_adapter": time_ms(lambda: rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index), reps * 4, warmup=2, device=device),
     }
     ms = {k: v["ms"] for k, v in t.items()}
     return {

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,39 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import GIB, measure  # noqa: E402
 from rlk_mm.ops import selected_logprob  # noqa: E402
 from rlk_mm.ops._reference import logprob as ref  # noqa: E402
 from rlk_mm.ops._triton import logprob as tri  # noqa: E402
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error  # noqa: E402
 
 SHAPES = {"7b": (16384, 3584, 152064), "3b": (4096, 2048, 151936)}
-GIB = float(1 << 30)
-
-
-def measure(fn, reps: int, warmup: int = 2, before=None) -> dict:
-    """Median ms of ``fn`` over ``reps`` CUDA-event timings, and its peak memory above what
-    was allocated before one more call (``before()`` runs first: it frees the gradients of
-    earlier calls, so that the new ones count as extra)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    if before is not None:
-        before()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - held
-    return {"ms": round(statistics.median(times), 3), "extra_gib": round(extra / GIB, 4), "times_ms": [round(t, 3) for t in times]}
 
 
 def inputs(N: int, H: int, V: int, seed: int = 0):

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import MIB, measure  # noqa: E402
 from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
 ray_stand_in.install()  # verl imports ray at import time
@@ -46,29 +46,6 @@ from rlk_mm.ops import policy_loss, selected_logprob  # noqa: E402
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error  # noqa: E402
 
 B, R = 8, 16384
-MIB = float(1 << 20)
-
-
-def measure(fn, reps: int, warmup: int = 3) -> dict:
-    """Median ms over ``reps`` CUDA-event timings, and peak extra memory of one call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    return {"ms": round(statistics.median(times), 4), "extra_mib": round(extra / MIB, 3),
-            "min_ms": round(min(times), 4), "max_ms": round(max(times), 4)}
 
 
 def loss_inputs():

@@ -28,7 +28,6 @@ import importlib
 import json
 import os
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,11 +36,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import GIB, measure  # noqa: E402
 from rlk_mm.ops._triton import pack as tri  # noqa: E402
 
 P = importlib.import_module("rlk_mm.ops.packing")
 
-GIB = float(1 << 30)
 DEVICE = "cuda"
 SWEEP = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 512, 8), (4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (1, 4096, 8)]
 
@@ -57,28 +56,6 @@ def backend(name: str):
             os.environ.pop("RLK_MM_BACKEND")
         else:
             os.environ["RLK_MM_BACKEND"] = old
-
-
-def measure(fn, reps: int, warmup: int = 3) -> dict:
-    """Median ms of ``fn`` over ``reps`` CUDA-event timings, and its peak memory above what was held before."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - before
-    return {"ms": round(statistics.median(times), 4), "extra_gib": round(extra / GIB, 4),
-            "min_ms": round(min(times), 4), "max_ms": round(max(times), 4)}
 
 
 def rate(entry: dict, nbytes: int, copy_gbps: float) -> dict:

@@ -1,0 +1,61 @@
+"""Timing and memory measurement shared by the benchmarks (DESIGN.md's rules).
+
+Median of CUDA-event timings after warm-up (wall-clock on CPU), and peak memory of one
+more call above what was allocated just before it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+
+def time_ms(fn, reps: int, warmup: int = 2, device: str = "cuda") -> dict:
+    """``fn``'s median / min / max milliseconds over ``reps`` timed calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "ms": round(statistics.median(times), 4),
+        "min_ms": round(min(times), 4),
+        "max_ms": round(max(times), 4),
+        "times_ms": [round(t, 4) for t in times],
+    }
+
+
+def peak_extra_bytes(fn, before=None) -> int:
+    """Peak CUDA memory of one call of ``fn`` above what is allocated just before it
+    (``before()`` runs first, e.g. to free the gradients of earlier calls)."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - held
+
+
+def measure(fn, reps: int, warmup: int = 2, before=None) -> dict:
+    """``time_ms`` on CUDA plus ``extra_gib``: the peak memory of one more call."""
+    result = time_ms(fn, reps, warmup)
+    result["extra_gib"] = round(peak_extra_bytes(fn, before) / GIB, 4)
+    return result
