@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -83,6 +84,7 @@ def main() -> None:
         "build_s_not_timed": build_s,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates the times
         "torch": torch.__version__,
         "command": "python bench/bench_parity.py",
     }

@@ -122,13 +122,10 @@ def _token_views(batch: RLBatch) -> dict[str, torch.Tensor]:
     before = torch.cumsum(is_media, 0) - is_media
     rank = before - before[ms.sample_ptr[:-1].long()][ms.span_sample()]
     span_code = ms.modality.long() * (1 << 20) + (rank + 1) * is_media
-    sample, p, span = ms.token_positions()
-    modality_code = torch.empty(batch.num_tokens, dtype=torch.int64)
-    modality_code[batch.cu_seqlens.long()[sample] + p] = span_code[span]
     pos = batch.position_ids
     return {
         "input_ids": batch.input_ids,
-        "modality_spans": modality_code,
+        "modality_spans": batch.per_token(span_code),
         "position_ids.t": pos[0],
         "position_ids.h": pos[1],
         "position_ids.w": pos[2],
@@ -190,14 +187,20 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
     views_a, views_b = _token_views(ra), _token_views(tb)
     # compare the common prefix of every sample, vectorized over the whole batch
     common = torch.minimum(la, lb)
-    sample_of = torch.repeat_interleave(torch.arange(B), common)
+    total = int(common.sum())
+    sample_of = torch.repeat_interleave(torch.arange(B), common, output_size=total)
     starts = torch.cumsum(common, 0) - common
-    position = torch.arange(int(common.sum())) - starts[sample_of]
-    idx_a = ra.cu_seqlens.long()[sample_of] + position
-    idx_b = tb.cu_seqlens.long()[sample_of] + position
+    position = torch.arange(total) - starts[sample_of]
+    same_lengths = bool(torch.equal(la, lb))
+    if not same_lengths:
+        idx_a = ra.cu_seqlens.long()[sample_of] + position
+        idx_b = tb.cu_seqlens.long()[sample_of] + position
     per_field = {}
     for name in TOKEN_FIELDS:
-        diff = views_a[name][idx_a] != views_b[name][idx_b]
+        if same_lengths:  # the common case: both batches index tokens the same way
+            diff = views_a[name] != views_b[name]
+        else:
+            diff = views_a[name][idx_a] != views_b[name][idx_b]
         per_field[name] = _segment_first(diff, sample_of, position, B)
     for b in torch.nonzero(la != lb).flatten().tolist():
         found.append(Mismatch("length", b, int(common[b]), int(la[b]), int(lb[b]), count=abs(int(la[b] - lb[b]))))

@@ -155,17 +155,22 @@ class RLBatch(BaseModel):
 
     def token_modality(self) -> Tensor:
         """int8 [T]: the modality of every token (from the modality spans)."""
-        sample, pos, span = self.modality_spans.token_positions()
-        out = torch.empty(self.num_tokens, dtype=torch.int8, device=self.device)
-        out[self.cu_seqlens.long()[sample] + pos] = self.modality_spans.modality[span]
-        return out
+        return self.per_token(self.modality_spans.modality)
+
+    def per_token(self, span_values: Tensor) -> Tensor:
+        """A value per modality span spread to its tokens, [T]. The spans partition every
+        sample in token order, so this is one ``repeat_interleave``."""
+        lengths = self.modality_spans.lengths().long()
+        return torch.repeat_interleave(span_values, lengths, output_size=self.num_tokens)
 
     def loss_mask(self) -> Tensor:
         """bool [T]: True at target tokens (inside loss spans)."""
-        sample, pos, _ = self.loss_spans.token_positions()
-        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.device)
-        mask[self.cu_seqlens.long()[sample] + pos] = True
-        return mask
+        ls = self.loss_spans
+        offset = self.cu_seqlens.long()[ls.span_sample()]
+        edges = torch.zeros(self.num_tokens + 1, dtype=torch.int32, device=self.device)
+        edges.index_add_(0, offset + ls.starts.long(), torch.ones_like(ls.starts))
+        edges.index_add_(0, offset + ls.ends.long(), -torch.ones_like(ls.ends))
+        return torch.cumsum(edges[:-1], 0) > 0
 
     def _check_sample_index(self, b: int) -> None:
         if not 0 <= b < self.num_samples:
