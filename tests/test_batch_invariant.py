@@ -290,3 +290,23 @@ def test_group_logprobs_requires_a_shared_prompt(tiny):
     batch = _group_batch(processor, samples, [[5, 151645], [6, 151645]], ["g", "g"])
     with pytest.raises(ValueError, match="group 'g': sample 1 does not share sample 0's prompt"):
         group_logprobs(model, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernels_are_row_invariant_and_accurate():
+    """On the GPU: a K whose row stride is not 16-byte aligned (Qwen2.5-VL's vision MLP,
+    K = 3420) goes through the K-padded path; rows alone / shifted are bitwise; attention
+    of a sequence alone equals it inside a pack."""
+    a, w = _randn(3000, 3420, dtype=torch.bfloat16).cuda(), _randn(1280, 3420, dtype=torch.bfloat16, seed=1).cuda()
+    with batch_invariant():
+        out = P.matmul(a, w.t())
+        one = P.matmul(a[7:8], w.t())
+        shifted = P.matmul(torch.cat([a[:5], a[:200]]), w.t())[5:]
+        q, k, v = (_randn(900, h, 128, dtype=torch.bfloat16, seed=s).cuda() for s, h in ((0, 16), (1, 2), (2, 2)))
+        cu = torch.tensor([0, 300, 900], dtype=torch.int32, device="cuda")
+        packed = P.varlen_attention(q, k, v, cu)
+        alone = P.varlen_attention(q[300:], k[300:], v[300:], torch.tensor([0, 600], dtype=torch.int32, device="cuda"))
+    assert relative_error(out, a.double() @ w.double().t()) < _rel_bound(torch.bfloat16)
+    assert torch.equal(one, out[7:8]) and torch.equal(shifted, out[:200])
+    assert torch.equal(alone, packed[300:])
