@@ -180,6 +180,18 @@ def test_attention_interface_rejects_unsupported_options():
             P._attention_interface(None, q, q, q, None, sliding_window=2)
 
 
+def test_custom_ops_trace_under_torch_compile():
+    x, w = _randn(5, 16), _randn(16, seed=1)
+    q, k = _randn(1, 4, 9, 16, seed=2), _randn(1, 2, 9, 16, seed=3)
+    segs = tuple(torch.tensor([v], dtype=torch.int32) for v in (0, 0, 9, 0, 9))
+    with batch_invariant(backend="torch"):
+        norm = torch.compile(lambda x, w: P.rms_norm(x, w, 1e-6), backend="eager", fullgraph=True)
+        attn = torch.compile(lambda q, k: P.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9),
+                             backend="eager", fullgraph=True)
+        assert torch.equal(norm(x, w), P.rms_norm(x, w, 1e-6))
+        assert torch.equal(attn(q, k), P.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9))
+
+
 # --------------------------------------------------------------------------- the context manager
 
 

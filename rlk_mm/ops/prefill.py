@@ -126,13 +126,25 @@ _ATEN_OVERRIDES = {
 # --------------------------------------------------------------------------- RMSNorm
 
 
-@torch.library.custom_op("rlk_mm::bi_rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
+def _through_op(*tensors: torch.Tensor) -> bool:
+    """Whether a call needs the registered custom op (autograd or torch.compile). A no-grad
+    eager call runs the same function directly: the op's dispatch costs tens of
+    microseconds a call, which a launch-bound forward (a short prompt, one image) feels."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
     if use_triton:
         from ._triton.rmsnorm import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps)
     return _ref.rms_norm(x, weight, eps)
+
+
+_rms_norm_op = torch.library.custom_op("rlk_mm::bi_rms_norm", _rms_norm_impl, mutates_args=())
 
 
 @_rms_norm_op.register_fake
@@ -167,22 +179,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
     if x.dtype not in _FLOATS or weight.dtype not in _FLOATS:
         raise ValueError(f"rms_norm: unsupported dtypes {x.dtype}, {weight.dtype}")
-    return _rms_norm_op(x, weight, float(eps), _triton_for(x))
+    op = _rms_norm_op if _through_op(x, weight) else _rms_norm_impl
+    return op(x, weight, float(eps), _triton_for(x))
 
 
 # --------------------------------------------------------------------------- attention
 
 
-@torch.library.custom_op("rlk_mm::bi_attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,
-                  seg_q0: torch.Tensor, seg_ql: torch.Tensor, seg_k0: torch.Tensor, seg_kl: torch.Tensor,
-                  causal: bool, scale: float, max_q: int, use_triton: bool) -> torch.Tensor:
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,
+                    seg_q0: torch.Tensor, seg_ql: torch.Tensor, seg_k0: torch.Tensor, seg_kl: torch.Tensor,
+                    causal: bool, scale: float, max_q: int, use_triton: bool) -> torch.Tensor:
     segments = (seg_b, seg_q0, seg_ql, seg_k0, seg_kl)
     if use_triton:
         from ._triton.attention import segment_attention
 
         return segment_attention(q, k, v, segments, causal=causal, scale=scale, max_q=max_q)
     return _ref.segment_attention(q, k, v, segments, causal=causal, scale=scale)
+
+
+_attention_op = torch.library.custom_op("rlk_mm::bi_attention", _attention_impl, mutates_args=())
 
 
 @_attention_op.register_fake
@@ -297,7 +312,8 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
         raise ValueError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _FLOATS:
         raise ValueError(f"attention: unsupported dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    return _attention_op(q, k, v, *segments, causal, float(scale), int(max_q), _triton_for(q))
+    op = _attention_op if _through_op(q, k, v) else _attention_impl
+    return op(q, k, v, *segments, causal, float(scale), int(max_q), _triton_for(q))
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = True, scale=None):
