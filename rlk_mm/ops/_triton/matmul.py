@@ -103,11 +103,9 @@ def _pad_k(a: torch.Tensor, b: torch.Tensor, bk: int) -> tuple[torch.Tensor, tor
     holds the zeros the kernel's masked loads would have read, in the same K tiles, so the
     result is bitwise the same."""
     k = a.shape[2]
-    kp = -(-k // bk) * bk
-    a_pad = a.new_zeros((a.shape[0], a.shape[1], kp))
-    a_pad[:, :, :k] = a
-    b_pad = b.new_zeros((b.shape[0], b.shape[2], kp))  # [Bt, N, Kp]: K contiguous, like a weight
-    b_pad[:, :, :k] = b.transpose(1, 2)
+    pad = -(-k // bk) * bk - k
+    a_pad = torch.nn.functional.pad(a, (0, pad))
+    b_pad = torch.nn.functional.pad(b.transpose(1, 2), (0, pad))  # [Bt, N, Kp]: K contiguous, like a weight
     return a_pad, b_pad.transpose(1, 2)
 
 
