@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlk_mm import fixtures
-from rlk_mm.parity.invariance import CASES, MODES, add_invariance_parser, invariance_sweep
+from rlk_mm.parity.invariance import CASES, MODES, InvarianceReport, add_invariance_parser, invariance_sweep
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,6 +44,7 @@ def test_sweep_torch_path_is_bitwise_in_every_case(tiny, tmp_path):
     assert report.invariant
     data = json.loads(report.save_json(tmp_path / "inv.json").read_text())
     assert data["invariant"] and len(data["results"]) == len(report.results)
+    assert InvarianceReport.from_dict(data).results == report.results
     assert report.save_png(tmp_path / "inv.png").stat().st_size > 10_000
     assert "group_cache" in report.table()
 

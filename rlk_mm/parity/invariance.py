@@ -77,6 +77,16 @@ class InvarianceReport:
     def to_dict(self) -> dict:
         return {"meta": self.meta, "invariant": self.invariant, "results": [asdict(r) for r in self.results]}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "InvarianceReport":
+        """The report ``to_dict`` wrote (e.g. to re-draw a saved run's chart)."""
+        results = []
+        for r in data["results"]:
+            r = dict(r)
+            r["divergence"] = Divergence(**r["divergence"]) if r.get("divergence") else None
+            results.append(CaseResult(**r))
+        return cls(results, data.get("meta", {}))
+
     def save_json(self, path) -> Path:
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -98,7 +108,7 @@ class InvarianceReport:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        labels = sorted({(r.case, r.detail) for r in self.results}, key=lambda x: list(CASES).index(x[0]))
+        labels = sorted({(r.case, r.detail) for r in self.results}, key=lambda x: (list(CASES).index(x[0]), x[1]))
         names = [f"{c} {d}".strip() for c, d in labels]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 0.45 * len(labels) + 2.2), sharey=True)
         y = range(len(labels))
