@@ -192,6 +192,22 @@ def test_custom_ops_trace_under_torch_compile():
         assert torch.equal(attn(q, k), P.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_kernels_match_the_torch_references(dtype):
+    from rlk_mm.ops._triton import attention as TA
+    from rlk_mm.ops._triton import matmul as TM
+    from rlk_mm.ops._triton import rmsnorm as TR
+
+    a, w, bias = _randn(33, 40, dtype=dtype), _randn(24, 40, dtype=dtype, seed=1), _randn(24, dtype=dtype, seed=2)
+    assert relative_error(TM.bmm(a[None], w.t()[None], bias[None, None])[0], R.matmul(a, w.t(), bias)) < _rel_bound(dtype)
+    x, g = _randn(9, 40, dtype=dtype, seed=3), _randn(40, dtype=dtype, seed=4)
+    assert relative_error(TR.rms_norm(x, g, 1e-6), R.rms_norm(x, g, 1e-6)) < _rel_bound(dtype)
+    q, k, v = (_randn(2, h, 30, 16, dtype=dtype, seed=s) for s, h in ((5, 4), (6, 2), (7, 2)))
+    segs = [torch.tensor(t, dtype=torch.int32) for t in ([0, 1, 1], [0, 0, 12], [30, 12, 18], [0, 0, 12], [30, 12, 18])]
+    got = TA.segment_attention(q, k, v, segs, causal=True, scale=0.25, max_q=30)
+    assert relative_error(got, R.segment_attention(q, k, v, segs, causal=True, scale=0.25)) < _rel_bound(dtype)
+
+
 # --------------------------------------------------------------------------- the context manager
 
 
