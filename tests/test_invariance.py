@@ -3,14 +3,14 @@ case under batch_invariant() (torch path; Triton path under TRITON_INTERPRET=1 o
 subset, scoring hidden states since the interpreted LM head over V=151669 takes minutes);
 a planted drift is located by the probe; report files and the CLI."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from rlk_mm import fixtures
-from rlk_mm.parity.invariance import CASES, MODES, InvarianceReport, add_invariance_parser, invariance_sweep
+from rlk_mm.cli import main as cli_main
+from rlk_mm.parity.invariance import CASES, MODES, InvarianceReport, invariance_sweep
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -90,12 +90,10 @@ def test_probe_names_the_planted_layer(tiny, where):
 
 
 def test_invariance_cli(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    add_invariance_parser(parser.add_subparsers())
-    args = parser.parse_args(["invariance", "--samples", "2", "--cases", "packed", "prefix_cache", "--no-control",
-                              "--response-length", "3", "--backend", "torch",
-                              "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
-    assert args.func(args) == 0
+    argv = ["invariance", "--samples", "2", "--cases", "packed", "prefix_cache", "--no-control",
+            "--response-length", "3", "--backend", "torch",
+            "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")]
+    assert cli_main(argv) == 0
     assert "prefix_cache" in capsys.readouterr().out
     assert json.loads((tmp_path / "r.json").read_text())["invariant"] is True
     assert (tmp_path / "r.png").exists()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from .logprob import selected_logprob
-from .prefill import fill_media, media_token_counts
+from ..schema.spans import Modality
+from .prefill import fill_media
 
-_IMAGE, _VIDEO = 1, 2  # Modality.IMAGE / VIDEO (schema/spans.py)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -75,7 +75,7 @@ class VisionCache:
         rows = dict(self._kept)
         missing = [users[k][0] for k in users if k not in rows]
         pixels = _item_pixels(batch)
-        for kind in (_IMAGE, _VIDEO):
+        for kind in (int(Modality.IMAGE), int(Modality.VIDEO)):
             todo = [i for i in missing if int(modality[i]) == kind]
             if not todo:
                 continue
@@ -89,7 +89,7 @@ class VisionCache:
             self._kept.update({k: v.detach() for k, v in rows.items()})
         unique = list(users)
         table = torch.cat([rows[k] for k in unique])
-        counts = media_token_counts(batch)
+        counts = batch.media_token_counts()
         sizes = torch.tensor([rows[k].shape[0] for k in unique])
         start_of_key = dict(zip(unique, (torch.cumsum(sizes, 0) - sizes).tolist()))
         out_start = (torch.cumsum(counts, 0) - counts).tolist()
@@ -104,21 +104,13 @@ class VisionCache:
 
 
 def _item_pixels(batch) -> list[torch.Tensor]:
-    """Each media item's vision-tower input rows (images from pixel_values, videos from
-    pixel_values_videos, in item order within each)."""
-    out = [None] * batch.num_media
-    for kind, pixels in ((_IMAGE, batch.pixel_values), (_VIDEO, batch.pixel_values_videos)):
-        items = [i for i in range(batch.num_media) if int(batch.media_modality[i]) == kind]
-        if items and pixels is None:
-            raise ValueError(f"batch has {'image' if kind == _IMAGE else 'video'} items but no pixel values")
-        start = 0
-        for i in items:
-            n = int(batch.media_grid_thw[i].prod())
-            out[i] = pixels[start : start + n]
-            start += n
-        if items and start != pixels.shape[0]:
-            raise ValueError(f"pixel values have {pixels.shape[0]} rows; the media grids need {start}")
-    return out
+    """Each media item's vision-tower input rows; the batch must keep its pixels."""
+    rows = batch.media_pixel_rows()
+    missing = [i for i, r in enumerate(rows) if r is None]
+    if missing:
+        kind = "image" if int(batch.media_modality[missing[0]]) == int(Modality.IMAGE) else "video"
+        raise ValueError(f"media item {missing[0]} ({kind}) has no pixel values in the batch: the vision cache needs them")
+    return rows
 
 
 def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, temperature: float = 1.0) -> torch.Tensor:

@@ -521,18 +521,11 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
 def fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
     """Packed token embeddings with every media placeholder replaced by its vision row."""
     rows, item, index = media_token_rows(batch)
-    counts = media_token_counts(batch).to(item.device)
+    counts = batch.media_token_counts().to(item.device)
     if media_embeds.shape[0] != int(counts.sum()):
         raise ValueError(f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}")
     src = (torch.cumsum(counts, 0) - counts)[item] + index
     return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.dtype))
-
-
-def media_token_counts(batch) -> torch.Tensor:
-    """int64 [M]: vision rows (placeholder tokens) of each media item."""
-    if batch.media_grid_thw is None:
-        return torch.zeros(0, dtype=torch.int64)
-    return batch.media_grid_thw.long().prod(-1) // batch.spatial_merge_size**2
 
 
 def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:

@@ -12,7 +12,6 @@ innermost op) whose output differs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -540,50 +539,3 @@ def invariance_sweep(
         "module_order": [n for n, _ in model.named_modules()],
     }
     return InvarianceReport(results, meta)
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_invariance_parser(subparsers) -> argparse.ArgumentParser:
-    """``rlk-mm invariance``: the sweep on the tiny random-weight Qwen2.5-VL (or a local model directory)."""
-    p = subparsers.add_parser("invariance", help="bitwise invariance sweep of selected log-probs (batching, padding, packing, caches)")
-    p.add_argument("--model-path", help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
-    p.add_argument("--samples", type=int, default=4, help="number of synthetic image-text samples (>= 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", nargs="+", choices=list(CASES), help="cases to run (default: all)")
-    p.add_argument("--backend", choices=["torch", "triton"], help="kernels inside batch_invariant() (default: Triton on CUDA, torch on CPU)")
-    p.add_argument("--score", choices=["logprob", "hidden"], default="logprob")
-    p.add_argument("--response-length", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--no-control", action="store_true", help="skip the run without batch_invariant()")
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--png", help="draw the 'where drift starts' chart here")
-    p.set_defaults(func=run_invariance_cli)
-    return p
-
-
-def run_invariance_cli(args) -> int:
-    """Exit 0 when every case is bitwise under batch_invariant(), else 1."""
-    from .. import fixtures
-
-    processor = fixtures.qwen_vl_processor(args.model_path)
-    if args.model_path:
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model_path, attn_implementation="sdpa")
-    else:
-        model = fixtures.tiny_qwen2_5_vl(args.seed)
-    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
-    samples = fixtures.synthetic_image_text(args.samples, args.seed)
-    report = invariance_sweep(model, processor, samples, cases=args.cases, control=not args.no_control,
-                              backend=args.backend, score=args.score, response_length=args.response_length,
-                              group_size=args.group_size)
-    print(report.table())
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.save_png(args.png)
-    return 0 if report.invariant else 1

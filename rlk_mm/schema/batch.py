@@ -223,7 +223,7 @@ class RLBatch(BaseModel):
         lo, hi = int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])
         media_here = [] if self.media_sample is None else torch.nonzero(self.media_sample == b).flatten().tolist()
         local = {g: i for i, g in enumerate(media_here)}
-        pixels = self._media_pixel_rows()
+        pixels = self.media_pixel_rows()
         media = []
         for g in media_here:
             modality = Modality(int(self.media_modality[g]))
@@ -273,8 +273,14 @@ class RLBatch(BaseModel):
             screen_size=None if self.screen_size is None else self.screen_size[b],
         )
 
-    def _media_pixel_rows(self) -> list[Optional[Tensor]]:
-        """Vision-tower input rows of each media item (None when pixels are not kept)."""
+    def media_token_counts(self) -> Tensor:
+        """int64 [M]: placeholder tokens (= vision-tower output rows) of each media item."""
+        if self.media_grid_thw is None:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return media_token_counts(self.media_grid_thw, self.spatial_merge_size)
+
+    def media_pixel_rows(self) -> list[Optional[Tensor]]:
+        """Vision-tower input rows of each media item (None where the batch keeps no pixels)."""
         out: list[Optional[Tensor]] = [None] * self.num_media
         for modality, pixels in ((Modality.IMAGE, self.pixel_values), (Modality.VIDEO, self.pixel_values_videos)):
             if pixels is None or self.media_modality is None:
