@@ -23,7 +23,10 @@ _EXPORTS = {
     "pack_padded": "packing",
     "unpack_to_padded": "packing",
     "batch_invariant": "prefill",
+    "batch_logprobs": "prefill",
+    "forward_hidden": "prefill",
     "VisionCache": "cache",
+    "group_logprobs": "cache",
 }
 
 __all__ = sorted(_EXPORTS)
