@@ -87,6 +87,23 @@ def test_gradient_through_one_output_only(backend):
         assert relative_error(hg.grad, r_dh) <= tol and relative_error(wg.grad, r_dw) <= tol
 
 
+def test_gradient_to_one_input_only(backend):
+    """A frozen LM head (RL fine-tuning often freezes it) or frozen hidden states, with a bias
+    that needs no gradient: only the inputs that require grad get one."""
+    T, H, V = 16, 32, 120
+    h, w, b = _inputs(T, H, V, torch.float32, seed=5, bias=True)
+    rows, targets = torch.arange(1, 12), torch.randint(0, V, (11,))
+    up = torch.linspace(-1, 1, 11)
+    _, _, r_dh, r_dw, _ = _oracle(h, w, rows, targets, 0.8, b, up, torch.zeros(11))
+    tol = LOGPROB_GRAD_REL.fp32
+    hg = h.clone().requires_grad_()
+    selected_logprob(hg, w, index=rows, targets=targets, temperature=0.8, bias=b).backward(up)
+    assert relative_error(hg.grad, r_dh) <= tol
+    wg = w.clone().requires_grad_()
+    selected_logprob(h, wg, index=rows, targets=targets, temperature=0.8, bias=b).backward(up)
+    assert relative_error(wg.grad, r_dw) <= tol
+
+
 def test_repeated_rows_sum_and_padded_hidden(backend):
     """[B, L, H] hidden; a row scored twice (two candidate targets) gets both gradients."""
     B, L, H, V = 3, 8, 32, 150

@@ -179,7 +179,6 @@ def _backward_op(
     grad_logp = grad_logp.float().contiguous()
     if grad_entropy is not None:
         grad_entropy = grad_entropy.float().contiguous()
-    empty = hidden.new_empty(0)
     if n == 0:
         d_hidden, d_weight, d_bias = torch.zeros_like(hidden), torch.zeros_like(weight), weight.new_zeros(V)
     elif use_triton(hidden, weight):
@@ -202,21 +201,21 @@ def _backward_op(
             grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse,
             entropy if grad_entropy is not None else None, temperature,
         )
+    # an output not needed is a fresh empty tensor: outputs of a custom op may not alias
     return (
-        d_hidden.to(hidden.dtype) if need_hidden else empty,
-        d_weight.to(weight.dtype) if need_weight else empty,
-        d_bias.to(weight.dtype) if need_bias and d_bias is not None else empty,
+        d_hidden.to(hidden.dtype) if need_hidden else hidden.new_empty(0),
+        d_weight.to(weight.dtype) if need_weight else hidden.new_empty(0),
+        d_bias.to(weight.dtype) if need_bias and d_bias is not None else hidden.new_empty(0),
     )
 
 
 @_backward_op.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
       temperature, need_hidden, need_weight, need_bias):
-    empty = hidden.new_empty(0)
     return (
-        torch.empty_like(hidden) if need_hidden else empty,
-        torch.empty_like(weight) if need_weight else empty,
-        weight.new_empty(weight.shape[0]) if need_bias and bias is not None else empty,
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
+        weight.new_empty(weight.shape[0]) if need_bias and bias is not None else hidden.new_empty(0),
     )
 
 
