@@ -114,12 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_parity)
 
     _add_invariance_parser(sub)
-    try:
-        from .smoke import add_smoke_parser
-    except ImportError:
-        add_smoke_parser = None
-    if add_smoke_parser is not None:
-        add_smoke_parser(sub)
+    from .smoke import add_smoke_parser
+
+    add_smoke_parser(sub)
     return parser
 
 

@@ -1,0 +1,133 @@
+"""The GRPO smoke test (`rlk-mm smoke`), shortened for CI: its gates pass on the real
+pipeline (tiny Qwen2.5-VL, real processor, `generate`, rlk_mm ops), each `--break` mode
+makes it fail where it should, Geo3K runs, and its parts (data, rewards, sampler, the
+shared vision encoding) do what they claim."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from rlk_mm import smoke
+from rlk_mm.fixtures import Sample, processor_inputs, tiny_qwen2_5_vl
+
+# Short runs: the gates and a couple of GRPO steps. Warm-up length matters: the policy must
+# answer with colour words often enough that the first batch has a reward spread (the
+# first-update direction check needs one). Verified for these settings and seed.
+SHORT = ["--steps", "2", "--prompts", "4", "--samples", "4", "--warmup-steps", "40", "--quiet"]
+GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
+
+
+def _run(tmp_path, *extra):
+    args = smoke.parse_args([*SHORT, "--out", str(tmp_path), *extra])
+    code = smoke.run_smoke(args)
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    return code, report, {g["name"]: g["ok"] for g in report["gates"]}
+
+
+def test_short_smoke_passes_gates_and_trains(tmp_path):
+    code, report, gates = _run(tmp_path)
+    assert code == 0, report.get("learning")
+    assert gates == dict.fromkeys(GATES, True)
+    assert report["exit_code"] == 0 and report["seed"] == 0 and report["task"] == "colour"
+    assert {"torch", "transformers", "rlk_mm", "python"} <= set(report["versions"])
+    assert len(report["steps"]) == 2
+    for step in report["steps"]:
+        for key in ("reward_mean", "reward_std", "loss", "kl", "clip_frac", "max_ratio_dev", "tokens_per_s"):
+            assert math.isfinite(step[key]), (key, step)
+        assert 0.0 <= step["reward_mean"] <= 1.0
+    # the update was made on policy: the ratio moved by no more than the log-prob contract
+    assert report["steps"][0]["max_ratio_dev"] <= report["gates"][3]["data"]["tolerance"]
+    # the first update moved probability towards the better answers (a reward spread existed)
+    assert report["learning"]["direction"] is not None and report["learning"]["direction"] > 0
+    assert report["learning"]["ok"]
+    for name in ("smoke_curves.png", "smoke_layout.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "mode, failing",
+    [
+        ("loss-shift", set(GATES)),  # spans differ (a), comparison refused (b), prompt token scored (c), ratio off (d)
+        ("image-swap", {"(b) log-prob consistency", "(d) on-policy ratio"}),  # same layout, other pixels seen
+        ("adv-sign", set()),  # the gates cannot see it: the learning check must
+    ],
+)
+def test_each_break_mode_fails(tmp_path, mode, failing):
+    # 5 prompts: the 4 first-image sizes force two same-size images in different groups
+    extra = ("--prompts", "5") if mode == "image-swap" else ()
+    code, report, gates = _run(tmp_path, "--break", mode, *extra)
+    assert code == 1
+    assert {name for name, ok in gates.items() if not ok} == failing
+    if failing:
+        assert report["steps"] == []  # no update is made after a failed gate
+    else:
+        assert report["learning"]["direction"] < 0 and not report["learning"]["ok"]
+
+
+def test_geo3k_passes_gates_and_runs_two_steps(tmp_path, geo3k_dir):
+    args = smoke.parse_args(
+        ["--data", str(geo3k_dir), "--steps", "2", "--prompts", "2", "--samples", "4", "--warmup-steps", "10",
+         "--quiet", "--out", str(tmp_path)]
+    )
+    assert smoke.run_smoke(args) == 0
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    assert report["task"] == "geo3k" and all(g["ok"] for g in report["gates"])
+    assert len(report["steps"]) == 2
+
+
+# ----------------------------------------------------------------------------- parts
+def test_colour_samples_have_a_dominant_colour():
+    rng = random.Random(7)
+    samples = [smoke.colour_sample(rng, f"s{i}") for i in range(40)]
+    assert {s.answer for s in samples} == set(smoke.COLOURS)
+    assert any(len(s.images) == 2 for s in samples) and any(len(s.images) == 1 for s in samples)
+    assert len({s.images[0].size for s in samples}) > 1
+    for s in samples:
+        counts = smoke._colour_pixels(s.images)
+        assert counts == s.meta["pixels"]
+        assert all(counts[s.answer] >= 1.5 * max(v, 1) for c, v in counts.items() if c != s.answer)
+    again = smoke.colour_sample(random.Random(7), "s0")
+    assert again.answer == samples[0].answer and again.images[0].tobytes() == samples[0].images[0].tobytes()
+
+
+def test_rewards():
+    red = Sample("x", [{"role": "user", "content": "q"}], answer="red")
+    assert [smoke.colour_reward(t, red) for t in ("red", " Red.", "blue", "red red")] == [1.0, 1.0, 0.0, 0.0]
+    geo = Sample("g", [{"role": "user", "content": "q"}], answer="5 \\sqrt { 3 }")
+    num = Sample("n", [{"role": "user", "content": "q"}], answer="80")
+    assert smoke.geo3k_reward("so \\boxed{5\\sqrt{3}}", geo) == pytest.approx(1.0)
+    assert smoke.geo3k_reward("\\boxed{80.0}", num) == pytest.approx(1.0)
+    assert smoke.geo3k_reward("\\boxed{81}", num) == pytest.approx(0.1)
+    assert smoke.geo3k_reward("80", num) == 0.0
+    assert smoke.geo3k_reward("\\boxed{1} then \\boxed{{80}}", num) == pytest.approx(0.1)  # last box, braces kept
+
+
+def test_sampler_samples_the_tempered_softmax_and_records_its_logprobs():
+    torch.manual_seed(0)
+    scores = torch.randn(1, 6).repeat(40_000, 1) * 2
+    expected = torch.log_softmax(scores / 0.7, -1)
+    sampler = smoke._Sampler(0.7, torch.Generator().manual_seed(1))
+    out = sampler(None, scores.clone())
+    token = out.argmax(-1)  # generate's greedy step picks the sample
+    assert bool((out.gather(1, token[:, None]) == 0).all()) and bool(torch.isinf(out).sum(-1).eq(5).all())
+    torch.testing.assert_close(sampler.logprobs[0], expected.gather(1, token[:, None]).squeeze(1), rtol=0, atol=1e-6)
+    freq = torch.bincount(token, minlength=6).double() / token.numel()
+    assert (freq - expected[0].exp().double()).abs().max() < 0.01  # ~4.5 standard errors at 40k draws
+
+
+def test_distinct_image_encoding_matches_encoding_every_copy():
+    policy = smoke.load_policy(None, 3, torch.device("cpu"), torch.float32)
+    plain = tiny_qwen2_5_vl(3, **smoke.TINY_MODEL)
+    rng = random.Random(0)
+    prompts = [smoke.colour_sample(rng, f"p{i}") for i in range(3)]
+    rows = [p for p in prompts for _ in range(3)]
+    inputs = processor_inputs(policy.processor, rows)
+    with torch.no_grad():
+        shared = policy.model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+        each = plain.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert len(shared) == len(each)
+    for a, b in zip(shared, each):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
