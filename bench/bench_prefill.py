@@ -46,6 +46,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from timing import GIB, peak_extra_bytes, time_ms  # noqa: E402
+
 from rlk_mm import fixtures  # noqa: E402
 from rlk_mm.ops import prefill as P  # noqa: E402
 from rlk_mm.ops.cache import VisionCache, group_logprobs  # noqa: E402
@@ -103,23 +105,7 @@ def build_model(layers: int):
 
 
 def timed(fn, reps: int, warmup: int = 1) -> dict:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if Setup.device != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return {"ms": round(statistics.median(times), 3), "times_ms": [round(t, 3) for t in times]}
+    return time_ms(fn, reps, warmup, device=Setup.device)
 
 
 def sync():
@@ -131,12 +117,7 @@ def peak_extra_gib(fn) -> float | None:
     if Setup.device != "cuda":
         fn()
         return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - before) / 2**30, 3)
+    return round(peak_extra_bytes(fn) / GIB, 3)
 
 
 def image(seed: int) -> Image.Image:
