@@ -75,6 +75,9 @@ MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "
 TINY_MODEL = dict(hidden_size=128, num_layers=2, vision_depth=1)
 """The default policy: text hidden 128 (64 stalls near 0.7 reward), one vision block."""
 
+LR_FLOOR = 0.1
+"""The learning rate decays (cosine) to this fraction of `--lr` at the last GRPO step."""
+
 LEARNING_MIN_STEPS = 100
 """Runs at least this long must show learning: start <= `LEARNING_MAX_START`, last 10
 steps >= `LEARNING_MIN_FINAL` (colour task only)."""
@@ -92,13 +95,15 @@ IMAGE_SIZES = ((112, 112), (112, 84), (84, 112), (84, 84))
 """(width, height): 9 to 16 image tokens each at the processor's default pixel limits."""
 SECOND_IMAGE_SIZES = ((56, 56), (84, 56), (56, 84))
 TWO_IMAGE_RATE = 0.25
+BACKGROUND_RATE = 0.7
+"""How often the dominant colour is the background (else a large shape on a light one)."""
 
 
 def _draw_colour_image(rng: random.Random, size, colour: str) -> Image.Image:
     """`colour` as the background or as one large shape on a light background, and 1-3
     smaller distractor shapes of other colours."""
     width, height = size
-    on_background = rng.random() < 0.5
+    on_background = rng.random() < BACKGROUND_RATE
     background = COLOURS[colour] if on_background else tuple(rng.randrange(200, 256) for _ in range(3))
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
@@ -328,6 +333,18 @@ def freeze_embeddings_and_head(model) -> list[Tensor]:
     model.get_input_embeddings().weight.requires_grad_(False)
     model.lm_head.weight.requires_grad_(False)
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def lr_factor(step: int, warmup: int, steps: int) -> float:
+    """The GRPO learning-rate multiplier at 0-based `step`: a linear ramp over `warmup`
+    steps (Adam's first steps are sign-like, ~lr on every weight at once: without the ramp
+    the first update alone moves the tiny policy by a KL of ~2 and the answer format
+    breaks), then a cosine decay to `LR_FLOOR` at the last step (Adam keeps its step size
+    as the reward signal thins out, so a constant rate lets noise undo a learned policy)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(steps - 1 - warmup, 1)
+    return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 # ----------------------------------------------------------------------------- padded training forward
@@ -788,6 +805,7 @@ def run_smoke(args) -> int:
     timings["warmup_s"] = time.perf_counter() - t
     reference = copy.deepcopy(policy.model).requires_grad_(False)
     opt = torch.optim.Adam(freeze_embeddings_and_head(policy.model), lr=args.lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps))
 
     def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Tensor):
         sample = tb.loss_token_sample().to(device)
@@ -859,6 +877,7 @@ def run_smoke(args) -> int:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        schedule.step()
         t4 = time.perf_counter()
         if step == 1:
             with torch.no_grad():
@@ -969,6 +988,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=8, help="answers per prompt, the GRPO group size (default 8)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate of the GRPO steps (default 2e-3)")
+    p.add_argument("--lr-warmup-steps", type=int, default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
     p.add_argument("--kl-coef", type=float, default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
     p.add_argument("--warmup-steps", type=int, default=40, help="supervised warm-up steps with shuffled labels (default 40)")
     p.add_argument("--warmup-lr", type=float, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")

@@ -78,6 +78,18 @@ def test_geo3k_passes_gates_and_runs_two_steps(tmp_path, geo3k_dir):
     assert len(report["steps"]) == 2
 
 
+@pytest.mark.gpu
+def test_default_smoke_learns_on_the_gpu(tmp_path):
+    """The full default run (300 steps, Triton kernels): gates pass, reward from chance to >= 0.8."""
+    args = smoke.parse_args(["--device", "cuda", "--quiet", "--out", str(tmp_path)])
+    code = smoke.run_smoke(args)
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    print(f"default smoke on {report['device']}: {report['learning']['detail']} in {report['timings']['total_s']:.0f} s")
+    assert all(g["ok"] for g in report["gates"]), report["gates"]
+    assert len(report["steps"]) == args.steps
+    assert report["learning"]["ok"] and code == 0, report["learning"]
+
+
 # ----------------------------------------------------------------------------- parts
 def test_colour_samples_have_a_dominant_colour():
     rng = random.Random(7)

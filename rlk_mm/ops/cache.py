@@ -139,41 +139,47 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
     vision_cache = vision_cache or VisionCache(model)
     lm = model.model.language_model
     embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
+    dev, width_h = embeds.device, embeds.shape[-1]
+    # index arithmetic on the host, once: per-member device syncs would stall a launch-bound forward
     rows, _ = batch.loss_token_index()
-    token_sample = batch.loss_token_sample()
-    cu = batch.cu_seqlens.long().tolist()
+    token_sample = batch.loss_token_sample().cpu()
+    cu = batch.cu_seqlens.long().cpu()
+    offset = rows.cpu() - cu[token_sample]  # position of each scoring hidden state within its sample
+    cu = cu.tolist()
     prompt = prompt_lengths(batch)
-    hidden = embeds.new_zeros((rows.numel(), embeds.shape[-1]))
-    group = batch.group_index().tolist()
-    for g in range(max(group, default=-1) + 1):
-        members = [b for b, x in enumerate(group) if x == g]
+    group = batch.group_index().cpu()
+    pos = batch.position_ids
+    hidden = embeds.new_zeros((rows.numel(), width_h))
+    for g in range(int(group.max()) + 1 if group.numel() else 0):
+        members = torch.nonzero(group == g).flatten().tolist()
         p = _shared_prompt(batch, members, prompt, cu)
         first = cu[members[0]]
-        pos = batch.position_ids
         out = lm(inputs_embeds=embeds[None, first : first + p], position_ids=pos[:, None, first : first + p], use_cache=True)
         prompt_hidden, kv = out.last_hidden_state[0], out.past_key_values
-        lengths = [cu[b + 1] - cu[b] - p for b in members]
-        width = max(lengths)
-        resp_hidden = None
-        if width:
+        lengths = torch.tensor([cu[b + 1] - cu[b] - p for b in members])
+        width = int(lengths.max())
+        rank = torch.full((batch.num_samples,), -1, dtype=torch.long)
+        rank[members] = torch.arange(len(members))
+        sel = torch.nonzero(rank[token_sample] >= 0).flatten()
+        t = offset[sel]
+        in_prompt = t < p
+        hidden[sel[in_prompt].to(dev)] = prompt_hidden[t[in_prompt].to(dev)]
+        if width and not bool(in_prompt.all()):
             kv.batch_repeat_interleave(len(members))
-            resp = embeds.new_zeros((len(members), width, embeds.shape[-1]))
-            resp_pos = torch.ones((3, len(members), width), dtype=pos.dtype, device=pos.device)
-            mask = torch.zeros((len(members), p + width), dtype=torch.int64, device=embeds.device)
-            mask[:, :p] = 1
-            for j, (b, n) in enumerate(zip(members, lengths)):
-                resp[j, :n] = embeds[cu[b] + p : cu[b + 1]]
-                resp_pos[:, j, :n] = pos[:, cu[b] + p : cu[b + 1]]
-                mask[j, p : p + n] = 1
-            resp_hidden = lm(inputs_embeds=resp, attention_mask=mask, position_ids=resp_pos,
-                             past_key_values=kv, use_cache=True).last_hidden_state
-        for j, b in enumerate(members):
-            sel = torch.nonzero(token_sample == b).flatten()
-            t = rows[sel] - cu[b]  # position of the scoring hidden state within the sample
-            in_prompt = t < p
-            hidden[sel[in_prompt]] = prompt_hidden[t[in_prompt]]
-            if resp_hidden is not None and bool((~in_prompt).any()):
-                hidden[sel[~in_prompt]] = resp_hidden[j, t[~in_prompt] - p]
+            live = torch.arange(width)[None, :] < lengths[:, None]  # [G, width]: a member's response tokens
+            slot = torch.nonzero(live.flatten()).flatten()
+            src = (torch.tensor([cu[b] + p for b in members])[:, None] + torch.arange(width)[None, :])[live]
+            resp = embeds.new_zeros((len(members) * width, width_h))
+            resp[slot.to(dev)] = embeds[src.to(dev)]
+            resp_pos = torch.ones((3, len(members) * width), dtype=pos.dtype, device=dev)
+            resp_pos[:, slot.to(dev)] = pos[:, src.to(dev)]
+            mask = torch.cat([torch.ones((len(members), p), dtype=torch.int64), live.long()], 1).to(dev)
+            resp_hidden = lm(inputs_embeds=resp.view(len(members), width, width_h), attention_mask=mask,
+                             position_ids=resp_pos.view(3, len(members), width), past_key_values=kv,
+                             use_cache=True).last_hidden_state
+            later = sel[~in_prompt]
+            at = rank[token_sample[later]] * width + t[~in_prompt] - p
+            hidden[later.to(dev)] = resp_hidden.reshape(-1, width_h)[at.to(dev)]
     return hidden
 
 

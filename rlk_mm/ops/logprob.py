@@ -155,8 +155,7 @@ def _forward_op(
         from ._triton import logprob as _tri
 
         return _tri.forward(hidden, weight, rows, targets, bias, temperature, with_entropy)
-    logp, entropy, lse = _ref.selected_logprob_forward(hidden, weight, rows, targets, bias, temperature)
-    return logp, (entropy if with_entropy else entropy[:0].clone()), lse
+    return _ref.selected_logprob_forward(hidden, weight, rows, targets, bias, temperature, with_entropy=with_entropy)
 
 
 @_forward_op.register_fake
@@ -199,7 +198,7 @@ def _backward_op(
     else:
         d_hidden, d_weight, d_bias = _ref.selected_logprob_backward(
             grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse,
-            entropy if grad_entropy is not None else None, temperature,
+            entropy if grad_entropy is not None else None, temperature, need=(need_hidden, need_weight, need_bias),
         )
     # an output not needed is a fresh empty tensor: outputs of a custom op may not alias
     return (

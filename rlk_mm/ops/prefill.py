@@ -47,15 +47,20 @@ _SEGMENT_CACHE: dict[int, tuple] = {}
 
 
 def _triton_for(*tensors: torch.Tensor) -> bool:
-    """Backend choice of the ops below: batch_invariant(backend=...) first, then the env/device."""
+    """Backend choice of the ops below: inside ``batch_invariant()`` the one resolved when
+    the block was entered (its ``backend``, else ``RLK_MM_BACKEND``: no environment lookup
+    per op in a launch-bound forward), outside it the env/device."""
     backend = _STATE.backend
+    if backend is None:
+        return _backend.use_triton(*tensors)
     if backend == "torch":
         return False
+    on_cuda = any(t.is_cuda for t in tensors)
     if backend == "triton":
-        if not any(t.is_cuda for t in tensors) and not _backend.triton_interpreting():
+        if not on_cuda and not _backend.triton_interpreting():
             raise RuntimeError("batch_invariant(backend='triton') on CPU tensors needs TRITON_INTERPRET=1")
         return True
-    return _backend.use_triton(*tensors)
+    return on_cuda  # "auto"
 
 
 # --------------------------------------------------------------------------- matmul
@@ -422,7 +427,7 @@ def batch_invariant(backend: str | None = None):
         for cls, attr, fn in _module_patches():
             saved.append((cls, attr, cls.__dict__.get(attr, _MISSING)))
             setattr(cls, attr, fn)
-        _STATE.active, _STATE.backend = True, backend
+        _STATE.active, _STATE.backend = True, backend or _backend.backend_name()
         yield
     finally:
         _STATE.active, _STATE.backend = False, None

@@ -137,10 +137,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     interp = triton_interpreting() and not a.is_cuda
     _mm_kernel[(programs, batch)](
         a, b, out, bias_t, m, n, k,
-        a.stride(0), a.stride(1), a.stride(2),
-        b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        bias_t.stride(0), bias_t.stride(1), bias_t.stride(2),
+        *a.stride(), *b.stride(), *out.stride(), *bias_t.stride(),
         float(alpha), float(beta), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(a.dtype, interp),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
