@@ -300,12 +300,19 @@ class _DistinctImages:
             kwargs = {**kwargs, "grid_thw": args[1]}
             args = args[:1]
         pixels, grid = args[0], kwargs["grid_thw"]
-        chunks = torch.split(pixels, grid.prod(-1).tolist())
+        sizes = grid.prod(-1).tolist()
+        chunks = torch.split(pixels, sizes)
+        # candidates share their grid and pixel sum (one reduction for all items); torch.equal decides
+        item = torch.repeat_interleave(torch.arange(len(sizes), device=pixels.device), grid.prod(-1).to(pixels.device))
+        sums = torch.zeros(len(sizes), dtype=torch.float64, device=pixels.device).index_add_(0, item, pixels.double().sum(-1))
+        candidates: dict[tuple, list[int]] = {}
         distinct: list[int] = []
         owner = []
-        for i, chunk in enumerate(chunks):
-            match = next((u for u in distinct if torch.equal(grid[u], grid[i]) and torch.equal(chunks[u], chunk)), None)
+        for i, key in enumerate(zip(map(tuple, grid.tolist()), sums.tolist())):
+            same = candidates.setdefault(key, [])
+            match = next((u for u in same if torch.equal(chunks[u], chunks[i])), None)
             if match is None:
+                same.append(i)
                 distinct.append(i)
             owner.append(distinct.index(i if match is None else match))
         tokens = (grid.prod(-1) // self.merge**2).tolist()
@@ -987,7 +994,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--samples", type=int, default=8, help="answers per prompt, the GRPO group size (default 8)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate of the GRPO steps (default 2e-3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
     p.add_argument("--lr-warmup-steps", type=int, default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
     p.add_argument("--kl-coef", type=float, default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
     p.add_argument("--warmup-steps", type=int, default=40, help="supervised warm-up steps with shuffled labels (default 40)")

@@ -208,6 +208,35 @@ def test_triton_kernels_match_the_torch_references(dtype):
     assert relative_error(got, R.segment_attention(q, k, v, segs, causal=True, scale=0.25)) < _rel_bound(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_input_linears_are_bitwise_one_launch_each(dtype):
+    from rlk_mm.ops._triton import matmul as TM
+
+    widths = (64, 64, 96) if dtype == torch.float32 else (256, 256, 512)  # one tile config per dtype
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(40, n, bias=bias, dtype=dtype) for n, bias in zip(widths, (True, True, True))]
+    x = _randn(3, 5, 40, dtype=dtype, seed=9)
+    seen = []
+    layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    with torch.no_grad(), batch_invariant(backend="triton"):
+        one_by_one = [layer(x) for layer in layers]
+        assert TM.linears(x.reshape(-1, 40), [l.weight for l in layers], [l.bias for l in layers]) is not None
+        together = P.shared_input_linears(x, layers)
+        for a, b in zip(together, one_by_one):
+            assert a.shape == b.shape and torch.equal(a, b)
+        two = P.shared_input_linears(x, layers[:2])
+        assert all(torch.equal(a, b) for a, b in zip(two, one_by_one))
+        # tiles that differ (a 32-wide weight next to a 64-wide one): no single launch, same values
+        narrow = torch.nn.Linear(40, 32 if dtype == torch.float32 else 128, dtype=dtype)
+        assert TM.linears(x.reshape(-1, 40), [layers[0].weight, narrow.weight], [layers[0].bias, narrow.bias]) is None
+        assert torch.equal(P.shared_input_linears(x, [layers[0], narrow])[1], narrow(x))
+    assert len(seen) == 1  # shared_input_linears itself runs no module hooks
+    with batch_invariant(backend="triton"):  # with autograd: one by one, gradients flow
+        out = P.shared_input_linears(x, layers)
+        out[0].float().sum().backward()
+    assert layers[0].weight.grad is not None and torch.equal(out[0].detach(), one_by_one[0])
+
+
 # --------------------------------------------------------------------------- the context manager
 
 
@@ -222,6 +251,9 @@ def _dispatch_state():
         dict(AttentionMaskInterface._global_mapping),
         m.Qwen2_5_VLRMSNorm.__dict__["forward"],
         m.Qwen2_5_VLVisionAttention.__dict__["forward"],
+        m.Qwen2_5_VLAttention.__dict__["forward"],
+        m.Qwen2MLP.__dict__["forward"],
+        m.Qwen2_5_VLMLP.__dict__["forward"],
     )
 
 

@@ -14,6 +14,9 @@ Inside the block:
 * Qwen2.5-VL's ``Qwen2_5_VLRMSNorm`` runs a one-row-per-program RMSNorm, and its vision
   attention runs the segment attention over ``cu_seqlens`` in one launch (the values
   equal transformers' per-window loop through the registry; it is only faster).
+* Its text attention's q/k/v projections and its MLPs' gate/up projections, which share
+  one input, run as one launch in no-grad calls where that is bitwise the same as one
+  launch each (``shared_input_linears``): fewer launches for a launch-bound forward.
 
 Everything is restored exactly when the block exits. The LM head is not here: score
 tokens with ``selected_logprob`` (its reduction order is fixed by H, V and dtype).
@@ -378,13 +381,64 @@ def _vision_attention_forward(self, hidden_states, cu_seqlens, position_embeddin
     return self.proj(out.reshape(seq, -1))
 
 
+def _plain_linears(layers) -> bool:
+    return all(type(l) is torch.nn.Linear and "forward" not in l.__dict__ for l in layers)
+
+
+def shared_input_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """``[F.linear(x, l.weight, l.bias) for l in layers]`` for 2-3 ``nn.Linear`` of one
+    input, as one launch where that is bitwise the same as running them one by one: a
+    no-grad call on the Triton path, contiguous x, weights whose tiles agree
+    (``_triton/matmul.linears``). A launch-bound forward (group scoring) saves launches."""
+    def one_by_one():
+        return [torch.nn.functional.linear(x, l.weight, l.bias) for l in layers]
+
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(l.weight.requires_grad for l in layers))
+    if (needs_grad or torch.compiler.is_compiling() or not x.is_contiguous() or x.dim() < 2
+            or x.dtype not in _FLOATS or not _triton_for(x)):
+        return one_by_one()
+    from ._triton import matmul as tm
+
+    out = tm.linears(x.reshape(-1, x.shape[-1]), [l.weight for l in layers], [l.bias for l in layers])
+    if out is None:
+        return one_by_one()
+    parts = out.split([l.weight.shape[0] for l in layers], dim=1)
+    return [part.view(*x.shape[:-1], part.shape[1]) for part in parts]
+
+
+def _shared_input_patch(original, names: tuple[str, ...], input_name: str):
+    """``original`` (a module's forward) with its sub-layers ``names``, all applied to the
+    forward's input, computed together by ``shared_input_linears``. The sub-layers are
+    still called (hooks see their outputs); on that input they return what was computed."""
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else kwargs[input_name]
+        layers = [getattr(self, n) for n in names]
+        if not isinstance(x, torch.Tensor) or not _plain_linears(layers):
+            return original(self, *args, **kwargs)
+        outputs = shared_input_linears(x, layers)
+        for layer, out in zip(layers, outputs):
+            layer.forward = lambda inp, _layer=layer, _out=out: _out if inp is x else type(_layer).forward(_layer, inp)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for layer in layers:
+                del layer.forward
+
+    return forward
+
+
 def _module_patches() -> list[tuple[type, str, object]]:
     try:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
     except ImportError:
         return []
+    shared_inputs = [("Qwen2_5_VLAttention", ("q_proj", "k_proj", "v_proj"), "hidden_states"),
+                     ("Qwen2MLP", ("gate_proj", "up_proj"), "x"), ("Qwen2_5_VLMLP", ("gate_proj", "up_proj"), "hidden_state")]
     return [(m.Qwen2_5_VLRMSNorm, "forward", _rms_norm_forward),
-            (m.Qwen2_5_VLVisionAttention, "forward", _vision_attention_forward)]
+            (m.Qwen2_5_VLVisionAttention, "forward", _vision_attention_forward)] + [
+        (getattr(m, cls), "forward", _shared_input_patch(getattr(m, cls).forward, names, arg))
+        for cls, names, arg in shared_inputs if hasattr(m, cls)]
 
 
 def _registries():

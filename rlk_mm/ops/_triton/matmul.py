@@ -43,6 +43,49 @@ def dot_precision(dtype: torch.dtype, interpreting: bool) -> str | None:
     return None
 
 
+@triton.jit
+def _mm_tile(
+    a_ptr, b_ptr, c_ptr, bias_ptr, pid_m, pid_n, M, N, K,
+    s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_biasm, s_biasn, alpha, beta,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """One [BM, BN] output tile: K tiles 0, 1, 2, ... accumulated in fp32, then alpha, bias."""
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * s_am
+    b_cols = b_ptr + rn.to(tl.int64)[None, :] * s_bn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(a_rows + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        if UPCAST:  # Triton's CPU interpreter mis-handles bf16 dot operands
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = acc * alpha
+    out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * s_biasm + rn[None, :] * s_biasn, mask=out_mask, other=0.0)
+        acc += beta * bias.to(tl.float32)
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_tile_ids(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a persistent program's `tile`: runs of GROUP_M row tiles
+    share column tiles (L2 reuse). Only the schedule, never a tile's arithmetic."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
+    pid_n = (tile % (GROUP_M * num_n)) // group_rows
+    return pid_m, pid_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -57,42 +100,49 @@ def _mm_kernel(
 ):
     start = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    a_ptr += batch * s_ab
-    b_ptr += batch * s_bb
-    c_ptr += batch * s_cb
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(start, num_m * num_n, num_programs):
-        # grouped ordering: a run of GROUP_M row tiles shares column tiles (L2 reuse)
-        group = tile // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        group_rows = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
-        pid_n = (tile % (GROUP_M * num_n)) // group_rows
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        a_rows = a_ptr + rm.to(tl.int64)[:, None] * s_am
-        b_cols = b_ptr + rn.to(tl.int64)[None, :] * s_bn
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            a = tl.load(a_rows + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            if UPCAST:  # Triton's CPU interpreter mis-handles bf16 dot operands
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        acc = acc * alpha
-        out_mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if HAS_BIAS:
-            bias = tl.load(
-                bias_ptr + batch * s_biasb + rm.to(tl.int64)[:, None] * s_biasm + rn[None, :] * s_biasn,
-                mask=out_mask, other=0.0,
-            )
-            acc += beta * bias.to(tl.float32)
-        c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+        pid_m, pid_n = _grouped_tile_ids(tile, num_m, num_n, GROUP_M)
+        _mm_tile(a_ptr + batch * s_ab, b_ptr + batch * s_bb, c_ptr + batch * s_cb, bias_ptr + batch * s_biasb,
+                 pid_m, pid_n, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_biasm, s_biasn, alpha, beta,
+                 HAS_BIAS, UPCAST, PRECISION, BM, BN, BK)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linears_kernel(
+    x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, c_ptr,
+    M, N0, N1, N2, K, s_xm, s_cm, num_programs,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """``x @ [W0; W1; W2]ᵀ (+ [b0; b1; b2])`` into one ``[M, N0 + N1 + N2]`` output, the
+    weights read where they are (contiguous ``[Ni, K]``). Each weight has its own column
+    tiles, computed exactly as ``_mm_kernel`` computes ``x @ Wiᵀ`` with the same tiles."""
+    start = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    t0 = tl.cdiv(N0, BN)
+    t1 = tl.cdiv(N1, BN)
+    num_n = t0 + t1 + tl.cdiv(N2, BN)
+    for tile in range(start, num_m * num_n, num_programs):
+        pid_m, pid_n = _grouped_tile_ids(tile, num_m, num_n, GROUP_M)
+        past0 = (pid_n >= t0).to(tl.int32)  # the tile is past weight 0's columns
+        past1 = (pid_n >= t0 + t1).to(tl.int32)
+        if pid_n < t0:
+            w_ptr = w0_ptr
+            bias_ptr = bias0_ptr
+        elif pid_n < t0 + t1:
+            w_ptr = w1_ptr
+            bias_ptr = bias1_ptr
+        else:
+            w_ptr = w2_ptr
+            bias_ptr = bias2_ptr
+        n = N0 + past0 * (N1 - N0) + past1 * (N2 - N1)
+        col0 = past0 * N0 + past1 * N1
+        local_n = pid_n - past0 * t0 - past1 * t1
+        _mm_tile(x_ptr, w_ptr, c_ptr + col0, bias_ptr, pid_m, local_n, M, n, K,
+                 s_xm, 1, 1, K, s_cm, 1, 0, 1, 1.0, 1.0,
+                 HAS_BIAS, UPCAST, PRECISION, BM, BN, BK)
 
 
 def _pad_k(a: torch.Tensor, b: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +190,38 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         *a.stride(), *b.stride(), *out.stride(), *bias_t.stride(),
         float(alpha), float(beta), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(a.dtype, interp),
+        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+def linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """``x [M, K] @ [W0; W1; ...]ᵀ + [b0; b1; ...]`` as one launch, ``[M, ΣNi]``, bitwise
+    the concatenation of ``bmm`` of x with each weight; None when that cannot hold (2 or 3
+    contiguous weights of one dtype whose ``mm_config`` agree, all or no biases, 16-byte
+    aligned rows), and the caller runs them one by one."""
+    m, k = x.shape
+    configs = {tuple(sorted(mm_config(w.shape[0], k, x.dtype).items())) for w in weights}
+    has_bias = biases[0] is not None
+    if (len(weights) not in (2, 3) or len(configs) != 1 or x.stride(1) != 1 or (k * x.element_size()) % 16
+            or any(w.dtype != x.dtype or not w.is_contiguous() or w.shape[1] != k for w in weights)
+            or any((b is not None) != has_bias or (b is not None and (b.dtype != x.dtype or not b.is_contiguous()))
+                   for b in biases)):
+        return None
+    cfg = mm_config(weights[0].shape[0], k, x.dtype)
+    ns = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
+    ws = list(weights) + [weights[-1]] * (3 - len(weights))
+    bs = (list(biases) + [biases[-1]] * (3 - len(biases))) if has_bias else [x] * 3
+    out = torch.empty((m, sum(ns)), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tiles = triton.cdiv(m, cfg["BM"]) * sum(triton.cdiv(n, cfg["BN"]) for n in ns)
+    programs = tiles if not x.is_cuda else min(tiles, _num_sms(x.device.index or 0))
+    interp = triton_interpreting() and not x.is_cuda
+    _linears_kernel[(programs,)](
+        x, *ws, *bs, out, m, *ns, k, x.stride(0), out.stride(0), programs,
+        HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(x.dtype, interp),
         BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
