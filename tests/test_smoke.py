@@ -143,3 +143,12 @@ def test_distinct_image_encoding_matches_encoding_every_copy():
     assert len(shared) == len(each)
     for a, b in zip(shared, each):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_lr_ramps_up_then_decays_to_the_floor():
+    factors = [smoke.lr_factor(i, 40, 300) for i in range(300)]
+    assert factors[0] == 1 / 40 and factors[39] == 1.0 and factors[40] == 1.0
+    assert all(a <= b for a, b in zip(factors[:40], factors[1:40]))  # the ramp rises
+    assert all(a >= b for a, b in zip(factors[40:], factors[41:]))  # then the cosine falls
+    assert math.isclose(factors[-1], smoke.LR_FLOOR)
+    assert smoke.lr_factor(5, 0, 10) <= 1.0  # no warm-up: decay from the first step
