@@ -44,9 +44,15 @@ def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     error naming the sample and position. Differentiable: the gradient of ``x`` is the
     packed gradient scattered back, zero at padding.
     """
-    starts, lengths = _runs(x, mask)
-    cu = _cu_seqlens(lengths)
-    total = int(cu[-1])  # the output size: one host sync
+    starts, lengths, bad = _mask_runs(x, mask)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    is_bad, total = torch.stack([bad.long(), cu[-1]]).tolist()  # the output size and the mask check: one host sync
+    if is_bad:
+        _raise_mask_error(mask)
+    if total >= 2**31:
+        raise ValueError(f"{total} packed rows do not fit int32 cu_seqlens")
+    cu = cu.to(torch.int32)
     return torch.ops.rlk_mm.pack_padded(x, starts, cu, total), cu
 
 
@@ -65,10 +71,13 @@ def unpack_to_padded(
     if isinstance(side, Tensor):
         if side.shape != (lengths.numel(), length):
             raise ValueError(f"side as a mask must have shape (B, length) = ({lengths.numel()}, {length}); got {tuple(side.shape)}")
-        starts, mask_lengths = _runs(None, side)
-        bad = torch.nonzero(mask_lengths != lengths.to(mask_lengths.device)).flatten()
-        if bad.numel():
-            b = int(bad[0])
+        starts, mask_lengths, bad = _mask_runs(None, side)
+        differ = mask_lengths != lengths.to(mask_lengths.device)
+        is_bad, any_differ = torch.stack([bad, differ.any()]).tolist()
+        if is_bad:
+            _raise_mask_error(side)
+        if any_differ:
+            b = int(torch.nonzero(differ).flatten()[0])
             raise ValueError(f"mask: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it {int(lengths[b])} rows")
     elif side == "right":
         starts = torch.zeros_like(lengths)
@@ -79,8 +88,11 @@ def unpack_to_padded(
     return torch.ops.rlk_mm.unpack_to_padded(packed, starts.to(packed.device), cu.to(packed.device), length, _fill(fill, packed.dtype))
 
 
-def _runs(x: Optional[Tensor], mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(first set position, count) int64 ``[B]`` of each mask row; every row one contiguous run."""
+def _mask_runs(x: Optional[Tensor], mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(first set position, count) int64 ``[B]`` of each mask row, and a 0-d bool tensor that
+    is True when a row is not one contiguous run of 0/1 values. No host sync: the caller reads
+    the flag with whatever else it needs from the device, then ``_raise_mask_error`` names the
+    culprit."""
     if not isinstance(mask, Tensor) or mask.dim() != 2:
         raise ValueError(f"mask must be a [B, L] tensor; got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
     if x is not None:
@@ -90,27 +102,37 @@ def _runs(x: Optional[Tensor], mask: Tensor) -> tuple[Tensor, Tensor]:
             raise ValueError(f"mask has shape {tuple(mask.shape)} but x is [B, L, *] = {tuple(x.shape)}")
         if mask.device != x.device:
             raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
+    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.is_complex()):
+        raise TypeError(f"mask must be bool or integer 0/1; got {mask.dtype}")
+    B, L = mask.shape
+    on = mask if mask.dtype == torch.bool else mask != 0
+    lengths = on.sum(1)
+    first = on.to(torch.int8).argmax(1) if L else torch.zeros(B, dtype=torch.int64, device=mask.device)
+    bad = (_holes(on, first, lengths).any() if L else torch.zeros((), dtype=torch.bool, device=mask.device))
     if mask.dtype != torch.bool:
-        if mask.dtype.is_floating_point or mask.is_complex():
-            raise TypeError(f"mask must be bool or integer 0/1; got {mask.dtype}")
+        bad = bad | ((mask != 0) & (mask != 1)).any()
+    return first.long(), lengths.long(), bad
+
+
+def _holes(on: Tensor, first: Tensor, lengths: Tensor) -> Tensor:
+    """[B, L] bool: where a row differs from one run of ``lengths`` set positions from ``first``."""
+    j = torch.arange(on.shape[1], device=on.device)
+    return on != ((j >= first[:, None]) & (j < (first + lengths)[:, None]))
+
+
+def _raise_mask_error(mask: Tensor) -> None:
+    """The first value other than 0/1, or else the first hole, of a mask ``_mask_runs`` flagged."""
+    if mask.dtype != torch.bool:
         odd = (mask != 0) & (mask != 1)
         if bool(odd.any()):
             b, p = torch.nonzero(odd)[0].tolist()
             raise ValueError(f"mask: sample {b}, position {p} holds {int(mask[b, p])}; a mask holds only 0 and 1")
-        mask = mask.bool()
-    B, L = mask.shape
-    lengths = mask.sum(1)
-    first = mask.to(torch.int8).argmax(1) if L else torch.zeros(B, dtype=torch.int64, device=mask.device)
-    j = torch.arange(L, device=mask.device)
-    inside = (j >= first[:, None]) & (j < (first + lengths)[:, None])
-    holes = mask != inside
-    if bool(holes.any()):
-        b, p = torch.nonzero(holes)[0].tolist()
-        raise ValueError(
-            f"mask: sample {b} has a hole at position {p}: its set positions are not one contiguous run "
-            "(left, right or middle padding only)"
-        )
-    return first.long(), lengths.long()
+        mask = mask != 0
+    b, p = torch.nonzero(_holes(mask, mask.to(torch.int8).argmax(1), mask.sum(1)))[0].tolist()
+    raise ValueError(
+        f"mask: sample {b} has a hole at position {p}: its set positions are not one contiguous run "
+        "(left, right or middle padding only)"
+    )
 
 
 def _cu_seqlens(lengths: Tensor) -> Tensor:
