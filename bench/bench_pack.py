@@ -84,7 +84,7 @@ def main() -> None:
     x = torch.randn(B, L, H, device=DEVICE, generator=g).bfloat16()
     T = int(mask.sum())
     elt = x.element_size()
-    starts, lengths = P._runs(x, mask)
+    starts, lengths, _ = P._mask_runs(x, mask)
     cu = P._cu_seqlens(lengths)
     rows = P._packed_source_rows(starts, cu, L, T)
     inverse = P._padded_source_rows(starts, cu, L)
