@@ -461,7 +461,9 @@ class _Sampler:
         self.logprobs: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        z = scores.float() / self.temperature
+        z = scores.float()
+        if self.temperature != 1.0:  # dividing by 1 is exact: skip a pass over the [rows, V] scores
+            z = z / self.temperature
         top = z.amax(-1, keepdim=True)
         cdf = (z - top).exp_().cumsum_(-1)
         total = cdf[:, -1:]
