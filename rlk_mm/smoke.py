@@ -30,19 +30,19 @@ image embeddings swapped between two prompts of the same image size (gates b and
 
 Speed notes (2 CPU cores): the sampler is a logits processor handed to `generate`
 (inverse-CDF sampling, ~7x faster than `torch.multinomial` over 151k columns, and it
-records each token's log-prob from the same logits); the LM head gets a contiguous input
-(generate slices the last position out of the prefill, and a strided input turns the
-head into a slow batched matmul); the token embeddings and LM head are frozen during
+records each token's log-prob from the same logits); the vision tower encodes each distinct
+image once and the LM head computes each distinct row once (a group repeats its prompt G
+times); the token embeddings and LM head are frozen during
 GRPO (Adam would otherwise move every unsampled row of the 151k-row head at once, and the
 answer format collapses). glibc returning the big logits buffers to the OS on every step
-costs ~30%: `MALLOC_ENV` lists the settings that avoid it; the command line re-executes
-itself with them (they must be set before the process starts).
+costs ~30%: `keep_freed_memory` tells it (mallopt) to keep them, at the start of every run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import json
 import math
 import os
@@ -69,7 +69,9 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------- settings
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "MALLOC_TOP_PAD_": "268435456"}
+#: glibc mallopt settings (what MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_
+#: set): big buffers come from the heap and freed memory stays there for the next step
+MALLOPT = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1), "M_TOP_PAD": (-2, 256 << 20)}
 """glibc settings that keep freed logits buffers in the heap instead of unmapping them."""
 
 TINY_MODEL = dict(hidden_size=128, num_layers=2, vision_depth=1)
@@ -130,11 +132,14 @@ def _draw_colour_image(rng: random.Random, size, colour: str) -> Image.Image:
 
 
 def _colour_pixels(images) -> dict[str, int]:
+    """Pixels of exactly each of the four colours, over all images (RGB packed in one int)."""
     counts = dict.fromkeys(COLOURS, 0)
     for image in images:
-        pixels = np.asarray(image).reshape(-1, 3)
-        for name, rgb in COLOURS.items():
-            counts[name] += int((pixels == rgb).all(-1).sum())
+        rgb = np.asarray(image, dtype=np.int32).reshape(-1, 3)
+        values, freq = np.unique((rgb[:, 0] << 16) | (rgb[:, 1] << 8) | rgb[:, 2], return_counts=True)
+        packed = dict(zip(values.tolist(), freq.tolist()))
+        for name, (r, g, b) in COLOURS.items():
+            counts[name] += packed.get((r << 16) | (g << 8) | b, 0)
     return counts
 
 
@@ -280,9 +285,33 @@ def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype)
     distinct = _DistinctImages(model.config.vision_config.spatial_merge_size)
     model.model.visual.register_forward_pre_hook(distinct.before, with_kwargs=True)
     model.model.visual.register_forward_hook(distinct.after, with_kwargs=True)
-    # generate slices the prefill's last position: a strided [B, 1, H] makes the head a slow batched matmul
-    model.lm_head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(),))
+    shared = _DistinctRows()
+    model.lm_head.register_forward_pre_hook(shared.before)
+    model.lm_head.register_forward_hook(shared.after)
     return Policy(model, processor, device, dtype)
+
+
+class _DistinctRows:
+    """Hooks on the LM head (which only `generate` calls here): each distinct input row goes
+    through the head once and is copied to its repeats. A GRPO group's G rows are equal at
+    the prefill (one prompt) and often at the next step (one first token), and the
+    [rows, V] product is the rollout's biggest on a CPU. The rows handed on are contiguous
+    (`generate` slices the prefill's last position: a strided [B, 1, H] would make the head
+    a slow batched matmul). Stateless between calls."""
+
+    def __init__(self):
+        self.inverse: Optional[Tensor] = None
+        self.shape: tuple = ()
+
+    def before(self, module, args):
+        x = args[0]
+        self.shape = tuple(x.shape[:-1])
+        distinct, self.inverse = torch.unique(x.reshape(-1, x.shape[-1]), dim=0, return_inverse=True)
+        return (distinct,) + tuple(args[1:])
+
+    def after(self, module, args, output):
+        inverse, self.inverse = self.inverse, None
+        return output.index_select(0, inverse).view(*self.shape, output.shape[-1])
 
 
 class _DistinctImages:
@@ -782,6 +811,7 @@ def _row(m: dict, steps: int) -> str:
 def run_smoke(args) -> int:
     """Run the smoke test with parsed `args` (see `add_smoke_parser`); the exit code."""
     t_start = time.perf_counter()
+    keep_freed_memory()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -1012,7 +1042,7 @@ def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
         description="Prove layout and log-prob parity and loss masking, then train a tiny Qwen2.5-VL with GRPO and check it learns.",
     )
     _add_arguments(p)
-    p.set_defaults(func=_cli_entry)
+    p.set_defaults(func=run_smoke)
     return p
 
 
@@ -1034,13 +1064,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _cli_entry(args) -> int:
-    """Command-line entry: re-execute once with `MALLOC_ENV` set (it must be set before
-    the process starts), then run."""
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()) and not os.environ.get("RLK_MM_NO_REEXEC"):
-        env = {**os.environ, **MALLOC_ENV, "RLK_MM_NO_REEXEC": "1"}
-        os.execve(sys.executable, [sys.executable, "-m", "rlk_mm.smoke", *_to_argv(args)], env)
-    return run_smoke(args)
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve big buffers from the heap and keep freed memory (mmap/munmap of
+    the [rows, V] logits buffers on every step costs ~30% on 2 cores). Whether it took."""
+    try:
+        libc = ctypes.CDLL(None)
+        return all(libc.mallopt(param, value) == 1 for param, value in MALLOPT.values())
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        return False
 
 
 if __name__ == "__main__":

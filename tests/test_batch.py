@@ -1,5 +1,6 @@
 """RLBatch from the real Qwen2.5-VL processor: layout, positions, views, save/load, bad input."""
 
+import dataclasses
 import math
 
 import pytest
@@ -97,6 +98,29 @@ def test_multi_image_text_only_and_loss_rows(processor, model):
     prow, ptargets = batch.loss_token_index(padded_length=L)
     assert torch.equal(ptargets, targets)
     assert torch.equal(prow - sample * L, rows - batch.cu_seqlens.long()[sample])
+
+
+def test_group_repeats_reuse_positions_and_keys_exactly(processor, model):
+    """A GRPO batch repeats each prompt G times in a row (the builder reuses the previous
+    sample's positions and media keys then): positions stay bitwise those of the real rope
+    index, and keys those of building each sample alone. The same prompt tokens with
+    another image of the same grid, or with a transposed grid (same placeholder count),
+    are not confused with the repeat."""
+    wide, tall = (synthetic_image_text(1, seed=11, sizes=(size,), max_images=1)[0] for size in ((112, 56), (56, 112)))
+    other = synthetic_image_text(1, seed=12, sizes=((112, 56),), max_images=1)[0]
+    tall, other = (dataclasses.replace(s, messages=wide.messages) for s in (tall, other))  # the same prompt tokens
+    samples = [wide, wide, other, wide, tall, wide]
+    out = processor_inputs(processor, samples, padding_side="left")
+    responses = responses_for(processor, len(samples))
+    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses)
+    grids = batch.image_grid_thw.tolist()
+    assert grids[0] == grids[1] == grids[2] == grids[3] != grids[4]
+    for b in range(len(samples)):
+        assert torch.equal(batch.sample_positions(b), real_positions(model, batch.sample_tokens(b), grids_of(batch, b)))
+    alone = [RLBatch.from_qwen_vl(processor_inputs(processor, [s]), processor=processor, responses=[r]).media_cache_keys[0]
+             for s, r in zip(samples, responses)]
+    assert batch.media_cache_keys == alone
+    assert len(set(alone)) == 3
 
 
 def test_video_and_image_positions(processor, model):

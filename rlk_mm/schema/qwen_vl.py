@@ -150,6 +150,7 @@ def _build(
     group_ids = _per_sample("group_ids", group_ids, B)
     rewards = _per_sample("rewards", rewards, B)
     costs = _per_sample("costs", costs, B)
+    previous = _PreviousSample()
     for b in range(B):
         prompt = prompts[b].long().cpu()
         response = responses[b]
@@ -200,7 +201,7 @@ def _build(
             if start > cursor:
                 spans.append(Span(cursor, start))
             spans.append(Span(start, end, mod, j))
-            key = media_cache_key(pix, grid, mod.label, info.fingerprint) if pix is not None else None
+            key = previous.media_key(j, pix, grid, mod, info) if pix is not None else None
             media.append(dict(modality=mod, grid=grid.long(), id=None, key=key, pixels=pix, second_per_grid=second))
             cursor = end
         if cursor < L:
@@ -211,7 +212,8 @@ def _build(
             if pos.shape != (3, L):
                 raise SchemaError(f"position_ids: sample {b} has shape {tuple(pos.shape)}, expected (3, {L})")
         else:
-            pos = mrope_positions(ids, [(s, m, g, sec) for s, _, m, g, _, sec in items], info.merge_size, info.tokens_per_second)
+            pos = previous.positions(prompt, ids, items, info)
+        previous.remember(prompt, items)
         # loss spans: the response (EOS included) and/or the assistant mask
         if loss_masks is not None:
             mask = loss_masks[b].bool().cpu()
@@ -248,6 +250,50 @@ def _build(
         video_token_id=info.video_token_id,
         spatial_merge_size=info.merge_size,
     )
+
+
+class _PreviousSample:
+    """The previous sample's prompt, media rows, keys and prompt positions. A GRPO batch
+    repeats each prompt G times in a row: an equal prompt with equal media reuses its
+    M-RoPE positions (the response continues the text after them) and an equal media
+    item its content key, instead of recomputing them per sample."""
+
+    def __init__(self):
+        self.prompt: Optional[Tensor] = None
+        self.media: list = []  # (start, modality, grid tuple, second) per item
+        self.pixels: list = []
+        self.keys: dict[int, str] = {}
+        self.prompt_positions: Optional[Tensor] = None
+        self._keys_now: dict[int, str] = {}
+
+    def media_key(self, j: int, pix: Tensor, grid: Tensor, modality: Modality, info: LayoutInfo) -> str:
+        same = j < len(self.pixels) and j in self.keys and self.media[j][1:3] == (modality, tuple(grid.tolist()))
+        key = self.keys[j] if same and torch.equal(self.pixels[j], pix) else media_cache_key(pix, grid, modality.label, info.fingerprint)
+        self._keys_now[j] = key
+        return key
+
+    def positions(self, prompt: Tensor, ids: Tensor, items: list, info: LayoutInfo) -> Tensor:
+        media = [(s, m, g, sec) for s, _, m, g, _, sec in items]
+        if items and items[-1][1] >= prompt.numel():  # the prompt ends in a media span: no text to continue
+            self.prompt_positions = None
+            return mrope_positions(ids, media, info.merge_size, info.tokens_per_second)
+        if not (self._same_prompt(prompt, items) and self.prompt_positions is not None):
+            self.prompt_positions = mrope_positions(prompt, media, info.merge_size, info.tokens_per_second)
+        response = torch.arange(1, ids.numel() - prompt.numel() + 1, dtype=torch.int64)
+        return torch.cat([self.prompt_positions, self.prompt_positions[:, -1:] + response], dim=1)
+
+    def remember(self, prompt: Tensor, items: list) -> None:
+        self.prompt = prompt
+        self.media = self._signature(items)
+        self.pixels = [pix for *_, pix, _ in items]
+        self.keys, self._keys_now = self._keys_now, {}
+
+    def _same_prompt(self, prompt: Tensor, items: list) -> bool:
+        return self.prompt is not None and self._signature(items) == self.media and torch.equal(self.prompt, prompt)
+
+    @staticmethod
+    def _signature(items: list) -> list:
+        return [(s, m, tuple(g.tolist()), sec) for s, _, m, g, _, sec in items]
 
 
 def _grid(grid: Optional[Tensor]) -> Tensor:

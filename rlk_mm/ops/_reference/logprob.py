@@ -1,15 +1,18 @@
 """Plain-torch selected log-prob: the CPU backend and the oracle of the tests.
 
-Logits ``z = (h · Wᵀ + bias) / temperature`` are formed for a fixed number of rows at a
-time (``ROW_CHUNK``; the last chunk is zero-padded to that size), so memory stays at
-``ROW_CHUNK × V`` and every matrix product has the same shape whatever the batch: a row's
-result does not depend on the other rows (batch invariance) on BLAS libraries whose
-per-element order is fixed for a fixed shape. ``compute_dtype=torch.float64`` gives the
-oracle the tests compare against.
+Logits ``z = (h · Wᵀ + bias) / temperature`` are formed one tile at a time: ``ROW_CHUNK``
+rows (the last chunk zero-padded to that size) by ``VOCAB_TILE`` vocabulary entries,
+transposed (``[tile, rows]``: on a CPU that product is the faster way round, and the tile
+stays in cache), with an online log-sum-exp over the tiles in vocabulary order. Memory
+stays at one tile, never ``[n, V]``, and every matrix product has a shape fixed by H and V
+alone: a row's result does not depend on the other rows (batch invariance) on BLAS
+libraries whose per-element order is fixed for a fixed shape. ``compute_dtype=torch.float64``
+gives the oracle the tests compare against.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -17,12 +20,9 @@ import torch
 Tensor = torch.Tensor
 
 #: rows per matrix product; a constant so that products have one shape whatever ``n`` is
-ROW_CHUNK = 64
-
-
-def _chunks(n: int):
-    for start in range(0, n, ROW_CHUNK):
-        yield start, min(start + ROW_CHUNK, n)
+ROW_CHUNK = 128
+#: vocabulary entries per logits tile (``[VOCAB_TILE, ROW_CHUNK]`` fp32 is 2 MiB)
+VOCAB_TILE = 4096
 
 
 def _padded(x: Tensor, rows: int) -> Tensor:
@@ -33,16 +33,43 @@ def _padded(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad])
 
 
-def _logits(h: Tensor, w: Tensor, bias: Optional[Tensor], temperature: float) -> Tensor:
-    """A fresh ``[rows, V]`` logits buffer (the caller may overwrite it)."""
-    z = _padded(h, ROW_CHUNK) @ w.T
+def _row_chunks(hidden: Tensor, rows: Tensor, dtype: torch.dtype):
+    """``(start, end, hᵀ)`` per chunk of selected rows; ``hᵀ`` is ``[H, ROW_CHUNK]``."""
+    for s in range(0, rows.numel(), ROW_CHUNK):
+        e = min(s + ROW_CHUNK, rows.numel())
+        yield s, e, _padded(hidden[rows[s:e]].to(dtype), ROW_CHUNK).T.contiguous()
+
+
+def _logits_tile(h_t: Tensor, w: Tensor, bias: Optional[Tensor], c: int, temperature: float) -> Tensor:
+    """Tempered logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh)."""
+    z = w[c : c + VOCAB_TILE] @ h_t
     if bias is not None:
-        z += bias
+        z += bias[c : c + VOCAB_TILE, None]
     if temperature != 1.0:  # dividing by 1 is exact: skipping it changes no bit
         z /= temperature
-    return z[: h.shape[0]]
+    return z
 
 
+def _targets_in_tile(tile_of: list[int], c: int, device: torch.device) -> Optional[Tensor]:
+    """The chunk's rows whose target lies in the tile starting at ``c`` (None if none);
+    ``tile_of`` holds each row's target tile."""
+    hit = [i for i, k in enumerate(tile_of) if k == c // VOCAB_TILE]
+    return torch.tensor(hit, device=device) if hit else None
+
+
+def _without_autocast(fn):
+    """Run ``fn`` with autocast off on its first argument's device: its products must be in
+    ``compute_dtype`` even when called inside an autocast region (verl's actor runs one)."""
+
+    @functools.wraps(fn)
+    def run(first: Tensor, *args, **kwargs):
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(first, *args, **kwargs)
+
+    return run
+
+
+@_without_autocast
 def selected_logprob_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -57,29 +84,45 @@ def selected_logprob_forward(
 
     ``hidden`` is ``[T, H]``, ``weight`` ``[V, H]``, ``rows``/``targets`` int64 ``[n]``.
     Results are in ``compute_dtype``; without ``with_entropy`` the entropy is left empty.
-    Each chunk makes few passes over its logits (in place where it can): on a CPU they,
-    not the matrix product, are the cost.
+    Per row, over the tiles: the running max ``top``, ``total = Σ exp(z - top)`` and
+    ``zsum = Σ exp(z - top)(z - top)`` (the entropy ``log total - zsum / total`` is then
+    free of the cancellation ``lse - Σ p z``), each rescaled when ``top`` grows.
     """
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
-    n = rows.numel()
-    logp = torch.empty(n, dtype=compute_dtype, device=hidden.device)
-    entropy = torch.empty(n if with_entropy else 0, dtype=compute_dtype, device=hidden.device)
+    n, V = rows.numel(), w.shape[0]
+    dev = hidden.device
+    logp = torch.empty(n, dtype=compute_dtype, device=dev)
+    entropy = torch.empty(n if with_entropy else 0, dtype=compute_dtype, device=dev)
     lse = torch.empty_like(logp)
-    for s, e in _chunks(n):
-        zc = _logits(hidden[rows[s:e]].to(compute_dtype), w, b, temperature)
-        top = zc.amax(dim=-1, keepdim=True)
-        zc -= top  # centered: the entropy is then free of the cancellation lse - Σ p z
-        unnormalized = torch.exp(zc)
-        total = unnormalized.sum(-1)
-        log_total = total.log()
-        lse[s:e] = top.squeeze(1) + log_total
-        logp[s:e] = zc.gather(1, targets[s:e, None]).squeeze(1) - log_total
+    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype):
+        tgt = _padded(targets[s:e], ROW_CHUNK)
+        top = torch.full((ROW_CHUNK,), -float("inf"), dtype=compute_dtype, device=dev)
+        total, zsum, tgt_logit = (torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev) for _ in range(3))
+        tile_of = (tgt // VOCAB_TILE).tolist()
+        for c in range(0, V, VOCAB_TILE):
+            z = _logits_tile(h_t, w, b, c, temperature)
+            hit = _targets_in_tile(tile_of, c, dev)
+            if hit is not None:
+                tgt_logit[hit] = z[tgt[hit] - c, hit]
+            new_top = torch.maximum(top, z.amax(0))
+            shift = torch.where(total > 0, top - new_top, 0.0)  # ≤ 0; 0 before the first finite logit
+            scale = shift.exp()
+            z -= torch.where(torch.isfinite(new_top), new_top, 0.0)
+            u = torch.exp(z)
+            if with_entropy:
+                zsum = scale * (zsum + shift * total) + (u * z).nan_to_num_(0.0).sum(0)
+            total = scale * total + u.sum(0)
+            top = new_top
+        log_total = total.log()[: e - s]
+        lse[s:e] = top[: e - s] + log_total
+        logp[s:e] = tgt_logit[: e - s] - lse[s:e]
         if with_entropy:
-            entropy[s:e] = log_total - (unnormalized.mul_(zc)).sum(-1) / total
+            entropy[s:e] = log_total - zsum[: e - s] / total[: e - s]
     return logp, entropy, lse
 
 
+@_without_autocast
 def selected_logprob_backward(
     grad_logp: Tensor,
     grad_entropy: Optional[Tensor],
@@ -100,32 +143,45 @@ def selected_logprob_backward(
     With ``z`` the tempered logits and ``p = softmax(z)``: ``d z = g (onehot - p)`` from the
     log-prob and ``- g_H p (z - Σ p z)`` from the entropy; the product rule through
     ``z = (h Wᵀ + b) / T`` gives the rest. Rows not selected get zero gradient; a row
-    selected twice gets the sum.
+    selected twice gets the sum. Padding rows of a chunk have zero upstream gradient.
     """
     need_hidden, need_weight, need_bias = need
     w = weight.to(compute_dtype)
     b = None if bias is None else bias.to(compute_dtype)
+    V = w.shape[0]
     d_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
     d_weight = torch.zeros(w.shape, dtype=compute_dtype, device=hidden.device) if need_weight else None
-    d_bias = torch.zeros(w.shape[0], dtype=compute_dtype, device=hidden.device) if need_bias and bias is not None else None
-    for s, e in _chunks(rows.numel()):
-        h = hidden[rows[s:e]].to(compute_dtype)
-        z = _logits(h, w, b, temperature)
-        p = torch.exp(z - lse[s:e, None].to(compute_dtype))
-        if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
-            mean_z = (lse[s:e] - entropy[s:e]).to(compute_dtype)
-            z.sub_(mean_z[:, None]).mul_(p).mul_(-grad_entropy[s:e, None].to(compute_dtype))
-        g = grad_logp[s:e].to(compute_dtype)
-        dz = p.mul_(-g[:, None])
-        dz.scatter_add_(1, targets[s:e, None], g[:, None])
+    d_bias = torch.zeros(V, dtype=compute_dtype, device=hidden.device) if need_bias and bias is not None else None
+
+    def chunk(t: Tensor, s: int, e: int) -> Tensor:
+        return _padded(t[s:e].to(compute_dtype), ROW_CHUNK)
+
+    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype):
+        g, lse_c, tgt = chunk(grad_logp, s, e), chunk(lse, s, e), _padded(targets[s:e], ROW_CHUNK)
         if grad_entropy is not None:
-            dz += z
-        if temperature != 1.0:
-            dz /= temperature
+            g_ent, mean_z = chunk(grad_entropy, s, e), chunk(lse - entropy, s, e)
+        d_h_t = torch.zeros_like(h_t) if d_hidden is not None else None
+        tile_of = (tgt // VOCAB_TILE).tolist()
+        for c in range(0, V, VOCAB_TILE):
+            z = _logits_tile(h_t, w, b, c, temperature)
+            p = torch.exp(z - lse_c)
+            if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
+                z.sub_(mean_z).mul_(p).mul_(-g_ent)
+            dz = p.mul_(-g)
+            hit = _targets_in_tile(tile_of, c, dz.device)
+            if hit is not None:
+                dz[tgt[hit] - c, hit] += g[hit]
+            if grad_entropy is not None:
+                dz += z
+            if temperature != 1.0:
+                dz /= temperature
+            w_tile = w[c : c + VOCAB_TILE]
+            if d_h_t is not None:
+                d_h_t += w_tile.T @ dz
+            if d_weight is not None:
+                d_weight[c : c + VOCAB_TILE] += dz @ h_t.T
+            if d_bias is not None:
+                d_bias[c : c + VOCAB_TILE] += dz.sum(1)
         if d_hidden is not None:
-            d_hidden.index_add_(0, rows[s:e], (_padded(dz, ROW_CHUNK) @ w)[: e - s])
-        if d_weight is not None:
-            d_weight += dz.T @ h
-        if d_bias is not None:
-            d_bias += dz.sum(0)
+            d_hidden.index_add_(0, rows[s:e], d_h_t.T[: e - s])
     return d_hidden, d_weight, d_bias
