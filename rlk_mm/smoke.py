@@ -490,9 +490,9 @@ class _Sampler:
         self.logprobs: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        z = scores.float()
+        z = scores.float()  # fp32 scores: z is scores, overwritten below anyway
         if self.temperature != 1.0:  # dividing by 1 is exact: skip a pass over the [rows, V] scores
-            z = z / self.temperature
+            z = z.div_(self.temperature)
         top = z.amax(-1, keepdim=True)
         cdf = (z - top).exp_().cumsum_(-1)
         total = cdf[:, -1:]
@@ -1025,7 +1025,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--break", dest="break_mode", choices=BREAKS, help="inject a known bug to see the gates or the learning check catch it")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--samples", type=int, default=8, help="answers per prompt, the GRPO group size (default 8)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts, also used to score them (default 1.0)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
     p.add_argument("--lr-warmup-steps", type=int, default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
     p.add_argument("--kl-coef", type=float, default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")

@@ -33,20 +33,26 @@ def _padded(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad])
 
 
-def _row_chunks(hidden: Tensor, rows: Tensor, dtype: torch.dtype):
-    """``(start, end, hᵀ)`` per chunk of selected rows; ``hᵀ`` is ``[H, ROW_CHUNK]``."""
+def _row_chunks(hidden: Tensor, rows: Tensor, dtype: torch.dtype, temperature: float):
+    """``(start, end, hᵀ / temperature)`` per chunk of selected rows, ``[H, ROW_CHUNK]``: the
+    temperature divides the chunk's rows once instead of every logits tile."""
     for s in range(0, rows.numel(), ROW_CHUNK):
         e = min(s + ROW_CHUNK, rows.numel())
-        yield s, e, _padded(hidden[rows[s:e]].to(dtype), ROW_CHUNK).T.contiguous()
+        h_t = _padded(hidden[rows[s:e]].to(dtype), ROW_CHUNK).T.contiguous()
+        yield s, e, _tempered(h_t, temperature)
 
 
-def _logits_tile(h_t: Tensor, w: Tensor, bias: Optional[Tensor], c: int, temperature: float) -> Tensor:
-    """Tempered logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh)."""
+def _tempered(x: Optional[Tensor], temperature: float) -> Optional[Tensor]:
+    # dividing by 1 is exact: skipping it changes no bit
+    return x / temperature if x is not None and temperature != 1.0 else x
+
+
+def _logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
+    """Logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh), from
+    tempered rows ``h_t`` and tempered bias ``bias_t``."""
     z = w[c : c + VOCAB_TILE] @ h_t
-    if bias is not None:
-        z += bias[c : c + VOCAB_TILE, None]
-    if temperature != 1.0:  # dividing by 1 is exact: skipping it changes no bit
-        z /= temperature
+    if bias_t is not None:
+        z += bias_t[c : c + VOCAB_TILE, None]
     return z
 
 
@@ -89,19 +95,19 @@ def selected_logprob_forward(
     free of the cancellation ``lse - Σ p z``), each rescaled when ``top`` grows.
     """
     w = weight.to(compute_dtype)
-    b = None if bias is None else bias.to(compute_dtype)
+    b = _tempered(None if bias is None else bias.to(compute_dtype), temperature)
     n, V = rows.numel(), w.shape[0]
     dev = hidden.device
     logp = torch.empty(n, dtype=compute_dtype, device=dev)
     entropy = torch.empty(n if with_entropy else 0, dtype=compute_dtype, device=dev)
     lse = torch.empty_like(logp)
-    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype):
+    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
         tgt = _padded(targets[s:e], ROW_CHUNK)
         top = torch.full((ROW_CHUNK,), -float("inf"), dtype=compute_dtype, device=dev)
         total, zsum, tgt_logit = (torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev) for _ in range(3))
         tile_of = (tgt // VOCAB_TILE).tolist()
         for c in range(0, V, VOCAB_TILE):
-            z = _logits_tile(h_t, w, b, c, temperature)
+            z = _logits_tile(h_t, w, b, c)
             hit = _targets_in_tile(tile_of, c, dev)
             if hit is not None:
                 tgt_logit[hit] = z[tgt[hit] - c, hit]
@@ -147,7 +153,7 @@ def selected_logprob_backward(
     """
     need_hidden, need_weight, need_bias = need
     w = weight.to(compute_dtype)
-    b = None if bias is None else bias.to(compute_dtype)
+    b = _tempered(None if bias is None else bias.to(compute_dtype), temperature)
     V = w.shape[0]
     d_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
     d_weight = torch.zeros(w.shape, dtype=compute_dtype, device=hidden.device) if need_weight else None
@@ -156,14 +162,14 @@ def selected_logprob_backward(
     def chunk(t: Tensor, s: int, e: int) -> Tensor:
         return _padded(t[s:e].to(compute_dtype), ROW_CHUNK)
 
-    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype):
+    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
         g, lse_c, tgt = chunk(grad_logp, s, e), chunk(lse, s, e), _padded(targets[s:e], ROW_CHUNK)
         if grad_entropy is not None:
             g_ent, mean_z = chunk(grad_entropy, s, e), chunk(lse - entropy, s, e)
         d_h_t = torch.zeros_like(h_t) if d_hidden is not None else None
         tile_of = (tgt // VOCAB_TILE).tolist()
         for c in range(0, V, VOCAB_TILE):
-            z = _logits_tile(h_t, w, b, c, temperature)
+            z = _logits_tile(h_t, w, b, c)
             p = torch.exp(z - lse_c)
             if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
                 z.sub_(mean_z).mul_(p).mul_(-g_ent)
@@ -173,15 +179,13 @@ def selected_logprob_backward(
                 dz[tgt[hit] - c, hit] += g[hit]
             if grad_entropy is not None:
                 dz += z
-            if temperature != 1.0:
-                dz /= temperature
             w_tile = w[c : c + VOCAB_TILE]
             if d_h_t is not None:
                 d_h_t += w_tile.T @ dz
-            if d_weight is not None:
+            if d_weight is not None:  # h_t is already h / temperature
                 d_weight[c : c + VOCAB_TILE] += dz @ h_t.T
             if d_bias is not None:
                 d_bias[c : c + VOCAB_TILE] += dz.sum(1)
         if d_hidden is not None:
-            d_hidden.index_add_(0, rows[s:e], d_h_t.T[: e - s])
-    return d_hidden, d_weight, d_bias
+            d_hidden.index_add_(0, rows[s:e], _tempered(d_h_t, temperature).T[: e - s])
+    return d_hidden, d_weight, _tempered(d_bias, temperature)
