@@ -971,7 +971,7 @@ def _learning_check(task: Task, args, steps: list[dict], direction: Optional[flo
         final = float(np.mean([s["reward_mean"] for s in steps[-LEARNING_WINDOW:]]))
         good = start <= LEARNING_MAX_START and final >= LEARNING_MIN_FINAL
         ok &= good
-        checks.append(f"reward {start:.2f} at step 1 (need <= {LEARNING_MAX_START}) -> {final:.2f} over the last "
+        checks.append(f"reward {start:.3f} at step 1 (need <= {LEARNING_MAX_START}) -> {final:.3f} over the last "
                       f"{LEARNING_WINDOW} steps (need >= {LEARNING_MIN_FINAL})")
         result.update(start_reward=start, final_reward=final)
     elif steps:
