@@ -69,10 +69,9 @@ Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------- settings
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
-#: glibc mallopt settings (what MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_
-#: set): big buffers come from the heap and freed memory stays there for the next step
 MALLOPT = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1), "M_TOP_PAD": (-2, 256 << 20)}
-"""glibc settings that keep freed logits buffers in the heap instead of unmapping them."""
+"""glibc mallopt (parameter, value) pairs: big buffers come from the heap, and freed logits
+buffers stay there for the next step instead of being unmapped."""
 
 TINY_MODEL = dict(hidden_size=128, num_layers=2, vision_depth=1)
 """The default policy: text hidden 128 (64 stalls near 0.7 reward), one vision block."""

@@ -197,11 +197,12 @@ def _build(
                     cursor += need
         items.sort(key=lambda it: it[0])
         spans, media, cursor = [], [], 0
+        keys = previous.media_keys(items, info)
         for j, (start, end, mod, grid, pix, second) in enumerate(items):
             if start > cursor:
                 spans.append(Span(cursor, start))
             spans.append(Span(start, end, mod, j))
-            key = previous.media_key(j, pix, grid, mod, info) if pix is not None else None
+            key = keys[j]
             media.append(dict(modality=mod, grid=grid.long(), id=None, key=key, pixels=pix, second_per_grid=second))
             cursor = end
         if cursor < L:
@@ -213,7 +214,7 @@ def _build(
                 raise SchemaError(f"position_ids: sample {b} has shape {tuple(pos.shape)}, expected (3, {L})")
         else:
             pos = previous.positions(prompt, ids, items, info)
-        previous.remember(prompt, items)
+        previous.remember(prompt, items, keys)
         # loss spans: the response (EOS included) and/or the assistant mask
         if loss_masks is not None:
             mask = loss_masks[b].bool().cpu()
@@ -253,47 +254,49 @@ def _build(
 
 
 class _PreviousSample:
-    """The previous sample's prompt, media rows, keys and prompt positions. A GRPO batch
-    repeats each prompt G times in a row: an equal prompt with equal media reuses its
-    M-RoPE positions (the response continues the text after them) and an equal media
-    item its content key, instead of recomputing them per sample."""
+    """The previous sample's prompt, media items, media keys and prompt positions. A GRPO
+    batch repeats each prompt G times in a row: an equal media item reuses its content key,
+    and an equal prompt with equal media its M-RoPE positions (the response continues the
+    text after them), instead of recomputing them per sample."""
 
     def __init__(self):
         self.prompt: Optional[Tensor] = None
-        self.media: list = []  # (start, modality, grid tuple, second) per item
-        self.pixels: list = []
-        self.keys: dict[int, str] = {}
+        self.items: list = []  # (start, end, modality, grid, pixels, second) per item
+        self.keys: list = []
         self.prompt_positions: Optional[Tensor] = None
-        self._keys_now: dict[int, str] = {}
 
-    def media_key(self, j: int, pix: Tensor, grid: Tensor, modality: Modality, info: LayoutInfo) -> str:
-        same = j < len(self.pixels) and j in self.keys and self.media[j][1:3] == (modality, tuple(grid.tolist()))
-        key = self.keys[j] if same and torch.equal(self.pixels[j], pix) else media_cache_key(pix, grid, modality.label, info.fingerprint)
-        self._keys_now[j] = key
-        return key
+    def media_keys(self, items: list, info: LayoutInfo) -> list[Optional[str]]:
+        """Content key of each item (None without pixels); the previous sample's key where
+        the item at the same index has the same modality, grid and pixel rows."""
+        keys = []
+        for j, (_, _, mod, grid, pix, _) in enumerate(items):
+            prev = self.items[j] if j < len(self.items) else None
+            if pix is None:
+                keys.append(None)
+            elif prev is not None and prev[4] is not None and prev[2] == mod and torch.equal(prev[3], grid) and torch.equal(prev[4], pix):
+                keys.append(self.keys[j])
+            else:
+                keys.append(media_cache_key(pix, grid, mod.label, info.fingerprint))
+        return keys
 
     def positions(self, prompt: Tensor, ids: Tensor, items: list, info: LayoutInfo) -> Tensor:
         media = [(s, m, g, sec) for s, _, m, g, _, sec in items]
         if items and items[-1][1] >= prompt.numel():  # the prompt ends in a media span: no text to continue
             self.prompt_positions = None
             return mrope_positions(ids, media, info.merge_size, info.tokens_per_second)
-        if not (self._same_prompt(prompt, items) and self.prompt_positions is not None):
+        same = (
+            self.prompt_positions is not None
+            and torch.equal(self.prompt, prompt)
+            and len(items) == len(self.items)
+            and all(a[2] == b[2] and torch.equal(a[3], b[3]) and a[5] == b[5] for a, b in zip(items, self.items))
+        )
+        if not same:
             self.prompt_positions = mrope_positions(prompt, media, info.merge_size, info.tokens_per_second)
         response = torch.arange(1, ids.numel() - prompt.numel() + 1, dtype=torch.int64)
         return torch.cat([self.prompt_positions, self.prompt_positions[:, -1:] + response], dim=1)
 
-    def remember(self, prompt: Tensor, items: list) -> None:
-        self.prompt = prompt
-        self.media = self._signature(items)
-        self.pixels = [pix for *_, pix, _ in items]
-        self.keys, self._keys_now = self._keys_now, {}
-
-    def _same_prompt(self, prompt: Tensor, items: list) -> bool:
-        return self.prompt is not None and self._signature(items) == self.media and torch.equal(self.prompt, prompt)
-
-    @staticmethod
-    def _signature(items: list) -> list:
-        return [(s, m, tuple(g.tolist()), sec) for s, _, m, g, _, sec in items]
+    def remember(self, prompt: Tensor, items: list, keys: list) -> None:
+        self.prompt, self.items, self.keys = prompt, items, keys
 
 
 def _grid(grid: Optional[Tensor]) -> Tensor:

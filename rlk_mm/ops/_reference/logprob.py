@@ -56,11 +56,12 @@ def _logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Te
     return z
 
 
-def _targets_in_tile(tile_of: list[int], c: int, device: torch.device) -> Optional[Tensor]:
-    """The chunk's rows whose target lies in the tile starting at ``c`` (None if none);
-    ``tile_of`` holds each row's target tile."""
-    hit = [i for i, k in enumerate(tile_of) if k == c // VOCAB_TILE]
-    return torch.tensor(hit, device=device) if hit else None
+def _rows_by_tile(targets: Tensor) -> dict[int, Tensor]:
+    """The chunk's rows grouped by the vocabulary tile (start column) their target lies in."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(targets.tolist()):
+        groups.setdefault(t // VOCAB_TILE * VOCAB_TILE, []).append(i)
+    return {c: torch.tensor(rows, device=targets.device) for c, rows in groups.items()}
 
 
 def _without_autocast(fn):
@@ -105,10 +106,10 @@ def selected_logprob_forward(
         tgt = _padded(targets[s:e], ROW_CHUNK)
         top = torch.full((ROW_CHUNK,), -float("inf"), dtype=compute_dtype, device=dev)
         total, zsum, tgt_logit = (torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev) for _ in range(3))
-        tile_of = (tgt // VOCAB_TILE).tolist()
+        by_tile = _rows_by_tile(tgt)
         for c in range(0, V, VOCAB_TILE):
             z = _logits_tile(h_t, w, b, c)
-            hit = _targets_in_tile(tile_of, c, dev)
+            hit = by_tile.get(c)
             if hit is not None:
                 tgt_logit[hit] = z[tgt[hit] - c, hit]
             new_top = torch.maximum(top, z.amax(0))
@@ -159,22 +160,24 @@ def selected_logprob_backward(
     d_weight = torch.zeros(w.shape, dtype=compute_dtype, device=hidden.device) if need_weight else None
     d_bias = torch.zeros(V, dtype=compute_dtype, device=hidden.device) if need_bias and bias is not None else None
 
+    mean_z = None if grad_entropy is None else lse - entropy  # Σ p z per row
+
     def chunk(t: Tensor, s: int, e: int) -> Tensor:
         return _padded(t[s:e].to(compute_dtype), ROW_CHUNK)
 
     for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
         g, lse_c, tgt = chunk(grad_logp, s, e), chunk(lse, s, e), _padded(targets[s:e], ROW_CHUNK)
         if grad_entropy is not None:
-            g_ent, mean_z = chunk(grad_entropy, s, e), chunk(lse - entropy, s, e)
+            g_ent, mean_z_c = chunk(grad_entropy, s, e), chunk(mean_z, s, e)
         d_h_t = torch.zeros_like(h_t) if d_hidden is not None else None
-        tile_of = (tgt // VOCAB_TILE).tolist()
+        by_tile = _rows_by_tile(tgt)
         for c in range(0, V, VOCAB_TILE):
             z = _logits_tile(h_t, w, b, c)
             p = torch.exp(z - lse_c)
             if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
-                z.sub_(mean_z).mul_(p).mul_(-g_ent)
+                z.sub_(mean_z_c).mul_(p).mul_(-g_ent)
             dz = p.mul_(-g)
-            hit = _targets_in_tile(tile_of, c, dz.device)
+            hit = by_tile.get(c)
             if hit is not None:
                 dz[tgt[hit] - c, hit] += g[hit]
             if grad_entropy is not None:
