@@ -154,6 +154,32 @@ def run_shape(name: str, reps: int) -> dict:
     return res
 
 
+def host_overhead_us(calls: int = 300) -> dict:
+    """Host microseconds per no-grad call at a tiny shape (the GPU's share is negligible):
+    the public call against the bare Triton forward (no checks, no dispatch)."""
+    h = torch.randn(64, 128, device="cuda").bfloat16()
+    w = torch.randn(1024, 128, device="cuda").bfloat16()
+    rows = torch.arange(0, 64, 2, device="cuda")
+    tg = torch.randint(0, 1024, (32,), device="cuda")
+
+    def per_call(fn):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+    with torch.no_grad():
+        return {
+            "selected_logprob": per_call(lambda: selected_logprob(h, w, index=rows, targets=tg)),
+            "registered_op": per_call(lambda: torch.ops.rlk_mm.selected_logprob(h, w, rows, tg, None, 1.0, False)),
+            "triton_forward_only": per_call(lambda: tri.forward(h, w, rows, tg, None, 1.0, False)),
+        }
+
+
 def sweep(reps: int) -> list:
     """Forward/backward times of candidate tile configs and dz budgets at the 7B shape."""
     N, H, V = SHAPES["7b"]
@@ -245,7 +271,7 @@ def main() -> None:
         name = "logprob_sweep.json"
     else:
         result = {"meta": meta, "config": {k: v for k, v in tri.config(torch.bfloat16, torch.device("cuda")).__dict__.items()},
-                  "dz_budget_mib": tri.DZ_BUDGET >> 20}
+                  "dz_budget_mib": tri.DZ_BUDGET >> 20, "host_us_per_call": host_overhead_us()}
         for s in args.shapes.split(","):
             result[s] = run_shape(s, args.reps)
             torch.cuda.empty_cache()

@@ -5,6 +5,9 @@ tokens only, never writing ``[n, V]`` logits (DESIGN.md, "Ops").
 spans, or from ``index``/``targets``) and calls the custom op ``rlk_mm::selected_logprob``
 (Triton on CUDA, the chunked plain-torch reference elsewhere; both validate their inputs
 before any work). Its autograd recomputes logits in the backward instead of storing them.
+Eager calls run the op's own forward and autograd through a ``torch.autograd.Function``:
+the custom-op dispatcher costs ~150 µs a call on an H100 (a tenth of a 3B model's forward
+over 1024 scored tokens); ``torch.compile`` traces the registered op.
 """
 
 from __future__ import annotations
@@ -53,9 +56,8 @@ def selected_logprob(
             raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
         rows, tgts = _as_index("index", index), _as_index("targets", targets)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy, _ = torch.ops.rlk_mm.selected_logprob(
-        hidden2d, weight, rows, tgts, bias, float(temperature), bool(return_entropy)
-    )
+    op = torch.ops.rlk_mm.selected_logprob if torch.compiler.is_compiling() else _EagerSelectedLogprob.apply
+    logp, entropy, _ = op(hidden2d, weight, rows, tgts, bias, float(temperature), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp
 
 
@@ -127,7 +129,7 @@ def _check_values(T: int, V: int, rows: Tensor, targets: Tensor) -> None:
     """Every row in [0, T) and every target in [0, V); the error names the first offender."""
     if rows.numel() == 0:
         return
-    lo_r, hi_r, lo_t, hi_t = torch.stack([rows.min(), rows.max(), targets.min(), targets.max()]).tolist()
+    lo_r, hi_r, lo_t, hi_t = torch.stack([*torch.aminmax(rows), *torch.aminmax(targets)]).tolist()  # one sync
     for name, t, lo, hi, limit, what in (
         ("index", rows, lo_r, hi_r, T, "rows of hidden"),
         ("targets", targets, lo_t, hi_t, V, "vocabulary entries"),
@@ -142,8 +144,7 @@ def _contiguous_rows(t: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------ the custom ops
-@torch.library.custom_op("rlk_mm::selected_logprob", mutates_args=())
-def _forward_op(
+def _forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor],
     temperature: float, with_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -156,6 +157,9 @@ def _forward_op(
 
         return _tri.forward(hidden, weight, rows, targets, bias, temperature, with_entropy)
     return _ref.selected_logprob_forward(hidden, weight, rows, targets, bias, temperature, with_entropy=with_entropy)
+
+
+_forward_op = torch.library.custom_op("rlk_mm::selected_logprob", _forward, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -249,3 +253,11 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSelectedLogprob(torch.autograd.Function):
+    """The op's forward and autograd without the custom-op dispatcher (eager calls)."""
+
+    forward = staticmethod(_forward)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)

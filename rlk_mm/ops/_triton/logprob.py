@@ -40,6 +40,8 @@ PARTIALS_BUDGET = 128 << 20
 DZ_BUDGET = 192 << 20
 #: read tiles with the copy engine (tensor descriptors) where alignment allows
 USE_TMA = True
+#: rows per program and vocabulary blocks per unrolled step of the combine kernel (CUDA)
+COMBINE_BLOCK, COMBINE_UNROLL = 128, 8
 
 
 @dataclass(frozen=True)
@@ -165,30 +167,34 @@ def _combine_kernel(
 ):
     """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials.
 
-    Each row is one thread's sequential sum over blocks 0, 1, 2, ... (no cross-thread
-    reduction, whose tree would follow the layout Triton picks for this launch's row
-    count), unrolled so that several blocks' loads are in flight at once.
+    Each row is one thread's sequential online sum over blocks 0, 1, 2, ... (no
+    cross-thread reduction, whose tree would follow the layout Triton picks for this
+    launch's row count): one pass, the running max rescaling the sums as it grows,
+    unrolled so that several blocks' loads are in flight at once.
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
     top = tl.full((BLOCK,), -float("inf"), tl.float32)
-    for j0 in range(0, n_vblocks, UNROLL):
-        for u in tl.static_range(UNROLL):
-            j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
-            top = tl.maximum(top, tl.load(part_max_ptr + (j0 + u) * n_rows + offs, mask=j_ok, other=-float("inf")))
-    top = tl.where(ok, top, 0.0)
     total = tl.zeros((BLOCK,), tl.float32)
     zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
     for j0 in range(0, n_vblocks, UNROLL):
         for u in tl.static_range(UNROLL):
             j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
             at = (j0 + u) * n_rows + offs
-            shift = tl.load(part_max_ptr + at, mask=j_ok, other=0.0) - top
+            block_max = tl.load(part_max_ptr + at, mask=j_ok, other=-float("inf"))
             block_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
-            scale = tl.where(j_ok, tl.exp(shift), 0.0)
-            total += scale * block_sum
+            new_top = tl.maximum(top, block_max)
+            safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
+            old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
+            block_shift = tl.where(j_ok, block_max - safe_top, 0.0)  # <= 0
+            old_scale = tl.exp(old_shift)
+            block_scale = tl.where(j_ok, tl.exp(block_shift), 0.0)
             if WITH_ENTROPY:
-                zsum += scale * (tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0) + shift * block_sum)
+                block_zsum = tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0)
+                zsum = old_scale * (zsum + old_shift * total) + block_scale * (block_zsum + block_shift * block_sum)
+            total = old_scale * total + block_scale * block_sum
+            top = new_top
+    top = tl.where(ok, top, 0.0)
     total = tl.where(ok, total, 1.0)
     log_total = tl.log(total)
     lse = top + log_total
@@ -291,7 +297,7 @@ def forward(
     part_sum = torch.empty_like(part_max)
     part_zsum = torch.empty_like(part_max) if with_entropy else part_max
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
-    comb_block, comb_unroll = (128, 8) if dev.type == "cuda" else (16, 4)
+    comb_block, comb_unroll = (COMBINE_BLOCK, COMBINE_UNROLL) if dev.type == "cuda" else (16, 4)
     for s in range(0, n, step):
         m = min(step, n - s)
         h_src, w_src, rows_s = ops.args(s, m)
