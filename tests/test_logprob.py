@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlk_mm.ops import selected_logprob
+from rlk_mm.ops._reference import logprob as reference_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from rlk_mm.schema.batch import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
@@ -102,6 +103,34 @@ def test_gradient_to_one_input_only(backend):
     wg = w.clone().requires_grad_()
     selected_logprob(h, wg, index=rows, targets=targets, temperature=0.8, bias=b).backward(up)
     assert relative_error(wg.grad, r_dw) <= tol
+
+
+def test_minus_inf_bias_masks_vocabulary(backend, monkeypatch):
+    """A bias of -inf masks vocabulary entries (a padded vocabulary, banned tokens): results
+    and gradients are those of the unmasked vocabulary, never NaN; masked rows of W and
+    entries of the bias get zero gradient. The mask covers whole vocabulary tiles (4 of the
+    interpreter's 32-column tiles, 2 of the reference's tiles shrunk to 64) and part of one."""
+    monkeypatch.setattr(reference_logprob, "VOCAB_TILE", 64)
+    T, H, V = 12, 32, 300
+    h, w, b = _inputs(T, H, V, torch.float32, seed=6, bias=True)
+    b[:128] = -float("inf")
+    b[200:210] = -float("inf")
+    keep = torch.isfinite(b)
+    kept = torch.nonzero(keep).flatten()
+    g = torch.Generator().manual_seed(7)
+    rows = torch.arange(1, 11)
+    pick = torch.randint(0, kept.numel(), (10,), generator=g)
+    g_logp, g_ent = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    hg, wg, bg = (t.clone().requires_grad_() for t in (h, w, b))
+    logp, ent = selected_logprob(hg, wg, index=rows, targets=kept[pick], temperature=0.9, bias=bg, return_entropy=True)
+    torch.autograd.backward([logp, ent], [g_logp, g_ent])
+    r_logp, r_ent, r_dh, r_dw, r_db = _oracle(h, w[keep], rows, pick, 0.9, b[keep], g_logp, g_ent)
+    tol, gtol = LOGPROB_MAX_ABS.fp32, LOGPROB_GRAD_REL.fp32
+    assert (logp.double() - r_logp).abs().max() <= tol
+    assert (ent.double() - r_ent).abs().max() <= tol
+    assert relative_error(hg.grad, r_dh) <= gtol
+    assert relative_error(wg.grad[keep], r_dw) <= gtol and torch.count_nonzero(wg.grad[~keep]) == 0
+    assert relative_error(bg.grad[keep], r_db) <= gtol and torch.count_nonzero(bg.grad[~keep]) == 0
 
 
 def test_repeated_rows_sum_and_padded_hidden(backend):

@@ -175,7 +175,7 @@ def selected_logprob_backward(
             z = _logits_tile(h_t, w, b, c)
             p = torch.exp(z - lse_c)
             if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
-                z.sub_(mean_z_c).mul_(p).mul_(-g_ent)
+                z.sub_(mean_z_c).mul_(p).nan_to_num_(nan=0.0).mul_(-g_ent)  # masked (-inf) entries: 0, not 0 x -inf
             dz = p.mul_(-g)
             hit = by_tile.get(c)
             if hit is not None:

@@ -146,12 +146,14 @@ def _forward_tiles_kernel(
                      inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     z = tl.where(n_ok[None, :], z, -float("inf"))
     z_max = tl.max(z, axis=1)
-    e = tl.exp(z - z_max[:, None])
+    # a block whose logits are all -inf (a bias of -inf masks it) has max -inf and sums 0
+    safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)[:, None]
+    e = tl.exp(z - safe_max)
     part = pid_n * n_rows + offs_m  # partials are [n_vblocks, n_rows]: coalesced stores
     tl.store(part_max_ptr + part, z_max, mask=m_ok)
     tl.store(part_sum_ptr + part, tl.sum(e, axis=1), mask=m_ok)
     if WITH_ENTROPY:
-        centered = tl.where(n_ok[None, :], z - z_max[:, None], 0.0)
+        centered = tl.where(e > 0, z, safe_max) - safe_max  # masked entries add 0, not 0 x -inf
         tl.store(part_zsum_ptr + part, tl.sum(e * centered, axis=1), mask=m_ok)
     tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
     hit = offs_n[None, :] == tgt[:, None]
@@ -186,9 +188,10 @@ def _combine_kernel(
             new_top = tl.maximum(top, block_max)
             safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
             old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
-            block_shift = tl.where(j_ok, block_max - safe_top, 0.0)  # <= 0
+            seen = j_ok & (block_max > -float("inf"))  # a block masked whole adds nothing
+            block_shift = tl.where(seen, block_max - safe_top, 0.0)  # <= 0
             old_scale = tl.exp(old_shift)
-            block_scale = tl.where(j_ok, tl.exp(block_shift), 0.0)
+            block_scale = tl.where(seen, tl.exp(block_shift), 0.0)
             if WITH_ENTROPY:
                 block_zsum = tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0)
                 zsum = old_scale * (zsum + old_shift * total) + block_scale * (block_zsum + block_shift * block_sum)
@@ -230,7 +233,7 @@ def _dlogits_kernel(
     if HAS_GE:
         mean_z = tl.load(mean_z_ptr + offs_m, mask=m_ok, other=0.0)
         ge = tl.load(ge_ptr + offs_m, mask=m_ok, other=0.0)
-        dz -= ge[:, None] * p * (z - mean_z[:, None])
+        dz -= ge[:, None] * p * (tl.where(p > 0, z, mean_z[:, None]) - mean_z[:, None])  # masked (-inf) entries: 0
     dz = dz * inv_temp
     out = dz_ptr + offs_m[:, None] * chunk_cols + local_n[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
