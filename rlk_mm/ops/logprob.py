@@ -5,13 +5,14 @@ tokens only, never writing ``[n, V]`` logits (DESIGN.md, "Ops").
 spans, or from ``index``/``targets``) and calls the custom op ``rlk_mm::selected_logprob``
 (Triton on CUDA, the chunked plain-torch reference elsewhere; both validate their inputs
 before any work). Its autograd recomputes logits in the backward instead of storing them.
-Eager calls run the op's own forward and autograd through a ``torch.autograd.Function``:
+Eager calls run the op's own forward and backward through a ``torch.autograd.Function``:
 the custom-op dispatcher costs ~150 µs a call on an H100 (a tenth of a 3B model's forward
-over 1024 scored tokens); ``torch.compile`` traces the registered op.
+over 1024 scored tokens); ``torch.compile`` traces the registered ops.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -170,8 +171,7 @@ def _(hidden, weight, rows, targets, bias, temperature, with_entropy):
     return out, hidden.new_empty(n if with_entropy else 0, dtype=torch.float32), out.new_empty(n)
 
 
-@torch.library.custom_op("rlk_mm::selected_logprob_backward", mutates_args=())
-def _backward_op(
+def _backward_grads(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
     rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
@@ -212,6 +212,9 @@ def _backward_op(
     )
 
 
+_backward_op = torch.library.custom_op("rlk_mm::selected_logprob_backward", _backward_grads, mutates_args=())
+
+
 @_backward_op.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
       temperature, need_hidden, need_weight, need_bias):
@@ -230,14 +233,15 @@ def _setup_context(ctx, inputs, output):
     ctx.with_entropy = with_entropy
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse, grads=torch.ops.rlk_mm.selected_logprob_backward):
+    """Autograd of the forward: the registered backward op (traceable), or ``grads`` given."""
     hidden, weight, rows, targets, bias, lse, entropy = ctx.saved_tensors
     need_hidden, need_weight, _, _, need_bias = ctx.needs_input_grad[:5]
     if grad_logp is None:
         grad_logp = lse.new_zeros(lse.shape)
     if not ctx.with_entropy:
         grad_entropy = None
-    d_hidden, d_weight, d_bias = torch.ops.rlk_mm.selected_logprob_backward(
+    d_hidden, d_weight, d_bias = grads(
         grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
         ctx.temperature, need_hidden, need_weight, need_bias and bias is not None,
     )
@@ -260,4 +264,4 @@ class _EagerSelectedLogprob(torch.autograd.Function):
 
     forward = staticmethod(_forward)
     setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward)
+    backward = staticmethod(functools.partial(_backward, grads=_backward_grads))
