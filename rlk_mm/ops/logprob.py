@@ -187,9 +187,8 @@ def _backward_grads(
     elif use_triton(hidden, weight):
         from ._triton import logprob as _tri
 
-        mean_z = None if grad_entropy is None else lse - entropy
         d_sel, d_weight, d_bias = _tri.backward(
-            grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, mean_z,
+            grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
             temperature, need_hidden, need_weight, need_bias and bias is not None,
         )
         d_hidden = None
