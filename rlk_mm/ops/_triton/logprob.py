@@ -70,7 +70,7 @@ def config(dtype: torch.dtype, device: torch.device) -> TileConfig:
         return TileConfig(16, 32, 16, 4, 1, 1)
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
         return TileConfig(64, 64, 32, 8, 4, 2)
-    return TileConfig(128, 256, 64, 8, 8, 3)  # tuned on an H100 (bench/probe_logprob_parts.py)
+    return TileConfig(128, 256, 64, 8, 8, 3)  # tuned on an H100 (bench/results/logprob_probe_*.json)
 
 
 @triton.jit
@@ -213,8 +213,8 @@ def _dlogits_kernel(
     ``[chunk_start, chunk_start + chunk_cols)``, stored as ``[n_rows, chunk_cols]``.
 
     Persistent: ``num_programs`` programs walk the tiles, the loop flattened so that the
-    next tile's loads overlap this tile's ``dz`` math and store (an H100: 34.3 -> 27.5 ms
-    over the 7B vocabulary, against one program per tile)."""
+    next tile's loads overlap this tile's ``dz`` math and store (an H100: 32.3 -> 27.5 ms
+    over the 7B vocabulary against one program per tile, logprob_probe_dlogits.json)."""
     n_cblocks = tl.cdiv(chunk_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * n_cblocks, num_programs, flatten=True):
         pid_m, pid_n = _grouped_tile_ids(tile, tl.cdiv(n_rows, BLOCK_M), n_cblocks, GROUP_M)
