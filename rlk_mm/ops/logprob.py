@@ -177,7 +177,7 @@ def _backward_grads(
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d hidden [T, H], d weight [V, H], d bias [V]); an output not needed is empty."""
-    T, (V, H), n = hidden.shape[0], weight.shape, rows.numel()
+    T, V, n = hidden.shape[0], weight.shape[0], rows.numel()
     hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
     grad_logp = grad_logp.float().contiguous()
     if grad_entropy is not None:

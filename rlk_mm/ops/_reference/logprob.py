@@ -58,10 +58,10 @@ def _logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Te
 
 def _rows_by_tile(targets: Tensor) -> dict[int, Tensor]:
     """The chunk's rows grouped by the vocabulary tile (start column) their target lies in."""
-    groups: dict[int, list[int]] = {}
-    for i, t in enumerate(targets.tolist()):
-        groups.setdefault(t // VOCAB_TILE * VOCAB_TILE, []).append(i)
-    return {c: torch.tensor(rows, device=targets.device) for c, rows in groups.items()}
+    tiles = targets // VOCAB_TILE
+    order = torch.argsort(tiles, stable=True)
+    starts, counts = torch.unique_consecutive(tiles[order], return_counts=True)
+    return {t * VOCAB_TILE: rows for t, rows in zip(starts.tolist(), order.split(counts.tolist()))}
 
 
 def _without_autocast(fn):
@@ -148,7 +148,7 @@ def selected_logprob_backward(
     each is None when ``need`` (hidden, weight, bias) does not ask for it (or without bias).
 
     With ``z`` the tempered logits and ``p = softmax(z)``: ``d z = g (onehot - p)`` from the
-    log-prob and ``- g_H p (z - Σ p z)`` from the entropy; the product rule through
+    log-prob and ``- g_H p (log p + entropy)`` from the entropy; the product rule through
     ``z = (h Wᵀ + b) / T`` gives the rest. Rows not selected get zero gradient; a row
     selected twice gets the sum. Padding rows of a chunk have zero upstream gradient.
     """
@@ -160,28 +160,27 @@ def selected_logprob_backward(
     d_weight = torch.zeros(w.shape, dtype=compute_dtype, device=hidden.device) if need_weight else None
     d_bias = torch.zeros(V, dtype=compute_dtype, device=hidden.device) if need_bias and bias is not None else None
 
-    mean_z = None if grad_entropy is None else lse - entropy  # Σ p z per row
-
     def chunk(t: Tensor, s: int, e: int) -> Tensor:
         return _padded(t[s:e].to(compute_dtype), ROW_CHUNK)
 
     for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
         g, lse_c, tgt = chunk(grad_logp, s, e), chunk(lse, s, e), _padded(targets[s:e], ROW_CHUNK)
         if grad_entropy is not None:
-            g_ent, mean_z_c = chunk(grad_entropy, s, e), chunk(mean_z, s, e)
+            g_ent, entropy_c = chunk(grad_entropy, s, e), chunk(entropy, s, e)
         d_h_t = torch.zeros_like(h_t) if d_hidden is not None else None
         by_tile = _rows_by_tile(tgt)
         for c in range(0, V, VOCAB_TILE):
             z = _logits_tile(h_t, w, b, c)
-            p = torch.exp(z - lse_c)
-            if grad_entropy is not None:  # z becomes the entropy term - g_H p (z - Σ p z)
-                z.sub_(mean_z_c).mul_(p).nan_to_num_(nan=0.0).mul_(-g_ent)  # masked (-inf) entries: 0, not 0 x -inf
+            log_p = z.sub_(lse_c)
+            p = torch.exp(log_p)
+            if grad_entropy is not None:  # log_p becomes the entropy term - g_H p (log p + entropy)
+                log_p.masked_fill_(p == 0, 0.0).add_(entropy_c).mul_(p).mul_(-g_ent)  # masked (-inf) entries: 0
             dz = p.mul_(-g)
             hit = by_tile.get(c)
             if hit is not None:
                 dz[tgt[hit] - c, hit] += g[hit]
             if grad_entropy is not None:
-                dz += z
+                dz += log_p
             w_tile = w[c : c + VOCAB_TILE]
             if d_h_t is not None:
                 d_h_t += w_tile.T @ dz
