@@ -2,9 +2,10 @@
 
 Shapes: Qwen2.5-VL-7B head (N=16384, H=3584, V=152064) and 3B (N=4096, H=2048, V=151936),
 bf16. Measured: forward only (no grad), forward+backward (per-token upstream weights),
-and ours with 25% of the tokens scored. Times are medians of CUDA-event timings after
-warm-up; "extra" is peak memory above what was allocated before the call (gradients
-included for forward+backward). Correctness: ours against the fp32 plain-torch reference
+and ours with 25% of the tokens scored, each group round-robin (peers share the GPU's
+power and clock history). Times are medians of CUDA-event timings after warm-up;
+"extra" is peak memory above what was allocated before the call (gradients included for
+forward+backward). Correctness: ours against the fp32 plain-torch reference
 on a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``.``).
 
     python bench/bench_logprob.py [--shapes 7b,3b] [--reps 7] [--sweep]
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import GIB, measure  # noqa: E402
+from timing import GIB, measure, measure_interleaved  # noqa: E402
 from rlk_mm.ops import selected_logprob  # noqa: E402
 from rlk_mm.ops._reference import logprob as ref  # noqa: E402
 from rlk_mm.ops._triton import logprob as tri  # noqa: E402
@@ -99,14 +100,10 @@ def run_shape(name: str, reps: int) -> dict:
     def free_grads():
         hg.grad = wg.grad = None
 
-    t = {}
-    t["ours_fwd"] = measure(ours_fwd, reps)
-    t["ours_fwd_bwd"] = measure(ours_fb, reps, before=free_grads)
-    t["ours_fwd_bwd_entropy"] = measure(lambda: ours_fb(entropy=True), reps, before=free_grads)
-    t["ours_fwd_25pct"] = measure(lambda: ours_fwd(quarter), reps)
-    t["ours_fwd_bwd_25pct"] = measure(lambda: ours_fb(quarter), reps, before=free_grads)
-    t["torch_fwd"] = measure(torch_fwd, reps)
-    t["torch_fwd_bwd"] = measure(torch_fb, reps, before=free_grads)
+    fwd = {"ours_fwd": ours_fwd, "ours_fwd_25pct": lambda: ours_fwd(quarter), "torch_fwd": torch_fwd}
+    fwd_bwd = {"ours_fwd_bwd": ours_fb, "ours_fwd_bwd_entropy": lambda: ours_fb(entropy=True),
+               "ours_fwd_bwd_25pct": lambda: ours_fb(quarter), "torch_fwd_bwd": torch_fb}
+    alone = {}  # slow peers, timed on their own
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -120,8 +117,7 @@ def run_shape(name: str, reps: int) -> dict:
             hg.grad = wg.grad = None
             flce(wg, hg, tg).backward()
 
-        t["liger_flce_fwd"] = measure(liger_fwd, reps)
-        t["liger_flce_fwd_bwd"] = measure(liger_fb, reps, before=free_grads)
+        fwd["liger_flce_fwd"], fwd_bwd["liger_flce_fwd_bwd"] = liger_fwd, liger_fb
         if N % 1024 == 0:
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -135,9 +131,13 @@ def run_shape(name: str, reps: int) -> dict:
                 out = grpo(hg.view(B, 1024, H), wg, tg.view(B, 1024), mask, adv)
                 out[0].backward()
 
-            t[f"liger_grpo_fwd_bwd_{B}x1024"] = measure(grpo_fb, max(2, reps // 3), warmup=1, before=free_grads)
+            alone[f"liger_grpo_fwd_bwd_{B}x1024"] = grpo_fb
     except ImportError as exc:
         res["liger_missing"] = str(exc)
+    # round-robin within forward and forward+backward: peers share the power/clock history
+    t = {**measure_interleaved(fwd, reps), **measure_interleaved(fwd_bwd, reps, before=free_grads)}
+    for name, fn in alone.items():
+        t[name] = measure(fn, max(2, reps // 3), warmup=1, before=free_grads)
     res["timings"] = t
     ms = {k: v["ms"] for k, v in t.items()}
     res["ratios"] = {
@@ -176,7 +176,7 @@ def host_overhead_us(calls: int = 300) -> dict:
         return {
             "selected_logprob": per_call(lambda: selected_logprob(h, w, index=rows, targets=tg)),
             "registered_op": per_call(lambda: torch.ops.rlk_mm.selected_logprob(h, w, rows, tg, None, 1.0, False)),
-            "triton_forward_only": per_call(lambda: tri.forward(h, w, rows, tg, None, 1.0, False)),
+            "triton_forward_only": per_call(lambda: tri.forward(h, w, rows, tg, None, 1.0, False, False)),
         }
 
 
@@ -232,9 +232,9 @@ def sweep(reps: int) -> list:
     # where the time goes, default config: cuBLAS logits product, then backward pieces
     out.append({"cublas_logits_mm_ms": measure(lambda: h @ w.T, 3)["ms"]})
     with torch.no_grad():
-        _, ent, lse = torch.ops.rlk_mm.selected_logprob(h, w, rows, tg, None, 1.0, True)
+        _, ent, lse, all_rows = torch.ops.rlk_mm.selected_logprob(h, w, rows, tg, None, 1.0, True)
     for need in ((False, False, False), (True, False, False), (False, True, False), (True, True, False)):
-        r = measure(lambda: tri.backward(up, None, h, w, rows, tg, None, lse, None, 1.0, *need), 3)
+        r = measure(lambda: tri.backward(up, None, h, w, rows, tg, None, lse, None, bool(all_rows), 1.0, *need), 3)
         out.append({"backward_parts(dz,+dH,+dW)": need, "ms": r["ms"]})
     for row in out[-5:]:
         print(row, flush=True)

@@ -6,8 +6,11 @@ states, rolled labels); 16 samples of 1024 tokens. Measured: forward (no grad),
 forward+backward through log-probs and entropy (per-token upstream weights), and ours
 with 30% of each sample in the response (``verl_fused.scoring``, as the engine wrapper
 sets it); backward through both outputs (an entropy bonus) and through the log-probs
-only (verl's default ``entropy_coeff=0``). Median CUDA-event times after warm-up; extra = peak memory above what was
-held before the call, gradients included. Writes ``verl_fused.json`` to ``--out``.
+only (verl's default ``entropy_coeff=0``). Each case is timed round-robin (verl's class,
+ours, ours on the response rows, one call each per round): the H100 runs these products
+at its power cap, so its clock depends on what ran just before. Median CUDA-event times
+after warm-up; extra = peak memory above what was held before the call, gradients
+included. Writes ``verl_fused.json`` to ``--out``.
 
     python bench/bench_verl_fused.py [--reps 5]
 """
@@ -15,6 +18,7 @@ held before the call, gradients included. Writes ``verl_fused.json`` to ``--out`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -26,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_logprob import GIB, measure  # noqa: E402
+from timing import GIB, measure_interleaved  # noqa: E402
 
 from rlk_mm.integrations import ray_stand_in  # noqa: E402
 
@@ -76,21 +80,18 @@ def main() -> None:
     def free_grads():
         hg.grad = wg.grad = None
 
+    def logprob_grad_only(cls):
+        fwd_bwd(cls, entropy_grad=False)
+
     t = {}
-    for name, fn in (
-        ("verl_fwd", lambda: fwd(VerlClass)),
-        ("verl_fwd_bwd", lambda: fwd_bwd(VerlClass)),
-        ("rlk_mm_fwd", lambda: fwd(verl_fused.FusedLinearForPPO)),
-        ("rlk_mm_fwd_bwd", lambda: fwd_bwd(verl_fused.FusedLinearForPPO)),
-        ("rlk_mm_fwd_30pct_response", response_only(fwd)),
-        ("rlk_mm_fwd_bwd_30pct_response", response_only(fwd_bwd)),
-        ("verl_fwd_bwd_logprob_grad_only", lambda: fwd_bwd(VerlClass, False)),
-        ("rlk_mm_fwd_bwd_logprob_grad_only", lambda: fwd_bwd(verl_fused.FusedLinearForPPO, False)),
-        ("rlk_mm_fwd_bwd_logprob_grad_only_30pct_response",
-         response_only(lambda cls: fwd_bwd(cls, False))),
-    ):
-        t[name] = measure(fn, args.reps, before=free_grads)
-        print(name, t[name]["ms"], "ms", t[name]["extra_gib"], "GiB", flush=True)
+    for case, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd), ("fwd_bwd_logprob_grad_only", logprob_grad_only)):
+        # round-robin: verl's class and ours share the GPU's power and clock history
+        calls = {f"verl_{case}": functools.partial(step, VerlClass),
+                 f"rlk_mm_{case}": functools.partial(step, verl_fused.FusedLinearForPPO),
+                 f"rlk_mm_{case}_30pct_response": response_only(step)}
+        for name, r in measure_interleaved(calls, args.reps, before=free_grads).items():
+            t[name] = r
+            print(name, r["ms"], "ms", r["extra_gib"], "GiB", flush=True)
         torch.cuda.empty_cache()
 
     # correctness on a slice: ours (bf16) vs verl's class on the same inputs upcast to fp32

@@ -268,3 +268,25 @@ def test_custom_op_registration():
     h, w, _ = _inputs(12, 16, 40, torch.float32, seed=11)
     args = (h.requires_grad_(), w.requires_grad_(), torch.tensor([1, 5, 7]), torch.tensor([0, 9, 39]), None, 0.8, True)
     torch.library.opcheck(torch.ops.rlk_mm.selected_logprob.default, args)
+
+
+def test_forward_reports_all_rows_on_cpu(backend):
+    """The op's 4th output says (as a CPU bool) whether the rows are every row of hidden in
+    order: the backward reads hidden and writes d hidden by it, with no device sync."""
+    h, w, _ = _inputs(6, 8, 20, torch.float32, seed=12)
+    targets = torch.randint(0, 20, (6,))
+    cases = [
+        (torch.arange(6), True),
+        (torch.tensor([1, 0, 2, 3, 4, 5]), False),  # all rows, out of order
+        (torch.tensor([0, 1, 2, 3, 4, 4]), False),  # T rows, one repeated
+        (torch.arange(5), False),  # a prefix
+    ]
+    for rows, expected in cases:
+        *_, all_rows = torch.ops.rlk_mm.selected_logprob(h, w, rows, targets[: rows.numel()], None, 1.0, False)
+        assert all_rows.device.type == "cpu" and all_rows.dtype == torch.bool
+        assert bool(all_rows) is expected, rows
+        hg = h.clone().requires_grad_()
+        up = torch.randn(rows.numel())
+        selected_logprob(hg, w, index=rows, targets=targets[: rows.numel()]).backward(up)
+        _, _, d_h, _, _ = _oracle(h, w, rows, targets[: rows.numel()], 1.0, None, up, torch.zeros(rows.numel()))
+        assert relative_error(hg.grad, d_h) <= LOGPROB_GRAD_REL.for_dtype(torch.float32)

@@ -77,3 +77,37 @@ def test_gradients_deterministic_gpu():
         selected_logprob(hg, wg, index=torch.arange(2000, device="cuda"), targets=tg).backward(up)
         grads.append((hg.grad, wg.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def _syncs(fn) -> int:
+    """Host-device syncs during fn, called on this thread (torch's sync debug mode warns at each)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("every_row", [True, False])
+def test_host_syncs_gpu(every_row):
+    """One sync in the forward (index/target ranges and the all-rows test read together),
+    none in the backward: a sync there would idle the GPU while the host queues work."""
+    T = 1024
+    h, w, tg = _inputs(T, 256, 5000, torch.bfloat16, seed=3)
+    rows = torch.arange(T, device="cuda") if every_row else torch.arange(0, T, 3, device="cuda")
+    up = torch.randn(rows.numel(), device="cuda")
+    out = {}
+    forward = torch.ops.rlk_mm.selected_logprob
+    assert _syncs(lambda: out.setdefault("fwd", forward(h, w, rows, tg[rows], None, 0.9, True))) == 1
+    _, entropy, lse, all_rows = out["fwd"]
+    assert bool(all_rows) is every_row
+    backward = torch.ops.rlk_mm.selected_logprob_backward
+    args = (up, up, h, w, rows, tg[rows], None, lse, entropy, all_rows, 0.9, True, True, False)
+    assert _syncs(lambda: out.setdefault("bwd", backward(*args))) == 0
+    d_h, d_w, _ = out["bwd"]
+    assert d_h.shape == h.shape and d_w.shape == w.shape and d_w.abs().sum() > 0

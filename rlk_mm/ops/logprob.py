@@ -58,7 +58,7 @@ def selected_logprob(
         rows, tgts = _as_index("index", index), _as_index("targets", targets)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     op = torch.ops.rlk_mm.selected_logprob if torch.compiler.is_compiling() else _EagerSelectedLogprob.apply
-    logp, entropy, _ = op(hidden2d, weight, rows, tgts, bias, float(temperature), bool(return_entropy))
+    logp, entropy, _, _ = op(hidden2d, weight, rows, tgts, bias, float(temperature), bool(return_entropy))
     return (logp, entropy) if return_entropy else logp
 
 
@@ -126,11 +126,15 @@ def _check(hidden, weight, rows, targets, bias, temperature) -> None:
         raise ValueError(f"temperature must be a finite number > 0; got {temperature}")
 
 
-def _check_values(T: int, V: int, rows: Tensor, targets: Tensor) -> None:
-    """Every row in [0, T) and every target in [0, V); the error names the first offender."""
+def _check_values(T: int, V: int, rows: Tensor, targets: Tensor) -> bool:
+    """Every row in [0, T) and every target in [0, V) (the error names the first offender).
+    Returns whether the rows are exactly 0, 1, ..., T - 1, read in the same host sync."""
     if rows.numel() == 0:
-        return
-    lo_r, hi_r, lo_t, hi_t = torch.stack([*torch.aminmax(rows), *torch.aminmax(targets)]).tolist()  # one sync
+        return False
+    stats = [*torch.aminmax(rows), *torch.aminmax(targets)]
+    if rows.numel() == T:
+        stats.append((rows == torch.arange(T, device=rows.device)).all().to(rows.dtype))
+    lo_r, hi_r, lo_t, hi_t, *in_order = torch.stack(stats).tolist()  # the one sync
     for name, t, lo, hi, limit, what in (
         ("index", rows, lo_r, hi_r, T, "rows of hidden"),
         ("targets", targets, lo_t, hi_t, V, "vocabulary entries"),
@@ -138,6 +142,7 @@ def _check_values(T: int, V: int, rows: Tensor, targets: Tensor) -> None:
         if lo < 0 or hi >= limit:
             i = int(torch.nonzero((t < 0) | (t >= limit))[0, 0])
             raise ValueError(f"{name}[{i}] = {int(t[i])} is out of range: there are {limit} {what}")
+    return bool(in_order and in_order[0])
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
@@ -148,16 +153,20 @@ def _contiguous_rows(t: Tensor) -> Tensor:
 def _forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor],
     temperature: float, with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-prob, entropy (empty unless with_entropy), log-sum-exp), fp32 ``[n]``."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log-prob, entropy (empty unless with_entropy), log-sum-exp), fp32 ``[n]``, and
+    ``all_rows``: a CPU bool, whether the rows are every row of hidden in order (read
+    once here, so that the backward decides how to read hidden without a device sync)."""
     _check(hidden, weight, rows, targets, bias, temperature)
-    _check_values(hidden.shape[0], weight.shape[0], rows, targets)
+    all_rows = _check_values(hidden.shape[0], weight.shape[0], rows, targets)
     hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
     if use_triton(hidden, weight):
         from ._triton import logprob as _tri
 
-        return _tri.forward(hidden, weight, rows, targets, bias, temperature, with_entropy)
-    return _ref.selected_logprob_forward(hidden, weight, rows, targets, bias, temperature, with_entropy=with_entropy)
+        out = _tri.forward(hidden, weight, rows, targets, bias, temperature, with_entropy, all_rows)
+    else:
+        out = _ref.selected_logprob_forward(hidden, weight, rows, targets, bias, temperature, with_entropy=with_entropy)
+    return *out, torch.tensor(all_rows)
 
 
 _forward_op = torch.library.custom_op("rlk_mm::selected_logprob", _forward, mutates_args=())
@@ -168,16 +177,17 @@ def _(hidden, weight, rows, targets, bias, temperature, with_entropy):
     _check(hidden, weight, rows, targets, bias, temperature)
     n = rows.shape[0]
     out = hidden.new_empty(n, dtype=torch.float32)
-    return out, hidden.new_empty(n if with_entropy else 0, dtype=torch.float32), out.new_empty(n)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+    return out, entropy, out.new_empty(n), torch.empty((), dtype=torch.bool)
 
 
 def _backward_grads(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
-    rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor,
+    rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor, all_rows: Tensor,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d hidden [T, H], d weight [V, H], d bias [V]); an output not needed is empty."""
-    T, V, n = hidden.shape[0], weight.shape[0], rows.numel()
+    V, n, all_rows = weight.shape[0], rows.numel(), bool(all_rows)
     hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
     grad_logp = grad_logp.float().contiguous()
     if grad_entropy is not None:
@@ -188,13 +198,13 @@ def _backward_grads(
         from ._triton import logprob as _tri
 
         d_sel, d_weight, d_bias = _tri.backward(
-            grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
+            grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy, all_rows,
             temperature, need_hidden, need_weight, need_bias and bias is not None,
         )
         d_hidden = None
         if need_hidden:
             d_sel = d_sel.to(hidden.dtype)
-            if n == T and torch.equal(rows, torch.arange(n, device=rows.device)):
+            if all_rows:
                 d_hidden = d_sel
             else:  # sort-based accumulation on CUDA: deterministic, sums repeated rows
                 d_hidden = torch.zeros_like(hidden).index_put_((rows,), d_sel, accumulate=True)
@@ -215,7 +225,7 @@ _backward_op = torch.library.custom_op("rlk_mm::selected_logprob_backward", _bac
 
 
 @_backward_op.register_fake
-def _(grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
+def _(grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy, all_rows,
       temperature, need_hidden, need_weight, need_bias):
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
@@ -226,22 +236,23 @@ def _(grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, rows, targets, bias, temperature, with_entropy = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(hidden, weight, rows, targets, bias, lse, entropy)
+    _, entropy, lse, all_rows = output
+    ctx.save_for_backward(hidden, weight, rows, targets, bias, lse, entropy, all_rows)
     ctx.temperature = temperature
     ctx.with_entropy = with_entropy
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse, grads=torch.ops.rlk_mm.selected_logprob_backward):
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_all_rows,
+              grads=torch.ops.rlk_mm.selected_logprob_backward):
     """Autograd of the forward: the registered backward op (traceable), or ``grads`` given."""
-    hidden, weight, rows, targets, bias, lse, entropy = ctx.saved_tensors
+    hidden, weight, rows, targets, bias, lse, entropy, all_rows = ctx.saved_tensors
     need_hidden, need_weight, _, _, need_bias = ctx.needs_input_grad[:5]
     if grad_logp is None:
         grad_logp = lse.new_zeros(lse.shape)
     if not ctx.with_entropy:
         grad_entropy = None
     d_hidden, d_weight, d_bias = grads(
-        grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy,
+        grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy, all_rows,
         ctx.temperature, need_hidden, need_weight, need_bias and bias is not None,
     )
     return (

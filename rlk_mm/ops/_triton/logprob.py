@@ -256,19 +256,15 @@ def _tma_ok(*ts: Tensor) -> bool:
     return USE_TMA and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
 
 
-def _is_all_rows(rows: Tensor, T: int) -> bool:
-    return rows.numel() == T and bool(torch.equal(rows, torch.arange(T, device=rows.device)))
-
-
 class _Operands:
     """How the kernels read hidden rows and W: tensor descriptors over the selected rows
-    (a gathered copy unless every row is scored, in order) when the copy engine can read
-    them, else pointers and the row index (gathered inside the kernel)."""
+    (a gathered copy unless ``all_rows``: every row is scored, in order) when the copy
+    engine can read them, else pointers and the row index (gathered inside the kernel)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: TileConfig, need_sel: bool = False):
-        full = _is_all_rows(rows, hidden.shape[0])
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: TileConfig, all_rows: bool,
+                 need_sel: bool = False):
         self.tma = _tma_ok(hidden, weight)
-        self.h_sel = hidden if full else (hidden.index_select(0, rows) if self.tma or need_sel else None)
+        self.h_sel = hidden if all_rows else (hidden.index_select(0, rows) if self.tma or need_sel else None)
         self.hidden, self.weight, self.rows, self.cfg = hidden, weight, rows, cfg
         if self.tma:
             self.w_src = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
@@ -284,9 +280,10 @@ class _Operands:
 
 def forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
-    bias: Optional[Tensor], temperature: float, with_entropy: bool,
+    bias: Optional[Tensor], temperature: float, with_entropy: bool, all_rows: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated."""
+    """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
+    ``all_rows`` whether the rows are 0, 1, ..., T - 1."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -295,7 +292,7 @@ def forward(
     if n == 0:
         return logp, entropy, lse
     cfg = config(weight.dtype, dev)
-    ops = _Operands(hidden, weight, rows, cfg)
+    ops = _Operands(hidden, weight, rows, cfg, all_rows)
     n_vblocks = triton.cdiv(V, cfg.block_n)
     per_row = n_vblocks * 4 * (3 if with_entropy else 2)
     step = min(n, max(cfg.block_m, PARTIALS_BUDGET // per_row // cfg.block_m * cfg.block_m))
@@ -333,16 +330,16 @@ def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, device: torch.device) -
 
 def backward(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
-    rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor,
+    rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor, all_rows: bool,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(d hidden[rows] fp32 [n, H], d weight [V, H], d bias fp32 [V])``, each None when
-    not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it; ``entropy`` (the
-    forward's) is read only with ``grad_entropy``."""
+    not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it (``all_rows`` as in
+    ``forward``); ``entropy`` (the forward's) is read only with ``grad_entropy``."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     cfg = config(weight.dtype, dev)
-    ops = _Operands(hidden, weight, rows, cfg, need_sel=need_weight)
+    ops = _Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     h_src, w_src, _ = ops.args(0, n)
     d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
