@@ -36,7 +36,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from timing import GIB, measure  # noqa: E402
+from timing import measure  # noqa: E402
 from rlk_mm.ops._triton import pack as tri  # noqa: E402
 
 P = importlib.import_module("rlk_mm.ops.packing")
