@@ -61,17 +61,16 @@ def peak_extra_bytes(fn, before=None) -> int:
 
 
 def measure(fn, reps: int, warmup: int = 2, before=None) -> dict:
-    """``time_ms`` on CUDA plus ``extra_gib``: the peak memory of one more call."""
-    result = time_ms(fn, reps, warmup)
-    result["extra_gib"] = round(peak_extra_bytes(fn, before) / GIB, 4)
-    return result
+    """``time_ms`` on CUDA plus ``extra_gib``: the peak memory of one more call;
+    ``before()`` (e.g. freeing the gradients of earlier calls) runs before every call."""
+    return measure_interleaved({"fn": fn}, reps, warmup, before)["fn"]
 
 
 def measure_interleaved(fns: dict, reps: int, warmup: int = 2, before=None) -> dict:
     """``measure`` for several callables timed in turn, one call of each per round, so that
     they share the GPU's power and clock history (an H100 running these products sits at
     its power cap, and its clock moves by ~30% with what ran just before). Returns
-    ``{name: measure-style dict}``; ``before()`` runs before every call."""
+    ``{name: measure-style dict}``."""
     def call(fn):
         if before is not None:
             before()

@@ -1,5 +1,8 @@
-"""GPU checks of the Triton selected log-prob: bitwise batch invariance and the contract
-at a realistic hidden size. Run on the GPU machine: ``pytest -m gpu tests/test_logprob_gpu.py``."""
+"""GPU checks of the Triton selected log-prob: bitwise batch invariance, the contract at a
+realistic hidden size, and its host syncs. Run on the GPU machine:
+``pytest -m gpu tests/test_logprob_gpu.py``."""
+
+import warnings
 
 import pytest
 import torch
@@ -81,8 +84,6 @@ def test_gradients_deterministic_gpu():
 
 def _syncs(fn) -> int:
     """Host-device syncs during fn, called on this thread (torch's sync debug mode warns at each)."""
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
