@@ -289,7 +289,7 @@ def test_per_sample_lengths_and_rewards(processor, good):
 
 def test_unknown_coordinate_system(good):
     _, batch = good
-    with pytest.raises(SchemaError, match="coordinate_system='pixels' is unknown; use one of: absolute"):
+    with pytest.raises(SchemaError, match="coordinate_system='pixels': expected one of absolute"):
         replace(batch, coordinate_system="pixels")
     ok = replace(batch, coordinate_system="normalized_1000", bbox_targets=torch.tensor([[1.0, 2.0, 30.0, 40.0]]), bbox_sample=torch.tensor([1]))
     assert ok.select([1]).bbox_targets.tolist() == [[1.0, 2.0, 30.0, 40.0]]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rlk_mm import fixtures as F
 from rlk_mm.ops._reference import pack as ref
 from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
-from rlk_mm.schema.batch import RLBatch, media_token_counts
+from rlk_mm.schema import RLBatch, media_token_counts
 from rlk_mm.schema.spans import SpanTable
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,9 +1,17 @@
-"""Typed batch objects: spans, media identity, grounding and RLBatch."""
+"""Typed batch objects: spans, media identity, grounding and RLBatch.
 
-from .batch import BatchFileError, RLBatch, media_token_counts
+Imports nothing else of rlk_mm. Modules, bottom up: ``spans``, ``choice``, ``media``,
+``grounding``; ``_assemble`` (per-sample parts ↔ fields), ``_build`` (the builders' core),
+``_validate`` (the contract's invariants), ``io`` (save/load); ``qwen_vl`` and ``verl``
+(builders); ``batch`` (the ``RLBatch`` model, its views and constructors).
+"""
+
+from ._build import mrope_positions
+from .batch import RLBatch, dense_group_index
+from .choice import Choice
 from .grounding import CoordinateSystem, convert_boxes, convert_points
-from .media import media_cache_key, processor_fingerprint
-from .qwen_vl import from_qwen_vl, from_token_lists, from_verl, mrope_positions
+from .io import BatchFileError
+from .media import MediaItem, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
 from .spans import (
     Modality,
     SchemaError,
@@ -18,9 +26,15 @@ from .spans import (
     union,
 )
 
+#: the builders, as functions (the same as ``RLBatch.from_qwen_vl`` etc.)
+from_qwen_vl = RLBatch.from_qwen_vl
+from_token_lists = RLBatch.from_token_lists
+from_verl = RLBatch.from_verl
+
 __all__ = [
-    "BatchFileError", "CoordinateSystem", "Modality", "RLBatch", "SchemaError", "Span", "SpanTable",
-    "complement", "convert_boxes", "convert_points", "from_qwen_vl", "from_token_lists", "from_verl",
-    "intersect", "mask_from_spans", "media_cache_key", "media_token_counts", "mrope_positions", "normalize",
-    "processor_fingerprint", "spans_from_mask", "subtract", "union",
+    "BatchFileError", "Choice", "CoordinateSystem", "MediaItem", "Modality", "RLBatch", "SchemaError", "Span",
+    "SpanTable", "complement", "convert_boxes", "convert_points", "dense_group_index", "from_qwen_vl",
+    "from_token_lists", "from_verl", "intersect", "mask_from_spans", "media_cache_key", "media_token_counts",
+    "mrope_positions", "normalize", "processor_fingerprint", "spans_from_mask", "subtract", "union",
+    "vision_token_offsets",
 ]

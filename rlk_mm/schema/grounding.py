@@ -6,26 +6,17 @@ never implicitly: a box in resized-image pixels is not a box in original pixels.
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
+from .choice import Choice
 from .spans import SchemaError
 
 
-class CoordinateSystem(str, Enum):
+class CoordinateSystem(Choice):
     ABSOLUTE = "absolute"  # pixels of the original image
     RESIZED = "resized"  # pixels of the image as the processor resized it
     NORMALIZED = "normalized"  # 0-1
     NORMALIZED_1000 = "normalized_1000"  # 0-1000 (Qwen-VL grounding convention)
-
-    @classmethod
-    def parse(cls, value: "str | CoordinateSystem") -> "CoordinateSystem":
-        try:
-            return cls(value)
-        except ValueError:
-            known = ", ".join(c.value for c in cls)
-            raise SchemaError(f"coordinate_system={value!r} is unknown; use one of: {known}") from None
 
 
 def _scale(system: CoordinateSystem, original_size, resized_size) -> torch.Tensor:
@@ -43,7 +34,8 @@ def _scale(system: CoordinateSystem, original_size, resized_size) -> torch.Tenso
 
 def convert_points(points: torch.Tensor, source, target, *, original_size=None, resized_size=None) -> torch.Tensor:
     """Points ``[..., 2]`` (x, y) from ``source`` to ``target`` coordinate system."""
-    source, target = CoordinateSystem.parse(source), CoordinateSystem.parse(target)
+    source = CoordinateSystem.parse(source, "source", SchemaError)
+    target = CoordinateSystem.parse(target, "target", SchemaError)
     if points.shape[-1] != 2:
         raise SchemaError(f"points must have a last dimension of 2 (x, y), got shape {tuple(points.shape)}")
     factor = _scale(target, original_size, resized_size) / _scale(source, original_size, resized_size)

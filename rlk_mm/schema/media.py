@@ -1,5 +1,8 @@
-"""Media identity: processor fingerprints, media cache keys and default media ids.
+"""Media items and their identity: the per-item record, token counts, fingerprints and keys.
 
+- ``MediaItem`` is one image or video of a sample, as a batch records it.
+- ``media_token_counts`` / ``vision_token_offsets``: an item's placeholder tokens and its
+  first row in the vision tower's output.
 - ``processor_fingerprint`` hashes everything that shapes the token layout, so two
   batches built by differently configured processors never compare equal.
 - ``media_cache_key`` hashes the vision-tower input of one item (its processed pixel
@@ -10,10 +13,47 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from .spans import Modality
+
+
+@dataclass
+class MediaItem:
+    """One image or video of a sample.
+
+    ``grid`` is its int64 ``(t, h, w)`` patch grid; ``pixels`` its vision-tower input rows
+    (None where the batch keeps no pixels); ``second_per_grid`` a video's seconds per
+    temporal patch; ``key`` its ``media_cache_key`` and ``id`` its media id (filled in
+    once the whole batch is known)."""
+
+    modality: Modality
+    grid: torch.Tensor
+    pixels: Optional[torch.Tensor] = None
+    second_per_grid: Optional[float] = None
+    key: Optional[str] = None
+    id: Optional[str] = None
+
+
+def media_token_counts(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """LLM tokens of each media item: t * h * w / merge_size²."""
+    grid = grid_thw.long().reshape(-1, 3)
+    return grid.prod(dim=1) // (merge_size * merge_size)
+
+
+def vision_token_offsets(grid_thw: torch.Tensor, modality: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """Row offset of each item's first output row in its modality's vision-tower output."""
+    counts = media_token_counts(grid_thw, merge_size)
+    out = torch.zeros_like(counts)
+    for mod in torch.unique(modality).tolist():
+        sel = modality == mod
+        c = counts[sel]
+        out[sel] = torch.cumsum(c, 0) - c
+    return out
 
 #: image-processor settings that change pixel values or the number of image tokens
 _IMAGE_PROCESSOR_KEYS = (

@@ -53,9 +53,6 @@ class Span:
     def overlaps(self, other: "Span") -> bool:
         return self.start < other.end and other.start < self.end
 
-    def shift(self, offset: int) -> "Span":
-        return Span(self.start + offset, self.end + offset, self.modality, self.media_index)
-
     def __str__(self) -> str:
         media = f" #{self.media_index}" if self.media_index >= 0 else ""
         return f"{self.modality.label}{media}[{self.start}, {self.end})"
