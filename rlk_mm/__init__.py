@@ -1,10 +1,11 @@
 """rlk_mm: multimodal RL operators with schema-first batch objects.
 
 The public API: the batch schema (``RLBatch``, spans), the ops (``rlk_mm.ops``: selected
-log-prob, losses, rewards, pack) and the parity checks (``rlk_mm.parity``).
+log-prob, losses, rewards, pack, ``batch_invariant``), the model runners
+(``rlk_mm.models``) and the parity checks (``rlk_mm.parity``).
 """
 
-from . import ops
+from . import models, ops  # models registers its batch_invariant() module patches
 from .schema import (
     BatchFileError,
     CoordinateSystem,
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchFileError", "CoordinateSystem", "Modality", "RLBatch", "SchemaError", "Span", "SpanTable",
-    "ops", "processor_fingerprint", "__version__",
+    "models", "ops", "processor_fingerprint", "__version__",
 ]

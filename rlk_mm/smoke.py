@@ -60,6 +60,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from .fixtures import Sample, load_geo3k, processor_inputs, qwen_vl_processor, tiny_qwen2_5_vl
+from .models.qwen2_5_vl import forward_hidden, layout_inputs
 from .ops import group_advantages, policy_loss, scatter_rewards, selected_logprob
 from .parity import LOGPROB_MAX_ABS, check_layout_parity, compare_logprobs
 from .parity.layout import LayoutParityError
@@ -383,42 +384,16 @@ def lr_factor(step: int, warmup: int, steps: int) -> float:
     return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# ----------------------------------------------------------------------------- padded training forward
-def padded_inputs(batch: RLBatch, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Right-padded `input_ids`/`attention_mask` [B, L] and M-RoPE `position_ids` [3, B, L]
-    laid out from the batch (its own positions: what the trainer uses)."""
-    B, lengths = batch.num_samples, batch.seq_lengths()
-    L = int(lengths.max())
-    sample = torch.repeat_interleave(torch.arange(B, device=batch.device), lengths)
-    col = torch.arange(batch.num_tokens, device=batch.device) - batch.cu_seqlens.long()[sample]
-    ids = torch.full((B, L), pad_id, dtype=torch.int64, device=batch.device)
-    ids[sample, col] = batch.input_ids
-    mask = torch.zeros((B, L), dtype=torch.int64, device=batch.device)
-    mask[sample, col] = 1
-    pos = torch.zeros((3, B, L), dtype=torch.int64, device=batch.device)
-    pos[:, sample, col] = batch.position_ids
-    return ids, mask, pos
-
-
-def hidden_states(model, batch: RLBatch, pad_id: int, *, swap_images: Optional[tuple[int, int]] = None) -> Tensor:
-    """Last hidden states [B, L, H] of the right-padded batch (no logits are formed).
+# ----------------------------------------------------------------------------- training forward
+def hidden_states(model, batch: RLBatch, *, swap_images: Optional[tuple[int, int]] = None) -> Tensor:
+    """Last hidden states [T, H] of the batch's tokens from a right-padded forward (no logits).
 
     `swap_images=(i, j)`: the `image-swap` bug: items i and j (same grid) trade their
     vision-tower input, so each sample attends to the other's image embeddings."""
-    ids, mask, pos = padded_inputs(batch, pad_id)
-    pixels = batch.pixel_values
-    if swap_images is not None and pixels is not None:
-        pixels = _swap_image_rows(pixels, batch.image_grid_thw, *swap_images)
-    device, dtype = model.device, model.dtype
-    out = model.model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=pos.to(device),
-        pixel_values=None if pixels is None else pixels.to(device, dtype),
-        image_grid_thw=None if batch.image_grid_thw is None else batch.image_grid_thw.to(device),
-        use_cache=False,
-    )
-    return out.last_hidden_state
+    if swap_images is not None and batch.pixel_values is not None:
+        swapped = _swap_image_rows(batch.pixel_values, batch.image_grid_thw, *swap_images)
+        batch = batch.model_copy(update={"pixel_values": swapped})
+    return forward_hidden(model, batch, layout="right")
 
 
 def _swap_image_rows(pixels: Tensor, grid: Tensor, i: int, j: int) -> Tensor:
@@ -446,7 +421,7 @@ def swap_pair(batch: RLBatch) -> Optional[tuple[int, int]]:
 
 def policy_logprobs(policy: Policy, model, batch: RLBatch, temperature: float, swap=None) -> Tensor:
     """fp32 log-probs [n] of the batch's loss tokens: hidden states -> `selected_logprob`."""
-    hidden = hidden_states(model, batch, policy.pad_id, swap_images=swap)
+    hidden = hidden_states(model, batch, swap_images=swap)
     return selected_logprob(hidden, model.lm_head.weight, batch, temperature=temperature)
 
 
@@ -705,7 +680,7 @@ def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_
     flat = tb.cu_seqlens.long()[sample] + pos
     in_prompt = int((pos < prompt_len[sample]).sum())
     in_media = int((tb.token_modality()[flat.clamp(max=tb.num_tokens - 1)] != int(Modality.TEXT)).sum())
-    _, mask, _ = padded_inputs(tb, policy.pad_id)
+    mask = layout_inputs(tb, "right", policy.pad_id)[0]["attention_mask"]
     real = (pos >= 1) & (pos < lengths[sample])
     padding = int((~real).sum()) + int((mask[sample[real], pos[real]] == 0).sum())
     # the intended targets: generated tokens; everything else gets random ids
@@ -882,7 +857,7 @@ def run_smoke(args) -> int:
         adv, scores = _grpo_advantages(tb, negate=args.break_mode == "adv-sign")
         loss_fn = loss_fn_for(tb, old, adv, ref_lp)
         t2 = time.perf_counter()
-        hidden = hidden_states(policy.model, tb, policy.pad_id, swap_images=swap)
+        hidden = hidden_states(policy.model, tb, swap_images=swap)
         logp = selected_logprob(hidden, policy.head, tb, temperature=args.temperature)
         t3 = time.perf_counter()
         if step == 1:

@@ -10,7 +10,7 @@ so ``_row_independent_dot`` replaces the interpreter's dot with ``numpy.einsum``
 each product summed over K in one order that depends on K alone, the same for every row.
 
 verl's package imports ray at import time; ray is a cluster runtime our tests never use,
-so ``rlk_mm.integrations.ray_stand_in`` is installed when ray is absent.
+so ``ray_stand_in`` (tests only) is installed when ray is absent.
 """
 
 import os
@@ -42,7 +42,7 @@ def _install_row_independent_dot() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _install_row_independent_dot()
 
-from rlk_mm.integrations import ray_stand_in  # noqa: E402  (after TRITON_INTERPRET is set)
+import ray_stand_in  # noqa: E402  (after TRITON_INTERPRET is set)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 GEO3K = SHARED / "geo3k"

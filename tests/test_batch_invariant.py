@@ -9,11 +9,13 @@ import torch.nn.functional as F
 
 from rlk_mm import fixtures
 from rlk_mm.ops import batch_invariant
-from rlk_mm.ops import prefill as P
-from rlk_mm.ops._reference import prefill as R
-from rlk_mm.ops.cache import VisionCache, _GatherRows, group_logprobs
+from rlk_mm.models.qwen2_5_vl import VisionCache, _GatherRows, batch_logprobs, group_logprobs
+from rlk_mm.ops._torch import invariant as R
+from rlk_mm.ops.invariant import attention as A
+from rlk_mm.ops.invariant import matmul as M
+from rlk_mm.ops.invariant import rmsnorm as N
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, relative_error
-from rlk_mm.schema.batch import RLBatch
+from rlk_mm.schema import RLBatch
 
 BACKENDS = ["torch", "triton"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -48,10 +50,10 @@ def test_matmul_matches_fp64_and_is_row_invariant(backend, dtype):
     w = _randn(40, 48, dtype=dtype, seed=1)
     bias = _randn(40, dtype=dtype, seed=2)
     with batch_invariant(backend=backend):
-        out = P.matmul(a, w.t(), bias)
-        alone = [P.matmul(a[i : i + 1], w.t(), bias) for i in (0, 33, 69)]
-        shifted = P.matmul(torch.cat([a[5:9], a]), w.t(), bias)[4:]
-        scaled = P.matmul(a, w.t(), bias, alpha=0.5, beta=2.0)
+        out = M.matmul(a, w.t(), bias)
+        alone = [M.matmul(a[i : i + 1], w.t(), bias) for i in (0, 33, 69)]
+        shifted = M.matmul(torch.cat([a[5:9], a]), w.t(), bias)[4:]
+        scaled = M.matmul(a, w.t(), bias, alpha=0.5, beta=2.0)
     exact = a.double() @ w.double().t() + bias.double()
     assert out.dtype == dtype
     assert relative_error(out, exact) < _rel_bound(dtype)
@@ -81,9 +83,9 @@ def test_aten_overrides_route_linear_bmm_and_patch_conv(backend):
 
 def test_matmul_rejects_mismatched_operands():
     with pytest.raises(ValueError, match="one dtype"):
-        P.matmul(_randn(3, 4), _randn(4, 5, dtype=torch.bfloat16))
+        M.matmul(_randn(3, 4), _randn(4, 5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="cannot be multiplied"):
-        P.matmul(_randn(3, 4), _randn(5, 5))
+        M.matmul(_randn(3, 4), _randn(5, 5))
 
 
 # --------------------------------------------------------------------------- RMSNorm
@@ -131,9 +133,9 @@ def test_varlen_attention_matches_sdpa_and_ignores_neighbours(backend, dtype, ca
     q, k, v = (_randn(total, h, 16, dtype=dtype, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
     cu = torch.tensor([0, 37, 42, 112], dtype=torch.int32)
     with batch_invariant(backend=backend):
-        out = P.varlen_attention(q, k, v, cu, causal=causal)
-        alone = P.varlen_attention(q[42:], k[42:], v[42:], torch.tensor([0, 70], dtype=torch.int32), causal=causal)
-        reordered = P.varlen_attention(torch.cat([q[42:], q[:42]]), torch.cat([k[42:], k[:42]]), torch.cat([v[42:], v[:42]]),
+        out = A.varlen_attention(q, k, v, cu, causal=causal)
+        alone = A.varlen_attention(q[42:], k[42:], v[42:], torch.tensor([0, 70], dtype=torch.int32), causal=causal)
+        reordered = A.varlen_attention(torch.cat([q[42:], q[:42]]), torch.cat([k[42:], k[:42]]), torch.cat([v[42:], v[:42]]),
                                        torch.tensor([0, 70, 107, 112], dtype=torch.int32), causal=causal)
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         assert relative_error(out[s:e], _sdpa_oracle(q[s:e], k[s:e], v[s:e], causal)) < _rel_bound(dtype)
@@ -148,8 +150,8 @@ def test_kv_cached_queries_equal_the_full_prefill(backend):
     q, k, v = (_randn(1, h, 50, 16, seed=s) for s, h in ((0, 4), (1, 2), (2, 2)))
     full_mask = torch.ones(1, 1, 50, 50, dtype=torch.bool).tril()
     with batch_invariant(backend=backend):
-        full, _ = P._attention_interface(None, q, k, v, full_mask)
-        tail, _ = P._attention_interface(None, q[:, :, 41:], k, v, full_mask[:, :, 41:])
+        full, _ = A.attention_interface(None, q, k, v, full_mask)
+        tail, _ = A.attention_interface(None, q[:, :, 41:], k, v, full_mask[:, :, 41:])
     assert torch.equal(tail, full[:, 41:])
 
 
@@ -162,22 +164,22 @@ def test_segments_from_mask_padding_packing_and_errors():
     packed = torch.zeros(6, 6, dtype=torch.bool)
     packed[:2, :2], packed[2:, 2:] = causal[:2, :2], causal[:4, :4]
     mask = torch.stack([right, left, packed])[:, None]
-    segs, max_q, is_causal = P.segments_from_mask(mask, 3, 6, 6)
+    segs, max_q, is_causal = A.segments_from_mask(mask, 3, 6, 6)
     assert is_causal and max_q == 4
     assert [t.tolist() for t in segs] == [[0, 1, 2, 2], [0, 2, 0, 2], [4, 4, 2, 4], [0, 2, 0, 2], [4, 4, 2, 4]]
     holes = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     holes[0, 0, 2, 1] = False
     with pytest.raises(NotImplementedError, match=r"batch 0, query 2\) attends a non-contiguous key set"):
-        P.segments_from_mask(holes, 1, 3, 3)
+        A.segments_from_mask(holes, 1, 3, 3)
 
 
 def test_attention_interface_rejects_unsupported_options():
     q = _randn(1, 2, 4, 16)
     with batch_invariant(backend="torch"):
         with pytest.raises(NotImplementedError, match="dropout"):
-            P._attention_interface(None, q, q, q, None, dropout=0.1)
+            A.attention_interface(None, q, q, q, None, dropout=0.1)
         with pytest.raises(NotImplementedError, match="sliding_window"):
-            P._attention_interface(None, q, q, q, None, sliding_window=2)
+            A.attention_interface(None, q, q, q, None, sliding_window=2)
 
 
 def test_custom_ops_trace_under_torch_compile():
@@ -185,11 +187,11 @@ def test_custom_ops_trace_under_torch_compile():
     q, k = _randn(1, 4, 9, 16, seed=2), _randn(1, 2, 9, 16, seed=3)
     segs = tuple(torch.tensor([v], dtype=torch.int32) for v in (0, 0, 9, 0, 9))
     with batch_invariant(backend="torch"):
-        norm = torch.compile(lambda x, w: P.rms_norm(x, w, 1e-6), backend="eager", fullgraph=True)
-        attn = torch.compile(lambda q, k: P.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9),
+        norm = torch.compile(lambda x, w: N.rms_norm(x, w, 1e-6), backend="eager", fullgraph=True)
+        attn = torch.compile(lambda q, k: A.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9),
                              backend="eager", fullgraph=True)
-        assert torch.equal(norm(x, w), P.rms_norm(x, w, 1e-6))
-        assert torch.equal(attn(q, k), P.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9))
+        assert torch.equal(norm(x, w), N.rms_norm(x, w, 1e-6))
+        assert torch.equal(attn(q, k), A.segment_attention(q, k, k, segs, causal=True, scale=0.25, max_q=9))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -221,18 +223,18 @@ def test_shared_input_linears_are_bitwise_one_launch_each(dtype):
     with torch.no_grad(), batch_invariant(backend="triton"):
         one_by_one = [layer(x) for layer in layers]
         assert TM.linears(x.reshape(-1, 40), [l.weight for l in layers], [l.bias for l in layers]) is not None
-        together = P.shared_input_linears(x, layers)
+        together = M.shared_input_linears(x, layers)
         for a, b in zip(together, one_by_one):
             assert a.shape == b.shape and torch.equal(a, b)
-        two = P.shared_input_linears(x, layers[:2])
+        two = M.shared_input_linears(x, layers[:2])
         assert all(torch.equal(a, b) for a, b in zip(two, one_by_one))
         # tiles that differ (a 32-wide weight next to a 64-wide one): no single launch, same values
         narrow = torch.nn.Linear(40, 32 if dtype == torch.float32 else 128, dtype=dtype)
         assert TM.linears(x.reshape(-1, 40), [layers[0].weight, narrow.weight], [layers[0].bias, narrow.bias]) is None
-        assert torch.equal(P.shared_input_linears(x, [layers[0], narrow])[1], narrow(x))
+        assert torch.equal(M.shared_input_linears(x, [layers[0], narrow])[1], narrow(x))
     assert len(seen) == 1  # shared_input_linears itself runs no module hooks
     with batch_invariant(backend="triton"):  # with autograd: one by one, gradients flow
-        out = P.shared_input_linears(x, layers)
+        out = M.shared_input_linears(x, layers)
         out[0].float().sum().backward()
     assert layers[0].weight.grad is not None and torch.equal(out[0].detach(), one_by_one[0])
 
@@ -246,7 +248,7 @@ def _dispatch_state():
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
 
     return (
-        [torch._C._dispatch_dump(f"aten::{op}") for op in P._ATEN_OVERRIDES],
+        [torch._C._dispatch_dump(f"aten::{op}") for op in M.ATEN_OVERRIDES],
         dict(AttentionInterface._global_mapping),
         dict(AttentionMaskInterface._global_mapping),
         m.Qwen2_5_VLRMSNorm.__dict__["forward"],
@@ -295,7 +297,7 @@ def test_gradients_under_batch_invariant_match_default(tiny):
     def grads(ctx):
         model.zero_grad()
         with ctx:
-            P.batch_logprobs(model, batch, layout="right").sum().backward()
+            batch_logprobs(model, batch, layout="right").sum().backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     import contextlib
@@ -360,13 +362,13 @@ def test_gpu_kernels_are_row_invariant_and_accurate():
     of a sequence alone equals it inside a pack."""
     a, w = _randn(3000, 3420, dtype=torch.bfloat16).cuda(), _randn(1280, 3420, dtype=torch.bfloat16, seed=1).cuda()
     with batch_invariant():
-        out = P.matmul(a, w.t())
-        one = P.matmul(a[7:8], w.t())
-        shifted = P.matmul(torch.cat([a[:5], a[:200]]), w.t())[5:]
+        out = M.matmul(a, w.t())
+        one = M.matmul(a[7:8], w.t())
+        shifted = M.matmul(torch.cat([a[:5], a[:200]]), w.t())[5:]
         q, k, v = (_randn(900, h, 128, dtype=torch.bfloat16, seed=s).cuda() for s, h in ((0, 16), (1, 2), (2, 2)))
         cu = torch.tensor([0, 300, 900], dtype=torch.int32, device="cuda")
-        packed = P.varlen_attention(q, k, v, cu)
-        alone = P.varlen_attention(q[300:], k[300:], v[300:], torch.tensor([0, 600], dtype=torch.int32, device="cuda"))
+        packed = A.varlen_attention(q, k, v, cu)
+        alone = A.varlen_attention(q[300:], k[300:], v[300:], torch.tensor([0, 600], dtype=torch.int32, device="cuda"))
     assert relative_error(out, a.double() @ w.double().t()) < _rel_bound(torch.bfloat16)
     assert torch.equal(one, out[7:8]) and torch.equal(shifted, out[:200])
     assert torch.equal(alone, packed[300:])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlk_mm.integrations import easyr1
-from rlk_mm.ops._reference import loss as ref
-from rlk_mm.ops._reference import rewards as ref_rewards
+from oracles import loss as ref
+from oracles import rewards as ref_rewards
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
 
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32

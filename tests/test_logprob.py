@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from rlk_mm.ops import selected_logprob
-from rlk_mm.ops._reference import logprob as reference_logprob
+from rlk_mm.ops._torch import logprob as reference_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
-from rlk_mm.schema.batch import RLBatch
+from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
 
 BACKENDS = ["torch", "triton"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlk_mm.ops import selected_logprob
-from rlk_mm.ops._reference import logprob as ref
+from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
 pytestmark = [

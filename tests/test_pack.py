@@ -1,5 +1,5 @@
 """rlk_mm.ops.packing: RLBatch ↔ PackedBatch and [B, L, *] ↔ [T, *], bitwise, against the
-sample-by-sample references in rlk_mm.ops._reference.pack; the Triton gather under
+sample-by-sample references in oracles/pack.py; the Triton gather under
 TRITON_INTERPRET=1 at tiny shapes (forward and backward); clear errors."""
 
 import contextlib
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlk_mm import fixtures as F
-from rlk_mm.ops._reference import pack as ref
+from oracles import pack as ref
 from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
 from rlk_mm.schema import RLBatch, media_token_counts
 from rlk_mm.schema.spans import SpanTable

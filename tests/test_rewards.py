@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlk_mm.ops._reference import rewards as ref
+from oracles import rewards as ref
 from rlk_mm.ops.rewards import SpanReward, group_advantages, overlong_penalty, scatter_rewards
-from rlk_mm.schema.batch import RLBatch
+from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import SchemaError, Span, SpanTable
 
 TOL = 1e-5  # float32 ops vs float64 references on scores of order 1-10

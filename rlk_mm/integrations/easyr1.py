@@ -17,21 +17,23 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rlk_mm.ops import loss as _loss
-from rlk_mm.ops.loss import agg_loss, policy_loss
-from rlk_mm.ops.rewards import group_advantages
+from ..ops import loss as _loss
+from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
+from ..ops.loss import AggMode, KLType, agg_loss, policy_loss
+from ..ops.rewards import group_advantages
+from ..schema import dense_group_index
 
 #: EasyR1 loss types this module fuses; ``cispo`` and ``sapo`` are not provided
 LOSS_TYPES = ("default", "gspo", "gspo_token")
-_KL = ("kl", "abs", "mse", "low_var_kl")
+_KL = (KLType.KL, KLType.ABS, KLType.MSE, KLType.LOW_VAR_KL)  # EasyR1's kl_penalty names
 
 
-def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token", "seq"], eps: float = 1e-8) -> torch.Tensor:
+def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token", "seq"], eps: float = MEAN_EPS) -> torch.Tensor:
     """EasyR1's ``average_loss``: ``token`` = masked mean, ``seq`` = mean over rows of row masked means."""
-    if mode not in ("token", "seq"):
+    if mode not in (AggMode.TOKEN, AggMode.SEQ):
         raise ValueError(f"mode={mode!r}: EasyR1 averages by 'token' or 'seq'")
-    if eps != 1e-8:
-        raise ValueError(f"eps={eps}: rlk_mm implements EasyR1's default eps 1e-8 only")
+    if eps != MEAN_EPS:
+        raise ValueError(f"eps={eps}: rlk_mm implements EasyR1's default eps {MEAN_EPS} only")
     return agg_loss(values, mask, mode)
 
 
@@ -75,12 +77,12 @@ def compute_policy_loss(
     loss, fused = policy_loss(
         log_probs, old_log_probs, advantages, response_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_dual,
-        ratio="token" if loss_type == "default" else loss_type, log_ratio_clamp=(-20.0, 20.0),
+        ratio="token" if loss_type == "default" else loss_type, log_ratio_clamp=(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT),
         loss_agg_mode=loss_avg_mode,
     )
     with torch.no_grad():
         mask = response_mask.to(torch.float32)
-        count = mask.sum() + 1e-8
+        count = mask.sum() + MEAN_EPS
         ppo_kl = agg_loss(old_log_probs.float() - log_probs.float(), mask, "token")
         entropy = agg_loss(-log_probs.float(), mask, loss_avg_mode)
         entropy = entropy * mask.sum() / count  # EasyR1 takes the masked mean of this scalar
@@ -89,23 +91,24 @@ def compute_policy_loss(
     return loss, dict(zip(names, values))
 
 
-def _groups(index, estimator: str) -> np.ndarray:
-    """EasyR1 group ids -> dense ints; every group needs two samples or more."""
-    uniq, inverse, counts = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
-    if (counts < 2).any():
-        g = int(np.nonzero(counts < 2)[0][0])
-        sample = int(np.nonzero(inverse.reshape(-1) == g)[0][0])
+def _groups(index, estimator: str) -> torch.Tensor:
+    """EasyR1 group ids -> dense int64 group numbers; every group needs two samples or more."""
+    ids = np.asarray(index).reshape(-1).tolist()
+    groups = dense_group_index(ids)
+    single = torch.nonzero(torch.bincount(groups) < 2).flatten()
+    if single.numel():
+        sample = int(torch.nonzero(groups == single[0])[0])
         raise ValueError(
-            f"{estimator}: group {uniq[g]!r} (sample {sample}) has a single response; "
+            f"{estimator}: group {ids[sample]!r} (sample {sample}) has a single response; "
             f"{estimator} needs rollout.n > 1"
         )
-    return inverse.reshape(-1)
+    return groups
 
 
 def _outcome_advantage(token_level_rewards, response_mask, index, estimator, eps):
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        groups = torch.as_tensor(_groups(index, estimator.upper()), dtype=torch.int64, device=scores.device)
+        groups = _groups(index, estimator.upper()).to(scores.device)
         adv = group_advantages(scores, groups, estimator=estimator, eps=eps)
         returns = adv.unsqueeze(-1) * response_mask
     return returns, returns

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from verl.trainer.ppo import core_algos
-from rlk_mm.ops.loss import policy_loss
-from rlk_mm.ops.rewards import group_advantages
+
+from ..ops.loss import policy_loss
+from ..ops.rewards import Estimator, group_advantages
+from ..schema import dense_group_index
 
 POLICY_LOSSES = ("rlk_mm", "rlk_mm_gspo")
 ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
@@ -94,11 +96,8 @@ def compute_policy_loss_gspo(
 
 
 def _group_index(index, device) -> torch.Tensor:
-    """verl's ``uid`` array (strings or ints) -> int64 group numbers on ``device``
-    (first-appearance order; a dict pass, faster than sorting Python strings)."""
-    seen: dict = {}
-    dense = [seen.setdefault(u, len(seen)) for u in np.asarray(index).reshape(-1).tolist()]
-    return torch.tensor(dense, dtype=torch.int64).to(device)
+    """verl's ``uid`` array (strings or ints) -> int64 group numbers on ``device``."""
+    return dense_group_index(np.asarray(index).reshape(-1).tolist()).to(device)
 
 
 def compute_grpo_outcome_advantage(
@@ -118,7 +117,7 @@ def compute_grpo_outcome_advantage(
         scores = token_level_rewards.sum(dim=-1)
         adv = group_advantages(
             scores, _group_index(index, scores.device),
-            estimator="grpo" if norm_adv_by_std_in_grpo else "dr_grpo", eps=epsilon,
+            estimator=Estimator.GRPO if norm_adv_by_std_in_grpo else Estimator.DR_GRPO, eps=epsilon,
         )
         adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
@@ -135,7 +134,7 @@ def compute_rloo_outcome_advantage(
     """verl's RLOO, vectorized: the score minus the mean of the group's other scores."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        adv = group_advantages(scores, _group_index(index, scores.device), estimator="rloo", eps=epsilon)
+        adv = group_advantages(scores, _group_index(index, scores.device), estimator=Estimator.RLOO, eps=epsilon)
         adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from rlk_mm.ops import selected_logprob
+from ..ops.logprob import selected_logprob
 
 Tensor = torch.Tensor
 

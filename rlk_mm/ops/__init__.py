@@ -1,38 +1,58 @@
-"""rlk_mm operators. Each public op dispatches to a Triton kernel (CUDA) or torch.
+"""rlk_mm operators. Each public op checks its inputs, then runs a Triton kernel (CUDA) or torch.
 
 Names are imported on first use so that ``import rlk_mm`` stays light (Triton and the
-kernels load only when an op that needs them is called).
+kernels load only when an op that needs them is called). Ops depend only on
+``rlk_mm.schema``; model runners live in ``rlk_mm.models``.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
+    from .invariant.mode import batch_invariant
+    from .logprob import selected_logprob
+    from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss
+    from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded
+    from .rewards import Estimator, RewardPlacement, SpanReward, group_advantages, overlong_penalty, scatter_rewards
 
 _EXPORTS = {
     "selected_logprob": "logprob",
     "policy_loss": "loss",
     "kl_penalty": "loss",
     "agg_loss": "loss",
+    "AggMode": "loss",
+    "KLType": "loss",
+    "RatioMode": "loss",
     "scatter_rewards": "rewards",
     "group_advantages": "rewards",
     "SpanReward": "rewards",
     "overlong_penalty": "rewards",
+    "Estimator": "rewards",
+    "RewardPlacement": "rewards",
     "pack": "packing",
     "unpack": "packing",
     "PackedBatch": "packing",
+    "PaddingSide": "packing",
     "pack_padded": "packing",
     "unpack_to_padded": "packing",
-    "batch_invariant": "prefill",
-    "batch_logprobs": "prefill",
-    "forward_hidden": "prefill",
-    "VisionCache": "cache",
-    "group_logprobs": "cache",
+    "batch_invariant": "invariant.mode",
 }
+#: names that moved to rlk_mm.models.qwen2_5_vl (model runners are not ops); still served here
+_MOVED = ("batch_logprobs", "forward_hidden", "VisionCache", "group_logprobs")
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _MOVED:
+        warnings.warn(
+            f"rlk_mm.ops.{name} moved to rlk_mm.models.qwen2_5_vl.{name}; import it from there",
+            DeprecationWarning, stacklevel=2,
+        )
+        return getattr(importlib.import_module("rlk_mm.models.qwen2_5_vl"), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rlk_mm.ops' has no attribute {name!r}")

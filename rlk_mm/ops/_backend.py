@@ -10,14 +10,18 @@ import os
 
 import torch
 
-_CHOICES = ("auto", "torch", "triton")
+from ..schema import Choice
 
 
-def backend_name() -> str:
-    name = os.environ.get("RLK_MM_BACKEND", "auto").strip().lower() or "auto"
-    if name not in _CHOICES:
-        raise ValueError(f"RLK_MM_BACKEND={name!r}: expected one of {', '.join(_CHOICES)}")
-    return name
+class Backend(Choice):
+    AUTO = "auto"  # Triton on CUDA tensors, torch elsewhere
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def backend_name() -> Backend:
+    """The backend ``RLK_MM_BACKEND`` asks for (``auto`` when unset)."""
+    return Backend.parse(os.environ.get("RLK_MM_BACKEND", "auto").strip().lower() or "auto", "RLK_MM_BACKEND")
 
 
 def triton_interpreting() -> bool:
@@ -28,9 +32,9 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the op should run its Triton kernel for these tensors."""
     name = backend_name()
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
-    if name == "torch":
+    if name is Backend.TORCH:
         return False
-    if name == "triton":
+    if name is Backend.TRITON:
         if not on_cuda and not triton_interpreting():
             raise RuntimeError(
                 "RLK_MM_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "

@@ -3,11 +3,11 @@ tokens only, never writing ``[n, V]`` logits (DESIGN.md, "Ops").
 
 ``selected_logprob`` resolves which hidden rows are scored (from an ``RLBatch``'s loss
 spans, or from ``index``/``targets``) and calls the custom op ``rlk_mm::selected_logprob``
-(Triton on CUDA, the chunked plain-torch reference elsewhere; both validate their inputs
+(Triton on CUDA, the chunked plain-torch backend elsewhere; both validate their inputs
 before any work). Its autograd recomputes logits in the backward instead of storing them.
-Eager calls run the op's own forward and backward through a ``torch.autograd.Function``:
-the custom-op dispatcher costs ~150 µs a call on an H100 (a tenth of a 3B model's forward
-over 1024 scored tokens); ``torch.compile`` traces the registered ops.
+Eager calls run the op's own forward and backward through a ``torch.autograd.Function``,
+skipping the custom-op dispatcher's per-call cost (bench/results/README.md);
+``torch.compile`` traces the registered ops.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ._backend import use_triton
-from ._reference import logprob as _ref
+from ._torch import logprob as _ref
 
 Tensor = torch.Tensor
 

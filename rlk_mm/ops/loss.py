@@ -30,21 +30,53 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rlk_mm.ops._backend import use_triton
+from ..schema import Choice
+from . import _loss_terms as terms
+from ._backend import use_triton
+from ._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, LOG_RATIO_LIMIT, MEAN_EPS, KLEstimator, Partial
+from ._torch import loss as _torch_loss
 
-AGG_MODES = (
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",  # verl
-    "token", "seq",  # EasyR1
-)
-#: KL estimator name -> kernel code (verl's and EasyR1's names; a trailing "+" = k2's gradient)
-KL_KINDS = {"kl": 1, "k1": 1, "abs": 2, "mse": 3, "k2": 3, "low_var_kl": 4, "k3": 4}
-#: "token": PPO ratio per token; "gspo_token": GSPO's sequence ratio with the gradient of
-#: each token's own log-prob (verl's "gspo", EasyR1's "gspo_token"); "gspo": GSPO with the
-#: gradient through the sequence mean (EasyR1's "gspo")
-RATIOS = ("token", "gspo_token", "gspo")
-#: the fused kernel's per-block partial sums, in row order
-PARTIALS = ("pg_loss", "kl_loss", "entropy_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "mask_sum")
-_BLOCK = 1024  # tokens per block of partial sums, both backends (the Triton kernel's program size)
+
+class AggMode(Choice):
+    """How per-token losses become a scalar (``loss_agg_mode``): verl 0.9.1's modes and EasyR1's."""
+
+    TOKEN_MEAN = "token-mean"
+    TOKEN_SUM = "token-sum"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
+    TOKEN = "token"  # EasyR1: masked mean
+    SEQ = "seq"  # EasyR1: mean of per-sequence masked means
+
+
+class KLType(Choice):
+    """KL estimators by verl's and EasyR1's names (a trailing ``+``, e.g. ``"k3+"``, takes k2's gradient)."""
+
+    KL = "kl"
+    K1 = "k1"
+    ABS = "abs"
+    MSE = "mse"
+    K2 = "k2"
+    LOW_VAR_KL = "low_var_kl"
+    K3 = "k3"
+
+    @property
+    def estimator(self) -> KLEstimator:
+        return _KL_ESTIMATORS[self]
+
+
+_KL_ESTIMATORS = {
+    KLType.KL: KLEstimator.K1, KLType.K1: KLEstimator.K1, KLType.ABS: KLEstimator.ABS, KLType.MSE: KLEstimator.K2,
+    KLType.K2: KLEstimator.K2, KLType.LOW_VAR_KL: KLEstimator.K3, KLType.K3: KLEstimator.K3,
+}
+
+
+class RatioMode(Choice):
+    """The importance ratio of ``policy_loss``."""
+
+    TOKEN = "token"  # PPO: per token
+    GSPO_TOKEN = "gspo_token"  # GSPO's sequence ratio with each token's own gradient (verl's "gspo", EasyR1's "gspo_token")
+    GSPO = "gspo"  # GSPO with the gradient through the sequence mean (EasyR1's "gspo")
 
 
 # ----------------------------------------------------------------------------- layout
@@ -133,29 +165,28 @@ def _aggregation(
     batch's total mask sum (a 0-d tensor, known only after the token pass) to the outer factor.
     Divisions by a zero count give 0, not NaN.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"loss_agg_mode={mode!r}: expected one of {', '.join(AGG_MODES)}")
-    if mode == "token-mean":
+    mode = AggMode.parse(mode, "loss_agg_mode")
+    if mode is AggMode.TOKEN_MEAN:
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
             return None, lambda total: _safe_div(dp_size, total)
         return None, lambda total: _safe_div(dp_size, batch_num_tokens)
-    if mode == "token-sum":
+    if mode is AggMode.TOKEN_SUM:
         return None, lambda total: dp_size
-    if mode == "token":
-        return None, lambda total: 1.0 / (total + 1e-8)
+    if mode is AggMode.TOKEN:
+        return None, lambda total: 1.0 / (total + MEAN_EPS)
     S = layout.num_seqs
     counts = layout.seq_sum(_mask_f32(mask, layout.shape.numel(), layout.device))
-    if mode == "seq":
-        return 1.0 / (counts + 1e-8), lambda total: 1.0 / S
+    if mode is AggMode.SEQ:
+        return 1.0 / (counts + MEAN_EPS), lambda total: 1.0 / S
     present = (counts > 0).to(torch.float32)
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
         global_batch_size = present.sum()
     norm = 1.0
-    if mode == "seq-mean-token-sum-norm":
+    if mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM:
         if loss_scale_factor is None:
             if not layout.padded:
                 raise ValueError(
@@ -164,7 +195,7 @@ def _aggregation(
                 )
             loss_scale_factor = layout.row_length
         norm = loss_scale_factor
-    coef = present / (counts + 1e-8) if mode == "seq-mean-token-mean" else present
+    coef = present / (counts + MEAN_EPS) if mode is AggMode.SEQ_MEAN_TOKEN_MEAN else present
     return coef, lambda total: _safe_div(dp_size, global_batch_size) / norm
 
 
@@ -194,7 +225,7 @@ def agg_loss(
     ``seq-mean-token-sum``: sum over sequences of their token sums / global_batch_size * dp_size
     (``-norm``: further / loss_scale_factor, default R); ``seq-mean-token-mean``: the same over
     per-sequence token means. Sequences with no token are left out of the default
-    global_batch_size. EasyR1 ``token``: masked mean (eps 1e-8); ``seq``: mean over all rows
+    global_batch_size. EasyR1 ``token``: masked mean (eps ``MEAN_EPS``); ``seq``: mean over all rows
     of per-row masked means.
     """
     layout = _layout("loss_mat", loss_mat, sample_index, num_samples)
@@ -211,151 +242,38 @@ def agg_loss(
 
 
 # ----------------------------------------------------------------------------- KL
-def _kl_code(kind: str) -> tuple[int, bool]:
-    base = kind[:-1] if kind.endswith("+") else kind
-    if base not in KL_KINDS:
-        raise ValueError(f"kl type {kind!r}: expected one of {', '.join(KL_KINDS)} (optionally with a trailing '+')")
-    return KL_KINDS[base], kind.endswith("+") and KL_KINDS[base] != 3
+def _kl_estimator(kind) -> tuple[KLEstimator, bool]:
+    """(estimator, straight-through) of a ``KLType`` name, optionally with a trailing ``+``."""
+    straight = isinstance(kind, str) and kind.endswith("+")
+    try:
+        estimator = KLType(kind[:-1] if straight else kind).estimator
+    except ValueError:
+        raise ValueError(f"kl type {kind!r}: expected one of {', '.join(KLType)} (optionally with a trailing '+')") from None
+    return estimator, straight and estimator != KLEstimator.K2
 
 
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
     """Per-token KL estimate of the policy to a reference (verl's ``kl_penalty``; EasyR1's ``compute_kl``).
 
     ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2;
-    ``k3``/``low_var_kl``: exp(k) - k - 1 with k = clamp(-x, ±20), clamped to ±10.
+    ``k3``/``low_var_kl``: exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT.
     A trailing ``+`` (e.g. ``k3+``) keeps the value and takes k2's gradient (straight-through).
     """
-    code, straight_through = _kl_code(kind)
+    estimator, straight_through = _kl_estimator(kind)
     x = log_probs - ref_log_probs
-    if code == 1:
+    if estimator == KLEstimator.K1:
         value = x
-    elif code == 2:
+    elif estimator == KLEstimator.ABS:
         value = x.abs()
-    elif code == 3:
+    elif estimator == KLEstimator.K2:
         value = 0.5 * x.square()
     else:
-        k = torch.clamp(-x, min=-20.0, max=20.0)
-        value = torch.clamp(torch.exp(k) - k - 1.0, min=-10.0, max=10.0)
+        k = torch.clamp(-x, min=-K3_EXPONENT_LIMIT, max=K3_EXPONENT_LIMIT)
+        value = torch.clamp(torch.exp(k) - k - 1.0, min=-K3_VALUE_LIMIT, max=K3_VALUE_LIMIT)
     if straight_through:
         k2 = 0.5 * x.square()
         return k2 - k2.detach() + value.detach()
     return value
-
-
-# ----------------------------------------------------------------------------- fused op (torch backend)
-def _token_terms(
-    log_probs, old_log_probs, advantages, seq_coef, mask, seq, seq_log_ratio, rollout_weights, ref_log_probs,
-    clip_low, clip_high, clip_c, log_ratio_min, log_ratio_max, kl_kind, kl_straight_through,
-):
-    """Per-token values and d/d log-prob of each loss term: the kernel's math, in torch."""
-    logp = log_probs.float()
-    adv = advantages.float()
-    m = torch.ones_like(logp) if mask is None else mask.to(torch.float32)
-    valid = m != 0
-    w = m if seq_coef is None else m * seq_coef[seq]
-    tok_lr = logp - old_log_probs.float()
-    lr_raw = seq_log_ratio[seq] if seq_log_ratio is not None else tok_lr
-    lr_pass = (lr_raw >= log_ratio_min) & (lr_raw <= log_ratio_max)
-    lr = torch.clamp(lr_raw, log_ratio_min, log_ratio_max)
-    ratio = torch.exp(lr)
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    m1 = torch.maximum(pg1, pg2)
-    dpg = torch.where(pg1 >= pg2, -adv * ratio, 0.0)
-    if math.isinf(clip_c):
-        lower = torch.zeros_like(valid)
-        pg = m1
-    else:
-        pg3 = -adv * clip_c
-        neg = adv < 0
-        lower = neg & (m1 > pg3)
-        pg = torch.where(neg, torch.minimum(m1, pg3), m1)
-        dpg = torch.where(lower, 0.0, dpg)
-    dpg = torch.where(lr_pass, dpg, 0.0)
-    if rollout_weights is not None:
-        isw = rollout_weights.float()
-        pg, dpg = pg * isw, dpg * isw
-    kl = dkl = None
-    if kl_kind:
-        x = logp - ref_log_probs.float()
-        if kl_kind == 1:
-            kl, dkl = x, torch.ones_like(x)
-        elif kl_kind == 2:
-            kl, dkl = x.abs(), torch.sign(x)
-        elif kl_kind == 3:
-            kl, dkl = 0.5 * x * x, x
-        else:
-            klc = torch.clamp(-x, -20.0, 20.0)
-            r = torch.exp(klc)
-            kld = r - klc - 1.0
-            kl = torch.clamp(kld, -10.0, 10.0)
-            keep = (-x >= -20.0) & (-x <= 20.0) & (kld >= -10.0) & (kld <= 10.0)
-            dkl = torch.where(keep, 1.0 - r, 0.0)
-        if kl_straight_through:
-            dkl = x
-    kl_old = -tok_lr if seq_log_ratio is not None else -lr
-    return dict(m=m, valid=valid, w=w, pg=pg, dpg=dpg, kl=kl, dkl=dkl, clipped=(pg2 > pg1) & valid, lower=lower & valid, kl_old=kl_old)
-
-
-def _block_sums(values: Tensor, num_blocks: int) -> Tensor:
-    padded = torch.nn.functional.pad(values, (0, num_blocks * _BLOCK - values.numel()))
-    return padded.view(num_blocks, _BLOCK).sum(-1)
-
-
-def _num_blocks(n: int) -> int:
-    return -(-n // _BLOCK)
-
-
-def _torch_partials(args: dict) -> Tensor:
-    n = args["log_probs"].numel()
-    nb = _num_blocks(n)
-    t = _token_terms(**_term_args(args))
-    zero = torch.zeros((), device=t["m"].device)
-
-    def masked(x):
-        return torch.where(t["valid"], x, zero)
-
-    rows = [
-        masked(t["w"] * t["pg"]),
-        masked(t["w"] * t["kl"]) if t["kl"] is not None else torch.zeros_like(t["m"]),
-        masked(t["w"] * args["entropy"].float()) if args["entropy"] is not None else torch.zeros_like(t["m"]),
-        torch.where(t["clipped"], t["m"], zero),
-        torch.where(t["lower"], t["m"], zero),
-        masked(t["m"] * t["kl_old"]),
-        t["m"],
-    ]
-    return torch.stack([_block_sums(r, nb) for r in rows])
-
-
-def _torch_partials_backward(grad_partials: Tensor, args: dict) -> tuple[Tensor, Tensor]:
-    n = args["log_probs"].numel()
-    t = _token_terms(**_term_args(args))
-    block = torch.arange(n, device=t["m"].device) // _BLOCK
-    grad = grad_partials[0][block] * t["dpg"]
-    if t["dkl"] is not None:
-        grad = grad + grad_partials[1][block] * t["dkl"]
-    zero = torch.zeros((), device=t["m"].device)
-    grad_logp = torch.where(t["valid"], t["w"] * grad, zero).to(args["log_probs"].dtype)
-    if args["entropy"] is None:
-        return grad_logp, grad_logp.new_empty(0)
-    grad_ent = torch.where(t["valid"], t["w"] * grad_partials[2][block], zero).to(args["entropy"].dtype)
-    return grad_logp, grad_ent
-
-
-def _term_args(args: dict) -> dict:
-    n = args["log_probs"].numel()
-    R = args["row_length"]
-    seq = (
-        torch.arange(n, device=args["log_probs"].device) // R if R > 0 else args["sample_index"]
-    )
-    return dict(
-        log_probs=args["log_probs"], old_log_probs=args["old_log_probs"], advantages=args["advantages"],
-        seq_coef=args["seq_coef"], mask=args["mask"], seq=seq, seq_log_ratio=args["seq_log_ratio"],
-        rollout_weights=args["rollout_weights"], ref_log_probs=args["ref_log_probs"],
-        clip_low=args["clip_low"], clip_high=args["clip_high"], clip_c=args["clip_c"],
-        log_ratio_min=args["log_ratio_min"], log_ratio_max=args["log_ratio_max"],
-        kl_kind=args["kl_kind"], kl_straight_through=args["kl_straight_through"],
-    )
 
 
 # ----------------------------------------------------------------------------- fused op (registration)
@@ -381,20 +299,20 @@ def _unpack(log_probs, entropy, tensors, floats, ints) -> dict:
 def _policy_loss_partials(
     log_probs: Tensor, entropy: Optional[Tensor], tensors: list[Optional[Tensor]], floats: list[float], ints: list[int]
 ) -> Tensor:
-    """float32 [len(PARTIALS), num_blocks]: per-block partial sums of the loss terms and metrics."""
+    """float32 [len(Partial), num_blocks]: per-block partial sums of the loss terms and metrics."""
     args = _unpack(log_probs, entropy, tensors, floats, ints)
     if not use_triton(log_probs):
-        return _torch_partials(args)
-    from rlk_mm.ops._triton import loss as kernels
+        return _torch_loss.partials(args)
+    from ._triton import loss as kernels
 
-    partials = torch.empty(len(PARTIALS), _num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
-    kernels.launch(backward=False, block=_BLOCK, partials=partials, **_launch_args(args))
+    partials = torch.empty(len(Partial), terms.num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
+    kernels.launch(backward=False, partials=partials, **_launch_args(args))
     return partials
 
 
 @_policy_loss_partials.register_fake
 def _(log_probs, entropy, tensors, floats, ints):
-    return log_probs.new_empty((len(PARTIALS), _num_blocks(log_probs.numel())), dtype=torch.float32)
+    return log_probs.new_empty((len(Partial), terms.num_blocks(log_probs.numel())), dtype=torch.float32)
 
 
 @torch.library.custom_op("rlk_mm::policy_loss_partials_backward", mutates_args=())
@@ -406,14 +324,14 @@ def _policy_loss_partials_backward(
     args = _unpack(log_probs, entropy, tensors, floats, ints)
     grad_partials = grad_partials.float().contiguous()
     if not use_triton(log_probs):
-        grad_logp, grad_ent = _torch_partials_backward(grad_partials, args)
+        grad_logp, grad_ent = _torch_loss.partials_backward(grad_partials, args)
     else:
-        from rlk_mm.ops._triton import loss as kernels
+        from ._triton import loss as kernels
 
         grad_logp = torch.empty_like(log_probs)
         grad_ent = torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0)
         kernels.launch(
-            backward=True, block=_BLOCK, grad_partials=grad_partials, grad_log_probs=grad_logp,
+            backward=True, grad_partials=grad_partials, grad_log_probs=grad_logp,
             grad_entropy=grad_ent if entropy is not None else None, **_launch_args(args),
         )
     if args["sequence_mean_grad"]:
@@ -469,7 +387,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: Optional[float] = 3.0,
     ratio: str = "token",
-    log_ratio_clamp: tuple[Optional[float], Optional[float]] = (-20.0, 20.0),
+    log_ratio_clamp: tuple[Optional[float], Optional[float]] = (-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT),
     rollout_is_weights: Optional[Tensor] = None,
     ref_log_probs: Optional[Tensor] = None,
     kl_type: str = "low_var_kl",
@@ -488,7 +406,7 @@ def policy_loss(
     ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` the
     dual clip ``min(l, -A c)`` (``clip_ratio_c=None`` turns it off); times
     ``rollout_is_weights``. ``ratio="gspo_token"``/``"gspo"`` replace ``logp - old`` by the
-    sequence's mean log-ratio (see ``RATIOS``). Total:
+    sequence's mean log-ratio (see ``RatioMode``). Total:
     ``agg(l) + kl_coef * agg(kl_penalty(logp, ref, kl_type)) - entropy_coeff * agg(entropy)``
     with ``agg`` = ``agg_loss(..., loss_agg_mode, ...)``.
 
@@ -504,15 +422,14 @@ def policy_loss(
     )
     if not log_probs.is_floating_point():
         raise ValueError(f"log_probs must be floating point, got {log_probs.dtype}")
-    if ratio not in RATIOS:
-        raise ValueError(f"ratio={ratio!r}: expected one of {', '.join(RATIOS)}")
+    ratio = RatioMode.parse(ratio, "ratio")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1 (or None to turn it off)")
     if (kl_coef != 0.0) and ref_log_probs is None:
         raise ValueError("kl_coef is set but ref_log_probs is None")
     if (entropy_coeff != 0.0) and entropy is None:
         raise ValueError("entropy_coeff is set but entropy is None")
-    kl_kind, kl_st = _kl_code(kl_type) if ref_log_probs is not None else (0, False)
+    kl_kind, kl_st = _kl_estimator(kl_type) if ref_log_probs is not None else (KLEstimator.NONE, False)
     lo, hi = log_ratio_clamp
     lo = -math.inf if lo is None else float(lo)
     hi = math.inf if hi is None else float(hi)
@@ -524,7 +441,7 @@ def policy_loss(
         global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
     )
     seq_lr = None
-    if ratio != "token":
+    if ratio is not RatioMode.TOKEN:
         m = _mask_f32(mask, log_probs.numel(), device)
         tok_lr = log_probs.detach().reshape(-1).float() - old_log_probs.detach().reshape(-1).float()
         tok_lr = torch.where(m != 0, tok_lr * m, torch.zeros((), device=device))
@@ -537,18 +454,21 @@ def policy_loss(
          layout.sample_index, seq_lr, flat(rollout_is_weights), flat(ref_log_probs)],  # _OP_TENSORS
         [float(clip_ratio_low), float(clip_ratio_high), math.inf if clip_ratio_c is None else float(clip_ratio_c),
          lo, hi],  # _OP_FLOATS
-        [layout.num_seqs, layout.row_length, kl_kind, int(kl_st), int(ratio == "gspo")],  # _OP_INTS
+        [layout.num_seqs, layout.row_length, int(kl_kind), int(kl_st), int(ratio is RatioMode.GSPO)],  # _OP_INTS
     )
     sums = partials.sum(-1)
-    mask_sum = sums[6].detach()
-    terms = sums[:3] * scale(mask_sum)  # aggregated pg, kl and entropy losses
-    rates = sums[3:6].detach() / (mask_sum + 1e-8)
-    loss = terms[0]
-    metrics = {"pg_loss": terms[0].detach(), "pg_clipfrac": rates[0], "pg_clipfrac_lower": rates[1], "ppo_kl": rates[2]}
+    mask_sum = sums[Partial.MASK_SUM].detach()
+    scale_now = scale(mask_sum)
+    pg, kl, ent = (sums[row] * scale_now for row in (Partial.PG_LOSS, Partial.KL_LOSS, Partial.ENTROPY_LOSS))
+    clipfrac, clipfrac_lower, ppo_kl = (
+        sums[row].detach() / (mask_sum + MEAN_EPS) for row in (Partial.PG_CLIPFRAC, Partial.PG_CLIPFRAC_LOWER, Partial.PPO_KL)
+    )
+    loss = pg
+    metrics = {"pg_loss": pg.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
     if ref_log_probs is not None:
-        loss = loss + kl_coef * terms[1]
-        metrics["kl_loss"] = terms[1].detach()
+        loss = loss + kl_coef * kl
+        metrics["kl_loss"] = kl.detach()
     if entropy is not None:
-        loss = loss - entropy_coeff * terms[2]
-        metrics["entropy_loss"] = terms[2].detach()
+        loss = loss - entropy_coeff * ent
+        metrics["entropy_loss"] = ent.detach()
     return loss, metrics

@@ -24,8 +24,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..schema.batch import RLBatch
-from ..schema.spans import SpanTable
+from ..schema import Choice, RLBatch, SpanTable
 from ._backend import use_triton
 
 Tensor = torch.Tensor
@@ -34,6 +33,13 @@ _DTYPES = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
+
+
+class PaddingSide(Choice):
+    """Where a padded row's real entries sit."""
+
+    LEFT = "left"  # at the end of the row
+    RIGHT = "right"  # at the start of the row
 
 
 # ====================================================================== padded ↔ packed tensors
@@ -79,12 +85,12 @@ def unpack_to_padded(
         if any_differ:
             b = int(torch.nonzero(differ).flatten()[0])
             raise ValueError(f"mask: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it {int(lengths[b])} rows")
-    elif side == "right":
-        starts = torch.zeros_like(lengths)
-    elif side == "left":
-        starts = length - lengths
     else:
-        raise ValueError(f"side must be 'left', 'right' or a [B, length] mask; got {side!r}")
+        try:
+            side = PaddingSide(side)
+        except ValueError:
+            raise ValueError(f"side must be 'left', 'right' or a [B, length] mask; got {side!r}") from None
+        starts = torch.zeros_like(lengths) if side is PaddingSide.RIGHT else length - lengths
     return torch.ops.rlk_mm.unpack_to_padded(packed, starts.to(packed.device), cu.to(packed.device), length, _fill(fill, packed.dtype))
 
 

@@ -24,11 +24,24 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlk_mm.schema.spans import SchemaError, SpanTable
+from ..schema import Choice, RLBatch, SchemaError, SpanTable
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-MODES = ("last", "spread")
 _KEY_SHIFT = 32  # token key = sample << 32 | position: sorts like (sample, position)
+
+
+class Estimator(Choice):
+    """Group-relative advantage estimators of ``group_advantages``."""
+
+    GRPO = "grpo"  # (s - mean_g) / (std_g + eps)
+    DR_GRPO = "dr_grpo"  # s - mean_g
+    RLOO = "rloo"  # s - mean of the group's other scores
+
+
+class RewardPlacement(Choice):
+    """Where ``scatter_rewards`` puts a value over its span's loss tokens."""
+
+    LAST = "last"  # on the last loss token (verl's convention)
+    SPREAD = "spread"  # split evenly over the loss tokens (sums are kept)
 
 
 @dataclass(frozen=True)
@@ -78,8 +91,7 @@ def scatter_rewards(
     and no non-zero reward on a sample or span without loss tokens (it would be lost).
     """
     table, rewards, spans = _resolve_target(loss_spans, rewards, spans)
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+    mode = RewardPlacement.parse(mode, "mode")
     B, dev = table.num_samples, table.device
     lengths = table.lengths().long()
     cum = torch.cumsum(lengths, 0)
@@ -108,14 +120,13 @@ def scatter_rewards(
         if check:
             problems.append(("rewards", (empty & (seq != 0)) | ~torch.isfinite(seq), whole, seq))
     for sr in spans:
-        if sr.mode not in MODES:
-            raise ValueError(f"{sr.name}: mode={sr.mode!r}, expected one of {', '.join(MODES)}")
+        placement = RewardPlacement.parse(sr.mode, f"{sr.name}: mode")
         t = sr.spans.to(dev)
         if t.num_samples != B:
             raise SchemaError(f"{sr.name}: its span table covers {t.num_samples} samples; the loss spans cover {B}")
         values = _values(sr.name, sr.values, t.num_spans, dev)
         s_sample = t.span_sample()
-        contrib, empty = _place(keys, s_sample, t.starts.long(), t.ends.long(), values, sr.mode)
+        contrib, empty = _place(keys, s_sample, t.starts.long(), t.ends.long(), values, placement)
         out = out + contrib
         if check:
             overlap = torch.zeros(t.num_spans, dtype=torch.bool, device=dev)
@@ -133,8 +144,6 @@ def scatter_rewards(
 def _resolve_target(target, rewards, spans):
     if isinstance(target, SpanTable):
         return target, rewards, list(spans)
-    from rlk_mm.schema.batch import RLBatch
-
     if not isinstance(target, RLBatch):
         raise TypeError(f"scatter_rewards takes a loss SpanTable or an RLBatch, got {type(target).__name__}")
     batch = target
@@ -177,7 +186,7 @@ def _place(keys: Tensor, sample: Tensor, start: Tensor, end: Tensor, values: Ten
     j = torch.searchsorted(lo_key, keys, right=True) - 1
     jc = j.clamp(min=0)
     inside = (j >= 0) & (keys < hi_key[jc])
-    if mode == "last":
+    if mode is RewardPlacement.LAST:
         hit = inside & (torch.arange(n, device=keys.device) == stop[jc] - 1)
         share = values[jc]
     else:
@@ -219,8 +228,7 @@ def group_advantages(
     The mean is taken about the group's first score, so a group of equal scores gets
     exactly 0. Same dtype as ``scores`` (computed in at least float32).
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
+    estimator = Estimator.parse(estimator, "estimator")
     if scores.ndim not in (1, 2):
         raise ValueError(f"scores must be [B] or [B, K], got shape {tuple(scores.shape)}")
     if not scores.is_floating_point():
@@ -254,11 +262,11 @@ def group_advantages(
     singleton = n == 1
     mean = torch.where(singleton, torch.zeros((), dtype=work_dtype, device=x.device), mean)
     dev = xs - mean[seg]
-    if estimator == "grpo":
+    if estimator is Estimator.GRPO:
         var = torch.segment_reduce(dev * dev, "sum", offsets=offsets, axis=0, unsafe=True) / (n - 1).clamp(min=1)
         std = torch.where(singleton, torch.ones((), dtype=work_dtype, device=x.device), var.sqrt())
         adv_sorted = dev / (std[seg] + eps)
-    elif estimator == "dr_grpo":
+    elif estimator is Estimator.DR_GRPO:
         adv_sorted = dev
     else:
         scale = torch.where(singleton, torch.ones((), dtype=work_dtype, device=x.device), n / (n - 1).clamp(min=1))

@@ -21,10 +21,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.cache import VisionCache, group_hidden, prompt_lengths
+from ..models.qwen2_5_vl import VisionCache, forward_hidden, group_hidden, layout_inputs, prompt_lengths
+from ..ops.invariant.mode import batch_invariant
 from ..ops.logprob import selected_logprob
-from ..ops.prefill import batch_invariant, forward_hidden, layout_inputs
-from ..schema.batch import RLBatch
+from ..schema import RLBatch
 
 CASES = {
     "batch_size": "each sample alone vs all samples in one batch (right padding)",

@@ -14,23 +14,35 @@ neighbours in the pack, the padding, or its position.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreting
-from .matmul import dot_precision
+from ._common import dot_precision, interpreted
 
 _LOG2E = 1.4426950408889634
 
 
-def attention_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile shape: a function of the head dim and dtype only (16-bit: the fastest of four
-    candidates at Qwen2.5-VL's text and vision shapes on an H200, bench_prefill --tiles)."""
-    bd = max(16, triton.next_power_of_2(head_dim))
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Query/key tiles, head-dim block and launch settings of the segment attention."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
+    """Tiles: a function of the head dim and dtype only (16-bit: the fastest candidate at
+    Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
-        return dict(BM=32, BN=32, BD=bd, num_warps=4, num_stages=2)
-    return dict(BM=64, BN=64, BD=bd, num_warps=4, num_stages=3)
+        return AttentionConfig(32, 32, block_d, num_warps=4, num_stages=2)
+    return AttentionConfig(64, 64, block_d, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["max_q"])
@@ -108,13 +120,13 @@ def _attention_kernel(
 
 
 def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int, out=None,
-                      config: dict | None = None) -> torch.Tensor:
+                      config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D] within segments.
 
     ``segments`` is five int32 tensors (batch, q0, q_len, k0, k_len), on q's device.
     Returns ``out [B, Lq, Hq, D]`` (the layout transformers' attention functions return);
-    query rows outside every segment are zero. Validation is the caller's (prefill.py).
-    ``config`` replaces ``attention_config``'s tiles (for tile benchmarks only).
+    query rows outside every segment are zero. Validation is the caller's
+    (``ops/invariant/attention.py``). ``config`` replaces ``default_config`` (tile benchmarks).
     """
     bsz, hq, lq, d = q.shape
     if out is None:
@@ -123,16 +135,16 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
     n_seg = seg_b.numel()
     if n_seg == 0 or max_q == 0 or out.numel() == 0:
         return out
-    cfg = config or attention_config(d, q.dtype)
-    grid = (triton.cdiv(max_q, cfg["BM"]), n_seg, hq)
-    interp = triton_interpreting() and not q.is_cuda
+    cfg = config or default_config(d, q.dtype)
+    grid = (triton.cdiv(max_q, cfg.block_m), n_seg, hq)
+    interp = interpreted(q)
     _attention_kernel[grid](
         q, k, v, out, seg_b, seg_q0, seg_ql, seg_k0, seg_kl,
         *q.stride(), *k.stride(), *v.stride(),
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         float(scale) * _LOG2E, hq // k.shape[1], d, max_q,
         CAUSAL=causal, UPCAST=interp, PRECISION=dot_precision(q.dtype, interp),
-        BM=cfg["BM"], BN=cfg["BN"], BD=cfg["BD"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

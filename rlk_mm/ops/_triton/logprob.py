@@ -31,53 +31,49 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .matmul import _grouped_tile_ids, _num_sms
+from ._common import grouped_tile_ids, interpreted, persistent_programs
 
 Tensor = torch.Tensor
 
-#: bytes of per-(row, vocab block) partials one forward launch may hold
-PARTIALS_BUDGET = 128 << 20
-#: bytes of the ``dz`` chunk ``[n, chunk]`` the backward holds (with the fp32 ``d hidden``
-#: accumulator, 0.29 GiB of workspace at n = 16384, H = 3584). 5888 columns there: the
-#: backward ran 3 ms faster on an H100 than at 6144 (cuBLAS's chunk products; 7168 and
-#: 7680 columns were no faster and hold more)
-DZ_BUDGET = 184 << 20
-#: read tiles with the copy engine (tensor descriptors) where alignment allows
-USE_TMA = True
-#: rows per program and vocabulary blocks per unrolled step of the combine kernel (CUDA)
-COMBINE_BLOCK, COMBINE_UNROLL = 128, 8
-
-
-def _persistent_programs(tiles: int, device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM on CUDA; two in Triton's interpreter,
-    so that the tests run the loop over tiles too."""
-    return min(tiles, _num_sms(device.index or 0) if device.type == "cuda" else 2)
-
 
 @dataclass(frozen=True)
-class TileConfig:
+class LogprobConfig:
+    """Tiles, launch settings and workspace budgets of the selected-log-prob kernels.
+
+    Tiles depend on the dtype and device only (never on the number of rows), so a row's
+    reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
+    where alignment allows. ``partials_budget``: bytes of per-(row, vocab block) partials
+    one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
+    ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
+    says how it was chosen). ``combine_block`` / ``combine_unroll``: rows per program and
+    vocabulary blocks per unrolled step of the combine kernel."""
+
     block_m: int
     block_n: int
     block_k: int
     group_m: int
     num_warps: int
     num_stages: int
+    tma: bool = True
+    partials_budget: int = 128 << 20
+    dz_budget: int = 184 << 20
+    combine_block: int = 128
+    combine_unroll: int = 8
 
 
-def config(dtype: torch.dtype, device: torch.device) -> TileConfig:
-    """Tile sizes: a function of dtype and device only (never of the number of rows)."""
+def default_config(dtype: torch.dtype, device: torch.device) -> LogprobConfig:
+    """The tuned settings (``bench_logprob.py --sweep``): a function of dtype and device only."""
     if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
-        return TileConfig(16, 32, 16, 4, 1, 1)
+        return LogprobConfig(16, 32, 16, 4, 1, 1, combine_block=16, combine_unroll=4)
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
-        return TileConfig(64, 64, 32, 8, 4, 2)
-    return TileConfig(128, 256, 64, 8, 8, 3)  # tuned on an H100 (bench/results/logprob_probe_*.json)
+        return LogprobConfig(64, 64, 32, 8, 4, 2)
+    return LogprobConfig(128, 256, 64, 8, 8, 3)
 
 
 @triton.jit
 def _mma(a, b, acc, IEEE: tl.constexpr):
     """``acc + a · bᵀ``; IEEE: fp32 products and sums (fp32 inputs, no TF32; and 16-bit
-    inputs in Triton's interpreter, whose 16-bit dot is wrong in triton 3.9 - products of
-    16-bit values are exact in fp32)."""
+    inputs in Triton's interpreter, see ``_common.interpreted``)."""
     if IEEE:
         return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
     return tl.dot(a, tl.trans(b), acc)
@@ -131,7 +127,7 @@ def _forward_tiles_kernel(
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows
     rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
@@ -213,11 +209,11 @@ def _dlogits_kernel(
     ``[chunk_start, chunk_start + chunk_cols)``, stored as ``[n_rows, chunk_cols]``.
 
     Persistent: ``num_programs`` programs walk the tiles, the loop flattened so that the
-    next tile's loads overlap this tile's ``dz`` math and store (an H100: 32.3 -> 27.5 ms
-    over the 7B vocabulary against one program per tile, logprob_probe_dlogits.json)."""
+    next tile's loads overlap this tile's ``dz`` math and store (faster than one program
+    per tile: bench/results/README.md)."""
     n_cblocks = tl.cdiv(chunk_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * n_cblocks, num_programs, flatten=True):
-        pid_m, pid_n = _grouped_tile_ids(tile, tl.cdiv(n_rows, BLOCK_M), n_cblocks, GROUP_M)
+        pid_m, pid_n = grouped_tile_ids(tile, tl.cdiv(n_rows, BLOCK_M), n_cblocks, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_rows
         rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
@@ -244,16 +240,16 @@ def _dlogits_kernel(
 
 def _ieee(weight: Tensor) -> bool:
     """fp32 dot products (see ``_mma``): fp32 inputs, and the interpreter's 16-bit dots."""
-    return weight.dtype == torch.float32 or not weight.is_cuda
+    return weight.dtype == torch.float32 or interpreted(weight)
 
 
 def _bias_arg(bias: Optional[Tensor], weight: Tensor) -> Tensor:
     return weight if bias is None else bias  # any valid pointer when HAS_BIAS is off
 
 
-def _tma_ok(*ts: Tensor) -> bool:
+def _tma_ok(cfg: LogprobConfig, *ts: Tensor) -> bool:
     """The copy engine needs 16-byte aligned bases and row strides."""
-    return USE_TMA and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
+    return cfg.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
 
 
 class _Operands:
@@ -261,9 +257,9 @@ class _Operands:
     (a gathered copy unless ``all_rows``: every row is scored, in order) when the copy
     engine can read them, else pointers and the row index (gathered inside the kernel)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: TileConfig, all_rows: bool,
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: LogprobConfig, all_rows: bool,
                  need_sel: bool = False):
-        self.tma = _tma_ok(hidden, weight)
+        self.tma = _tma_ok(cfg, hidden, weight)
         self.h_sel = hidden if all_rows else (hidden.index_select(0, rows) if self.tma or need_sel else None)
         self.hidden, self.weight, self.rows, self.cfg = hidden, weight, rows, cfg
         if self.tma:
@@ -281,9 +277,11 @@ class _Operands:
 def forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
     bias: Optional[Tensor], temperature: float, with_entropy: bool, all_rows: bool,
+    config: Optional[LogprobConfig] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
-    ``all_rows`` whether the rows are 0, 1, ..., T - 1."""
+    ``all_rows`` whether the rows are 0, 1, ..., T - 1. ``config`` replaces
+    ``default_config`` (tile sweeps)."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -291,16 +289,15 @@ def forward(
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return logp, entropy, lse
-    cfg = config(weight.dtype, dev)
+    cfg = config or default_config(weight.dtype, dev)
     ops = _Operands(hidden, weight, rows, cfg, all_rows)
     n_vblocks = triton.cdiv(V, cfg.block_n)
     per_row = n_vblocks * 4 * (3 if with_entropy else 2)
-    step = min(n, max(cfg.block_m, PARTIALS_BUDGET // per_row // cfg.block_m * cfg.block_m))
+    step = min(n, max(cfg.block_m, cfg.partials_budget // per_row // cfg.block_m * cfg.block_m))
     part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
     part_sum = torch.empty_like(part_max)
     part_zsum = torch.empty_like(part_max) if with_entropy else part_max
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
-    comb_block, comb_unroll = (COMBINE_BLOCK, COMBINE_UNROLL) if dev.type == "cuda" else (16, 4)
     for s in range(0, n, step):
         m = min(step, n - s)
         h_src, w_src, rows_s = ops.args(s, m)
@@ -313,18 +310,18 @@ def forward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        _combine_kernel[(triton.cdiv(m, comb_block),)](
+        _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             part_max, part_sum, part_zsum, tgt_logit,
             logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, n_vblocks,
-            WITH_ENTROPY=with_entropy, BLOCK=comb_block, UNROLL=comb_unroll,
+            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
         )
     return logp, entropy, lse
 
 
-def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Vocabulary columns per backward chunk: as many as ``DZ_BUDGET`` allows, whole tiles."""
-    block_n = config(dtype, device).block_n
-    cols = DZ_BUDGET // max(n * torch.finfo(dtype).bits // 8, 1) // block_n * block_n
+def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
+    """Vocabulary columns per backward chunk: as many as ``cfg.dz_budget`` allows, whole tiles."""
+    block_n = cfg.block_n
+    cols = cfg.dz_budget // max(n * torch.finfo(dtype).bits // 8, 1) // block_n * block_n
     return max(block_n, min(cols, triton.cdiv(V, block_n) * block_n))
 
 
@@ -332,25 +329,26 @@ def backward(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
     rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor, all_rows: bool,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
+    config: Optional[LogprobConfig] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(d hidden[rows] fp32 [n, H], d weight [V, H], d bias fp32 [V])``, each None when
     not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it (``all_rows`` as in
     ``forward``); ``entropy`` (the forward's) is read only with ``grad_entropy``."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
-    cfg = config(weight.dtype, dev)
+    cfg = config or default_config(weight.dtype, dev)
     ops = _Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     h_src, w_src, _ = ops.args(0, n)
     d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
     d_bias = torch.empty(V, dtype=torch.float32, device=dev) if need_bias else None
-    cols = dz_chunk_columns(n, V, weight.dtype, dev)
+    cols = dz_chunk_columns(n, V, weight.dtype, cfg)
     dz_buf = torch.empty(n * cols, dtype=weight.dtype, device=dev)
     has_ge = grad_entropy is not None
     for c0 in range(0, V, cols):
         c = min(cols, V - c0)
         dz = dz_buf[: n * c].view(n, c)
-        programs = _persistent_programs(triton.cdiv(n, cfg.block_m) * triton.cdiv(c, cfg.block_n), dev)
+        programs = persistent_programs(triton.cdiv(n, cfg.block_m) * triton.cdiv(c, cfg.block_n), dev)
         _dlogits_kernel[(programs,)](
             h_src, w_src, _bias_arg(bias, weight), rows, targets, lse,
             entropy if has_ge else lse, grad_logp, grad_entropy if has_ge else grad_logp, dz,

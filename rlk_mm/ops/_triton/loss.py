@@ -1,20 +1,48 @@
 """Fused policy-loss kernel: one elementwise pass over the loss tokens, forward or backward.
 
-Forward writes, per block of ``BLOCK`` tokens (``rlk_mm.ops.loss._BLOCK``), the partial sums listed in
-``rlk_mm.ops.loss.PARTIALS`` (weighted policy loss, KL and entropy sums; clip counts;
-ppo_kl; mask sum) to ``partials[k, block]``; the caller sums blocks in a fixed order, so
-the result is deterministic. Backward re-reads the same inputs and writes d/d log-prob
-(and d/d entropy) from the gradients of the block partials, in one pass: nothing of
-size n is saved between the two.
+Forward writes, per block of ``TOKENS_PER_BLOCK`` tokens, the partial sums named by
+``_loss_terms.Partial`` (weighted policy loss, KL and entropy sums; clip counts; ppo_kl;
+mask sum) to ``partials[row, block]``; the caller sums blocks in a fixed order, so the
+result is deterministic. Backward re-reads the same inputs and writes d/d log-prob (and
+d/d entropy) from the gradients of the block partials, in one pass: nothing of size n is
+saved between the two.
 
-The math is the one of ``rlk_mm.ops.loss._token_terms`` (the torch backend); keep them
-in step.
+The math is the one of ``_torch/loss.py`` (the torch backend); keep them in step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import triton
 import triton.language as tl
+
+from .._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial
+
+# the shared constants as values the kernel can read
+_K1 = tl.constexpr(int(KLEstimator.K1))
+_ABS = tl.constexpr(int(KLEstimator.ABS))
+_K2 = tl.constexpr(int(KLEstimator.K2))
+_NO_KL = tl.constexpr(int(KLEstimator.NONE))
+_EXP_LIMIT = tl.constexpr(K3_EXPONENT_LIMIT)
+_VALUE_LIMIT = tl.constexpr(K3_VALUE_LIMIT)
+_PG = tl.constexpr(int(Partial.PG_LOSS))
+_KL = tl.constexpr(int(Partial.KL_LOSS))
+_ENT = tl.constexpr(int(Partial.ENTROPY_LOSS))
+_CLIP = tl.constexpr(int(Partial.PG_CLIPFRAC))
+_CLIP_LOWER = tl.constexpr(int(Partial.PG_CLIPFRAC_LOWER))
+_PPO_KL = tl.constexpr(int(Partial.PPO_KL))
+_MASK = tl.constexpr(int(Partial.MASK_SUM))
+
+
+@dataclass(frozen=True)
+class LossKernelConfig:
+    """Launch settings of the policy-loss kernel (its block is ``TOKENS_PER_BLOCK``, shared
+    with the torch backend because it fixes the summation order)."""
+
+    num_warps: int = 4
+
 
 @triton.jit
 def _policy_loss_kernel(
@@ -31,7 +59,7 @@ def _policy_loss_kernel(
     SEQ_RATIO: tl.constexpr,
     HAS_DUAL: tl.constexpr,
     HAS_ISW: tl.constexpr,
-    KL_KIND: tl.constexpr,  # 0 none, 1 k1, 2 abs, 3 k2, 4 k3
+    KL_KIND: tl.constexpr,  # a KLEstimator code
     KL_ST: tl.constexpr,  # straight-through ("k3+"): k2's gradient
     HAS_ENT: tl.constexpr,
 ):
@@ -85,72 +113,73 @@ def _policy_loss_kernel(
         dpg = dpg * isw
 
     # KL to the reference policy
-    if KL_KIND != 0:
+    if KL_KIND != _NO_KL:
         x = logp - tl.load(ref_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-        if KL_KIND == 1:
+        if KL_KIND == _K1:
             kl = x
             dkl = tl.full([BLOCK], 1.0, tl.float32)
-        elif KL_KIND == 2:
+        elif KL_KIND == _ABS:
             kl = tl.abs(x)
             dkl = tl.where(x > 0.0, 1.0, tl.where(x < 0.0, -1.0, 0.0))
-        elif KL_KIND == 3:
+        elif KL_KIND == _K2:
             kl = 0.5 * x * x
             dkl = x
-        else:
+        else:  # k3
             nx = -x
-            klc = tl.minimum(tl.maximum(nx, -20.0), 20.0)
+            klc = tl.minimum(tl.maximum(nx, -_EXP_LIMIT), _EXP_LIMIT)
             r = tl.exp(klc)
             kld = r - klc - 1.0
-            kl = tl.minimum(tl.maximum(kld, -10.0), 10.0)
-            keep = (nx >= -20.0) & (nx <= 20.0) & (kld >= -10.0) & (kld <= 10.0)
+            kl = tl.minimum(tl.maximum(kld, -_VALUE_LIMIT), _VALUE_LIMIT)
+            keep = (nx >= -_EXP_LIMIT) & (nx <= _EXP_LIMIT) & (kld >= -_VALUE_LIMIT) & (kld <= _VALUE_LIMIT)
             dkl = tl.where(keep, 1.0 - r, 0.0)
         if KL_ST:
             dkl = x
 
     if BACKWARD:
-        g_pg = tl.load(gpart_ptr + pid)
+        g_pg = tl.load(gpart_ptr + _PG * num_blocks + pid)
         grad = g_pg * dpg
-        if KL_KIND != 0:
-            g_kl = tl.load(gpart_ptr + num_blocks + pid)
+        if KL_KIND != _NO_KL:
+            g_kl = tl.load(gpart_ptr + _KL * num_blocks + pid)
             grad += g_kl * dkl
         grad = tl.where(valid, w * grad, 0.0)
         tl.store(glogp_ptr + offs, grad, mask=inb)
         if HAS_ENT:
-            g_ent = tl.load(gpart_ptr + 2 * num_blocks + pid)
+            g_ent = tl.load(gpart_ptr + _ENT * num_blocks + pid)
             tl.store(gent_ptr + offs, tl.where(valid, w * g_ent, 0.0), mask=inb)
     else:
         zero = tl.zeros([BLOCK], tl.float32)
-        tl.store(partial_ptr + pid, tl.sum(tl.where(valid, w * pg, zero), axis=0))
-        if KL_KIND != 0:
-            tl.store(partial_ptr + num_blocks + pid, tl.sum(tl.where(valid, w * kl, zero), axis=0))
+        tl.store(partial_ptr + _PG * num_blocks + pid, tl.sum(tl.where(valid, w * pg, zero), axis=0))
+        if KL_KIND != _NO_KL:
+            tl.store(partial_ptr + _KL * num_blocks + pid, tl.sum(tl.where(valid, w * kl, zero), axis=0))
         else:
-            tl.store(partial_ptr + num_blocks + pid, 0.0)
+            tl.store(partial_ptr + _KL * num_blocks + pid, 0.0)
         if HAS_ENT:
             ent = tl.load(ent_ptr + offs, mask=inb, other=0.0).to(tl.float32)
-            tl.store(partial_ptr + 2 * num_blocks + pid, tl.sum(tl.where(valid, w * ent, zero), axis=0))
+            tl.store(partial_ptr + _ENT * num_blocks + pid, tl.sum(tl.where(valid, w * ent, zero), axis=0))
         else:
-            tl.store(partial_ptr + 2 * num_blocks + pid, 0.0)
+            tl.store(partial_ptr + _ENT * num_blocks + pid, 0.0)
         clipped = (pg2 > pg1) & valid
-        tl.store(partial_ptr + 3 * num_blocks + pid, tl.sum(tl.where(clipped, m, zero), axis=0))
-        tl.store(partial_ptr + 4 * num_blocks + pid, tl.sum(tl.where(lower & valid, m, zero), axis=0))
+        tl.store(partial_ptr + _CLIP * num_blocks + pid, tl.sum(tl.where(clipped, m, zero), axis=0))
+        tl.store(partial_ptr + _CLIP_LOWER * num_blocks + pid, tl.sum(tl.where(lower & valid, m, zero), axis=0))
         if SEQ_RATIO:
             kl_old = -tok_lr
         else:
             kl_old = -lr
-        tl.store(partial_ptr + 5 * num_blocks + pid, tl.sum(tl.where(valid, m * kl_old, zero), axis=0))
-        tl.store(partial_ptr + 6 * num_blocks + pid, tl.sum(m, axis=0))
+        tl.store(partial_ptr + _PPO_KL * num_blocks + pid, tl.sum(tl.where(valid, m * kl_old, zero), axis=0))
+        tl.store(partial_ptr + _MASK * num_blocks + pid, tl.sum(m, axis=0))
 
 
 def launch(
-    *, backward, block, log_probs, old_log_probs, advantages, seq_coef, mask, sample_index, seq_log_ratio,
+    *, backward, log_probs, old_log_probs, advantages, seq_coef, mask, sample_index, seq_log_ratio,
     rollout_weights, ref_log_probs, entropy, row_length, clip_low, clip_high, clip_c, log_ratio_min,
     log_ratio_max, kl_kind, kl_straight_through, partials=None, grad_partials=None, grad_log_probs=None,
-    grad_entropy=None,
+    grad_entropy=None, config: Optional[LossKernelConfig] = None,
 ):
-    """Run the kernel over all ``log_probs.numel()`` tokens (flat, contiguous inputs), ``block``
-    tokens per program (the caller sized ``partials`` with the same block)."""
+    """Run the kernel over all ``log_probs.numel()`` tokens (flat, contiguous inputs),
+    ``TOKENS_PER_BLOCK`` tokens per program (``partials`` has one column per block)."""
+    cfg = config or LossKernelConfig()
     n = log_probs.numel()
-    num_blocks = triton.cdiv(n, block)
+    num_blocks = triton.cdiv(n, TOKENS_PER_BLOCK)
     if num_blocks == 0:
         return
     dummy = log_probs  # stands in for absent optional pointers; never read
@@ -168,7 +197,7 @@ def launch(
         dummy if grad_entropy is None else grad_entropy,
         n, max(row_length, 1), num_blocks,
         1.0 - clip_low, 1.0 + clip_high, clip_c, log_ratio_min, log_ratio_max,
-        BLOCK=block,
+        BLOCK=TOKENS_PER_BLOCK,
         BACKWARD=backward,
         HAS_MASK=mask is not None,
         HAS_COEF=seq_coef is not None,
@@ -176,8 +205,8 @@ def launch(
         SEQ_RATIO=seq_log_ratio is not None,
         HAS_DUAL=clip_c != float("inf"),
         HAS_ISW=rollout_weights is not None,
-        KL_KIND=kl_kind,
+        KL_KIND=int(kl_kind),
         KL_ST=kl_straight_through,
         HAS_ENT=entropy is not None,
-        num_warps=4,
+        num_warps=cfg.num_warps,
     )

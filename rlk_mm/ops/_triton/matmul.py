@@ -10,37 +10,36 @@ and whichever row it sits in.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreting
+from ._common import dot_precision, grouped_tile_ids, interpreted, persistent_programs
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """Tiles and launch settings of the batch-invariant matmul."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def mm_config(n: int, k: int, dtype: torch.dtype) -> dict:
-    """Tile shape for a [*, K] x [K, N] product: a function of N, K and dtype only."""
+def default_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """Tiles for a [*, K] x [K, N] product: a function of N, K and dtype only, never of M."""
     if dtype == torch.float32:
         bn = 64 if n > 32 else max(16, triton.next_power_of_2(n))
-        return dict(BM=64, BN=bn, BK=32, GROUP_M=8, num_warps=4, num_stages=3)
+        return MatmulConfig(64, bn, 32, 8, num_warps=4, num_stages=3)
     bn = 256 if n >= 256 else max(16, triton.next_power_of_2(n))
     bk = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    return dict(BM=128, BN=bn, BK=bk, GROUP_M=8, num_warps=8, num_stages=3)
-
-
-def dot_precision(dtype: torch.dtype, interpreting: bool) -> str | None:
-    """fp32 operands: full fp32 ("ieee") unless torch allows TF32 matmuls; 16-bit: Triton's default."""
-    if interpreting:
-        return "ieee"
-    if dtype == torch.float32:
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    return None
+    return MatmulConfig(128, bn, bk, 8, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -74,18 +73,6 @@ def _mm_tile(
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _grouped_tile_ids(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of a persistent program's `tile`: runs of GROUP_M row tiles
-    share column tiles (L2 reuse). Only the schedule, never a tile's arithmetic."""
-    group = tile // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_rows = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
-    pid_n = (tile % (GROUP_M * num_n)) // group_rows
-    return pid_m, pid_n
-
-
 @triton.jit(do_not_specialize=["M"])
 def _mm_kernel(
     a_ptr, b_ptr, c_ptr, bias_ptr,
@@ -103,7 +90,7 @@ def _mm_kernel(
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     for tile in range(start, num_m * num_n, num_programs):
-        pid_m, pid_n = _grouped_tile_ids(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_ids(tile, num_m, num_n, GROUP_M)
         _mm_tile(a_ptr + batch * s_ab, b_ptr + batch * s_bb, c_ptr + batch * s_cb, bias_ptr + batch * s_biasb,
                  pid_m, pid_n, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_biasm, s_biasn, alpha, beta,
                  HAS_BIAS, UPCAST, PRECISION, BM, BN, BK)
@@ -125,7 +112,7 @@ def _linears_kernel(
     t1 = tl.cdiv(N1, BN)
     num_n = t0 + t1 + tl.cdiv(N2, BN)
     for tile in range(start, num_m * num_n, num_programs):
-        pid_m, pid_n = _grouped_tile_ids(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile_ids(tile, num_m, num_n, GROUP_M)
         past0 = (pid_n >= t0).to(tl.int32)  # the tile is past weight 0's columns
         past1 = (pid_n >= t0 + t1).to(tl.int32)
         if pid_n < t0:
@@ -149,9 +136,9 @@ def _pad_k(a: torch.Tensor, b: torch.Tensor, bk: int) -> tuple[torch.Tensor, tor
     """Copies of a and b with K zero-padded to a multiple of the K tile.
 
     A row stride that is not a multiple of 16 bytes (Qwen2.5-VL's vision MLP has K = 3420)
-    rules out wide loads: the kernel ran at 37 TFLOP/s there on an H200. The padded tail
-    holds the zeros the kernel's masked loads would have read, in the same K tiles, so the
-    result is bitwise the same."""
+    rules out wide loads (bench/results/README.md, matmul). The padded tail holds the zeros
+    the kernel's masked loads would have read, in the same K tiles, so the result is
+    bitwise the same."""
     k = a.shape[2]
     pad = -(-k // bk) * bk - k
     a_pad = torch.nn.functional.pad(a, (0, pad))
@@ -160,11 +147,12 @@ def _pad_k(a: torch.Tensor, b: torch.Tensor, bk: int) -> tuple[torch.Tensor, tor
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-        *, alpha: float = 1.0, beta: float = 1.0, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+        *, alpha: float = 1.0, beta: float = 1.0, out: torch.Tensor | None = None,
+        config: MatmulConfig | None = None) -> torch.Tensor:
     """alpha * (a @ b) + beta * bias for a [Bt, M, K], b [Bt, K, N], bias broadcastable to [Bt, M, N].
 
-    Inputs are validated by the caller (prefill.py); strides are used as given, no copies.
-    ``config`` replaces ``mm_config``'s tiles (for tile benchmarks only).
+    Inputs are validated by the caller (``ops/invariant/matmul.py``); strides are used as
+    given, no copies. ``config`` replaces ``default_config``'s tiles (tile benchmarks).
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -177,21 +165,20 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         if bias is not None and beta != 0:
             out += beta * bias.expand(batch, m, n).to(out.dtype)
         return out
-    cfg = config or mm_config(n, k, a.dtype)
+    cfg = config or default_config(n, k, a.dtype)
     if (k * a.element_size()) % 16 and a.is_cuda:
-        a, b = _pad_k(a, b, cfg["BK"])
-    tiles = triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"])
-    programs = tiles if not a.is_cuda else min(tiles, _num_sms(a.device.index or 0))
+        a, b = _pad_k(a, b, cfg.block_k)
+    programs = persistent_programs(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), a.device)
     has_bias = bias is not None and beta != 0
     bias_t = bias.expand(batch, m, n) if has_bias else out
-    interp = triton_interpreting() and not a.is_cuda
+    interp = interpreted(a)
     _mm_kernel[(programs, batch)](
         a, b, out, bias_t, m, n, k,
         *a.stride(), *b.stride(), *out.stride(), *bias_t.stride(),
         float(alpha), float(beta), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(a.dtype, interp),
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -199,30 +186,29 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 def linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     """``x [M, K] @ [W0; W1; ...]ᵀ + [b0; b1; ...]`` as one launch, ``[M, ΣNi]``, bitwise
     the concatenation of ``bmm`` of x with each weight; None when that cannot hold (2 or 3
-    contiguous weights of one dtype whose ``mm_config`` agree, all or no biases, 16-byte
-    aligned rows), and the caller runs them one by one."""
+    contiguous weights of one dtype whose ``default_config`` agree, all or no biases,
+    16-byte aligned rows), and the caller runs them one by one."""
     m, k = x.shape
-    configs = {tuple(sorted(mm_config(w.shape[0], k, x.dtype).items())) for w in weights}
+    configs = {default_config(w.shape[0], k, x.dtype) for w in weights}
     has_bias = biases[0] is not None
     if (len(weights) not in (2, 3) or len(configs) != 1 or x.stride(1) != 1 or (k * x.element_size()) % 16
             or any(w.dtype != x.dtype or not w.is_contiguous() or w.shape[1] != k for w in weights)
             or any((b is not None) != has_bias or (b is not None and (b.dtype != x.dtype or not b.is_contiguous()))
                    for b in biases)):
         return None
-    cfg = mm_config(weights[0].shape[0], k, x.dtype)
+    cfg = configs.pop()
     ns = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
     ws = list(weights) + [weights[-1]] * (3 - len(weights))
     bs = (list(biases) + [biases[-1]] * (3 - len(biases))) if has_bias else [x] * 3
     out = torch.empty((m, sum(ns)), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    tiles = triton.cdiv(m, cfg["BM"]) * sum(triton.cdiv(n, cfg["BN"]) for n in ns)
-    programs = tiles if not x.is_cuda else min(tiles, _num_sms(x.device.index or 0))
-    interp = triton_interpreting() and not x.is_cuda
+    programs = persistent_programs(triton.cdiv(m, cfg.block_m) * sum(triton.cdiv(n, cfg.block_n) for n in ns), x.device)
+    interp = interpreted(x)
     _linears_kernel[(programs,)](
         x, *ws, *bs, out, m, *ns, k, x.stride(0), out.stride(0), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(x.dtype, interp),
-        BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -11,16 +11,31 @@ contiguous features of each (16-byte accesses when ``F`` and the base pointers a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 Tensor = torch.Tensor
 
-#: elements one program moves (BLOCK_R × BLOCK_F) on CUDA
-TILE_ELEMENTS = 4096
-#: widest feature block on CUDA
-MAX_BLOCK_F = 512
+
+@dataclass(frozen=True)
+class GatherConfig:
+    """Output rows and features per program, and warps, of the row gather."""
+
+    block_r: int
+    block_f: int
+    num_warps: int
+
+
+def default_config(F: int, device: torch.device) -> GatherConfig:
+    """A function of the row width and the device only: 4096 elements a program on CUDA,
+    at most 512 contiguous features (16-byte accesses)."""
+    if device.type != "cuda":  # Triton's interpreter (tests): small tiles
+        return GatherConfig(4, min(triton.next_power_of_2(max(F, 1)), 32), 1)
+    block_f = min(triton.next_power_of_2(max(F, 1)), 512)
+    return GatherConfig(max(1, 4096 // block_f), block_f, 4)
 
 
 @triton.jit
@@ -41,19 +56,11 @@ def _gather_rows_kernel(
     tl.store(out_ptr + dst, values, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def blocks(F: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_F, num_warps): a function of the row width and the device only."""
-    if device.type != "cuda":  # Triton's interpreter (tests): small tiles
-        return 4, min(triton.next_power_of_2(max(F, 1)), 32), 1
-    block_f = min(triton.next_power_of_2(max(F, 1)), MAX_BLOCK_F)
-    return max(1, TILE_ELEMENTS // block_f), block_f, 4
-
-
-def gather_rows(src: Tensor, index: Tensor, fill: Tensor, *, config: tuple[int, int, int] | None = None) -> Tensor:
+def gather_rows(src: Tensor, index: Tensor, fill: Tensor, *, config: GatherConfig | None = None) -> Tensor:
     """``[len(index), F]`` rows of the contiguous ``src [N, F]``; rows with ``index < 0`` get ``fill``.
 
     ``index`` is int64 with values in ``[-1, N)`` (checked by the caller); ``fill`` a
-    one-element tensor of ``src``'s dtype. ``config`` overrides ``blocks`` (benchmarks).
+    one-element tensor of ``src``'s dtype. ``config`` overrides ``default_config`` (benchmarks).
     """
     n_out, F = index.numel(), src.shape[1]
     out = src.new_empty((n_out, F))
@@ -61,7 +68,7 @@ def gather_rows(src: Tensor, index: Tensor, fill: Tensor, *, config: tuple[int, 
         return out
     as_bytes = src.dtype == torch.bool  # Triton has no bool pointer of byte width: copy bytes
     s, o, f = (t.view(torch.uint8) for t in (src, out, fill)) if as_bytes else (src, out, fill)
-    block_r, block_f, warps = config or blocks(F, src.device)
-    grid = (triton.cdiv(n_out, block_r), triton.cdiv(F, block_f))
-    _gather_rows_kernel[grid](s, index, o, f, n_out, F, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=warps)
+    cfg = config or default_config(F, src.device)
+    grid = (triton.cdiv(n_out, cfg.block_r), triton.cdiv(F, cfg.block_f))
+    _gather_rows_kernel[grid](s, index, o, f, n_out, F, BLOCK_R=cfg.block_r, BLOCK_F=cfg.block_f, num_warps=cfg.num_warps)
     return out

@@ -9,9 +9,27 @@ multiply by the weight in the promoted dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+
+@dataclass(frozen=True)
+class RMSNormConfig:
+    """Rows per program, the row block width and warps of the RMSNorm kernel."""
+
+    rows: int
+    block: int
+    num_warps: int
+
+
+def default_config(hidden: int) -> RMSNormConfig:
+    """A function of the hidden size alone: every row is reduced by one fixed tree."""
+    block = triton.next_power_of_2(hidden)
+    rows = max(1, min(64, 4096 // block))
+    return RMSNormConfig(rows, block, num_warps=4 if block * rows <= 4096 else 8)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -28,7 +46,7 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, n_rows, H, s_x, s_out, eps, ROWS: tl.
     tl.store(out_ptr + rows[:, None] * s_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: RMSNormConfig | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading shape); weight [H]."""
     h = x.shape[-1]
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -37,10 +55,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0] and h:
-        block = triton.next_power_of_2(h)
-        per_program = max(1, min(64, 4096 // block))  # a function of H alone
-        _rmsnorm_kernel[(triton.cdiv(rows.shape[0], per_program),)](
+        cfg = config or default_config(h)
+        _rmsnorm_kernel[(triton.cdiv(rows.shape[0], cfg.rows),)](
             rows, weight.contiguous(), out, rows.shape[0], h, rows.stride(0), out.stride(0), float(eps),
-            ROWS=per_program, BLOCK=block, num_warps=4 if block * per_program <= 4096 else 8,
+            ROWS=cfg.rows, BLOCK=cfg.block, num_warps=cfg.num_warps,
         )
     return out.reshape(*x.shape[:-1], h)

@@ -1,20 +1,170 @@
-"""Media-prefix cache: vision rows by ``media_cache_key``, and GRPO group scoring that
-prefills a group's shared prompt (images included) once.
+"""Qwen2.5-VL on an RLBatch: the batch-invariant module patches, the layout/forward runners,
+``VisionCache`` and GRPO group scoring.
 
-Under ``batch_invariant()`` both are bitwise equal to the uncached forward: a vision item's
-rows and a prompt's keys/values do not depend on what else was in the forward.
+- ``layout_inputs`` / ``forward_hidden`` / ``batch_logprobs``: the batch's tokens as a
+  transformers Qwen2.5-VL forward takes them (packed, right- or left-padded), its last
+  hidden states back in packed token order, and the loss tokens' log-probs through
+  ``selected_logprob`` (no logits).
+- ``VisionCache``: each unique ``media_cache_key`` through the vision tower once.
+- ``group_logprobs``: a GRPO group's shared prompt (images included) prefilled once.
+- The module patches ``batch_invariant()`` applies to Qwen2.5-VL's classes (registered
+  on import): its RMSNorm, vision attention (one segment attention over all windows) and
+  the projections that share an input (one launch in no-grad calls).
+
+Under ``batch_invariant()`` the cached paths are bitwise equal to the uncached forward: a
+vision item's rows and a prompt's keys/values do not depend on what else was in the forward.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from .logprob import selected_logprob
-from ..schema.spans import Modality
-from .prefill import fill_media
+from ..ops.invariant.attention import varlen_attention
+from ..ops.invariant.matmul import shared_input_patch
+from ..ops.invariant.mode import register_module_patches
+from ..ops.invariant.rmsnorm import rms_norm
+from ..ops.logprob import selected_logprob
+from ..schema import Choice, Modality, RLBatch
 
 
+class Layout(Choice):
+    """How ``layout_inputs`` lays a batch out for the model."""
 
+    PACKED = "packed"  # one row [1, T], per-sample text positions first (transformers' packed form)
+    RIGHT = "right"  # [B, L], right-padded
+    LEFT = "left"  # [B, L], left-padded
+
+
+# --------------------------------------------------------------------------- batch-invariant module patches
+def _rms_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _vision_attention_forward(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+    """Qwen2.5-VL vision attention with one segment attention over all windows / images."""
+    seq = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(seq, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    if position_embeddings is None:
+        raise ValueError("batch_invariant(): Qwen2.5-VL vision attention needs position_embeddings (cos, sin)")
+    rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision
+    q, k = rotate(q, k, *position_embeddings)
+    out = varlen_attention(q, k, v, cu_seqlens, causal=False, scale=self.scaling)
+    return self.proj(out.reshape(seq, -1))
+
+
+def _module_patches() -> list[tuple[type, str, object]]:
+    try:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
+    except ImportError:
+        return []
+    shared_inputs = [("Qwen2_5_VLAttention", ("q_proj", "k_proj", "v_proj"), "hidden_states"),
+                     ("Qwen2MLP", ("gate_proj", "up_proj"), "x"), ("Qwen2_5_VLMLP", ("gate_proj", "up_proj"), "hidden_state")]
+    return [(m.Qwen2_5_VLRMSNorm, "forward", _rms_norm_forward),
+            (m.Qwen2_5_VLVisionAttention, "forward", _vision_attention_forward)] + [
+        (getattr(m, cls), "forward", shared_input_patch(getattr(m, cls).forward, names, arg))
+        for cls, names, arg in shared_inputs if hasattr(m, cls)]
+
+
+register_module_patches(_module_patches)
+
+
+# --------------------------------------------------------------------------- running the model on an RLBatch
+def layout_inputs(batch, layout: str, pad_token_id: int = 0) -> tuple[dict, torch.Tensor]:
+    """A Qwen2.5-VL model's token inputs for ``batch`` in one layout, and each token's row.
+
+    ``packed``: one row ``[1, T]`` with 4-row position ids (per-sample text positions first,
+    which is how transformers recognises packed sequences); ``right`` / ``left``: ``[B, L]``
+    padded with ``pad_token_id`` and an attention mask. ``rows`` (int64 [T]) is each packed
+    token's row in the output flattened to ``[-1, H]``.
+    """
+    layout = Layout.parse(layout, "layout")
+    device = batch.input_ids.device
+    lengths = batch.seq_lengths().to(device)
+    starts = batch.cu_seqlens.long().to(device)[:-1]
+    sample = torch.repeat_interleave(torch.arange(batch.num_samples, device=device), lengths)
+    pos = torch.arange(batch.num_tokens, device=device) - starts[sample]
+    if layout is Layout.PACKED:
+        position_ids = torch.cat([pos[None], batch.position_ids], 0)[:, None, :]
+        inputs = dict(input_ids=batch.input_ids[None], position_ids=position_ids, attention_mask=None)
+        return inputs, torch.arange(batch.num_tokens, device=device)
+    width = int(lengths.max()) if batch.num_samples else 0
+    shift = (width - lengths)[sample] if layout is Layout.LEFT else 0
+    rows = sample * width + pos + shift
+    n = batch.num_samples * width
+    ids = torch.full((n,), pad_token_id, dtype=torch.int64, device=device)
+    ids[rows] = batch.input_ids
+    mask = torch.zeros(n, dtype=torch.int64, device=device)
+    mask[rows] = 1
+    positions = torch.ones((3, n), dtype=torch.int64, device=device)
+    positions[:, rows] = batch.position_ids
+    shape = (batch.num_samples, width)
+    return dict(input_ids=ids.view(shape), attention_mask=mask.view(shape), position_ids=positions.view(3, *shape)), rows
+
+
+def media_inputs(batch) -> dict:
+    """The vision-tower inputs a transformers Qwen-VL forward takes, from the batch."""
+    names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    return {name: getattr(batch, name) for name in names if getattr(batch, name) is not None}
+
+
+def media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, item, index) int64 [n]: the packed row of every media placeholder token, its
+    media item, and its index among that item's placeholders."""
+    table = batch.modality_spans
+    sample, pos, span = table.token_positions()
+    item = table.media_index.long()[span]
+    keep = item >= 0
+    rows = batch.cu_seqlens.long()[sample[keep]] + pos[keep]
+    return rows, item[keep], (pos - table.starts.long()[span])[keep]
+
+
+def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -> torch.Tensor:
+    """Last hidden states ``[T, H]`` (packed token order) of a transformers Qwen2.5-VL model.
+
+    Without ``media_embeds`` the model's own forward runs the vision tower on the batch's
+    pixels. With ``media_embeds`` (a ``VisionCache``'s output: every media item's vision
+    rows, items in batch order, concatenated) the placeholders are filled from it and only
+    the language model runs. A batch on another device than the model is moved to it.
+    """
+    device = model.get_input_embeddings().weight.device
+    if batch.device != device:
+        batch = batch.to(device)
+    inputs, rows = layout_inputs(batch, layout, getattr(model.config.text_config, "pad_token_id", None) or 0)
+    backbone = model.model
+    if media_embeds is None:
+        out = backbone(**inputs, **media_inputs(batch), use_cache=False)
+    else:
+        embeds = model.get_input_embeddings()(batch.input_ids)
+        embeds = fill_media(embeds, batch, media_embeds)
+        width = inputs["input_ids"].numel()
+        padded = embeds.new_zeros((width, embeds.shape[-1])).index_put((rows,), embeds)
+        out = backbone(inputs_embeds=padded.view(*inputs["input_ids"].shape, -1),
+                       attention_mask=inputs["attention_mask"], position_ids=inputs["position_ids"], use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[rows]
+
+
+def fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
+    """Packed token embeddings with every media placeholder replaced by its vision row."""
+    rows, item, index = media_token_rows(batch)
+    counts = batch.media_token_counts().to(item.device)
+    if media_embeds.shape[0] != int(counts.sum()):
+        raise ValueError(f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}")
+    src = (torch.cumsum(counts, 0) - counts)[item] + index
+    return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.dtype))
+
+
+def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:
+    """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` then the LM head
+    through ``selected_logprob`` (never materialising logits)."""
+    hidden = forward_hidden(model, batch, layout=layout, media_embeds=media_embeds)
+    head = model.get_output_embeddings()
+    return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
+
+
+# --------------------------------------------------------------------------- media-prefix cache and group scoring
 class _GatherRows(torch.autograd.Function):
     """``table[index]`` whose backward sums each table row's users in a fixed (item) order."""
 
@@ -35,7 +185,7 @@ class VisionCache:
     """Vision-tower rows of media items by ``media_cache_key``: each unique item runs once.
 
     ``cache(batch)`` returns every media item's rows, items in batch order, concatenated
-    (the ``media_embeds`` of ``prefill.forward_hidden``). Items sharing a key (a GRPO
+    (the ``media_embeds`` of ``forward_hidden``). Items sharing a key (a GRPO
     group's image) go through the tower once and are gathered to each user; the backward
     of that gather sums the users' gradients in item order (no atomics). With
     ``keep=True`` rows also stay cached across calls until ``clear()`` (no-grad use, e.g.
@@ -121,7 +271,7 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     positions and media. Vision rows come from ``vision_cache`` (each unique item once);
     the prompt's keys/values are computed once per group and the group's responses are
     scored against them as one right-padded batch. Under ``batch_invariant()`` the result
-    is bitwise that of ``prefill.batch_logprobs`` on the same batch.
+    is bitwise that of ``batch_logprobs`` on the same batch.
     """
     _, targets = batch.loss_token_index()
     hidden = group_hidden(model, batch, vision_cache=vision_cache)

@@ -1,1 +1,0 @@
-"""Plain-torch references: the ground truth of every test, one module per op family."""

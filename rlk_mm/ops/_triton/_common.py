@@ -1,0 +1,51 @@
+"""What the Triton kernels share: the SM count, the grouped tile schedule of persistent
+launches, and the dot-product precision (including the interpreter's)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+#: programs of a persistent launch in Triton's interpreter: more than one, so that the
+#: tests run every persistent loop over tiles too
+INTERPRETER_PROGRAMS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(tiles: int, device: torch.device) -> int:
+    """Programs of a persistent launch over ``tiles``: one per SM on CUDA."""
+    return max(1, min(tiles, num_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS))
+
+
+@triton.jit
+def grouped_tile_ids(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a persistent program's `tile`: runs of GROUP_M row tiles
+    share column tiles (L2 reuse). Only the schedule, never a tile's arithmetic."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
+    pid_n = (tile % (GROUP_M * num_n)) // group_rows
+    return pid_m, pid_n
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """The kernel runs on ``t`` in Triton's CPU interpreter (its 16-bit dot products are
+    wrong, so kernels upcast their operands there: products of 16-bit values are exact in fp32)."""
+    return not t.is_cuda
+
+
+def dot_precision(dtype: torch.dtype, interpreting: bool) -> str | None:
+    """fp32 operands: full fp32 ("ieee") unless torch allows TF32 matmuls; 16-bit: Triton's default."""
+    if interpreting:
+        return "ieee"
+    if dtype == torch.float32:
+        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    return None

@@ -1,0 +1,123 @@
+"""Batch-invariant matmul: ``matmul`` (and the aten overrides that route torch's matmuls
+through it inside ``batch_invariant()``), and ``shared_input_linears``.
+
+Triton's persistent matmul (``_triton/matmul.py``) on CUDA, a row-by-row fp32 reference
+(``_torch/invariant.py``) elsewhere: tiles depend on the weight shape only, so a row's
+result does not depend on how many rows there are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._torch import invariant as _ref
+from ._dispatch import FLOATS, triton_for
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+           *, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    """Batch-invariant ``alpha * (a @ b) + beta * bias`` for 2-D or 3-D (batched) a and b."""
+    if a.dim() != b.dim() or a.dim() not in (2, 3):
+        raise ValueError(f"matmul: expected two 2-D or two 3-D tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+        raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul: expected both operands of one dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"matmul: operands on {a.device} and {b.device}")
+    if a.dtype not in FLOATS or not triton_for(a, b):
+        return _ref.matmul(a, b, bias, alpha=alpha, beta=beta)
+    from .._triton import matmul as tm
+
+    a3, b3 = (a, b) if a.dim() == 3 else (a[None], b[None])
+    bias3 = None
+    if bias is not None and beta != 0:
+        bias3 = bias if bias.dim() == 3 else bias.reshape((1,) * (3 - bias.dim()) + tuple(bias.shape))
+    out = tm.bmm(a3, b3, bias3, alpha=alpha, beta=beta)
+    return out if a.dim() == 3 else out[0]
+
+
+def _aten_mm(a, b):
+    return matmul(a, b)
+
+
+def _aten_addmm(bias, a, b, *, beta=1, alpha=1):
+    return matmul(a, b, bias, alpha=alpha, beta=beta)
+
+
+def _aten_bmm(a, b):
+    return matmul(a, b)
+
+
+def _aten_baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return matmul(a, b, bias, alpha=alpha, beta=beta)
+
+
+def _aten_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A convolution whose kernel covers its whole input (a patch embedding) as a matmul."""
+    kernel = tuple(weight.shape[2:])
+    if (transposed or groups != 1 or any(padding) or any(d != 1 for d in dilation)
+            or tuple(x.shape[2:]) != kernel):
+        raise NotImplementedError(
+            "batch_invariant() supports convolution only as a patch embedding (input spatial size == "
+            f"kernel size {kernel}, no padding, groups=1); got input {tuple(x.shape)}, stride {list(stride)}, "
+            f"padding {list(padding)}, groups {groups}"
+        )
+    out = matmul(x.reshape(x.shape[0], -1), weight.reshape(weight.shape[0], -1).t(), bias)
+    return out.reshape(x.shape[0], weight.shape[0], *([1] * len(kernel)))
+
+
+ATEN_OVERRIDES = {
+    "mm": _aten_mm,
+    "addmm": _aten_addmm,
+    "bmm": _aten_bmm,
+    "baddbmm": _aten_baddbmm,
+    "convolution": _aten_convolution,
+}
+
+
+def _plain_linears(layers) -> bool:
+    return all(type(l) is torch.nn.Linear and "forward" not in l.__dict__ for l in layers)
+
+
+def shared_input_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
+    """``[F.linear(x, l.weight, l.bias) for l in layers]`` for 2-3 ``nn.Linear`` of one
+    input, as one launch where that is bitwise the same as running them one by one: a
+    no-grad call on the Triton path, contiguous x, weights whose tiles agree
+    (``_triton/matmul.linears``). A launch-bound forward (group scoring) saves launches."""
+    def one_by_one():
+        return [torch.nn.functional.linear(x, l.weight, l.bias) for l in layers]
+
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(l.weight.requires_grad for l in layers))
+    if (needs_grad or torch.compiler.is_compiling() or not x.is_contiguous() or x.dim() < 2
+            or x.dtype not in FLOATS or not triton_for(x)):
+        return one_by_one()
+    from .._triton import matmul as tm
+
+    out = tm.linears(x.reshape(-1, x.shape[-1]), [l.weight for l in layers], [l.bias for l in layers])
+    if out is None:
+        return one_by_one()
+    parts = out.split([l.weight.shape[0] for l in layers], dim=1)
+    return [part.view(*x.shape[:-1], part.shape[1]) for part in parts]
+
+
+def shared_input_patch(original, names: tuple[str, ...], input_name: str):
+    """``original`` (a module's forward) with its sub-layers ``names``, all applied to the
+    forward's input, computed together by ``shared_input_linears``. The sub-layers are
+    still called (hooks see their outputs); on that input they return what was computed."""
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else kwargs[input_name]
+        layers = [getattr(self, n) for n in names]
+        if not isinstance(x, torch.Tensor) or not _plain_linears(layers):
+            return original(self, *args, **kwargs)
+        outputs = shared_input_linears(x, layers)
+        for layer, out in zip(layers, outputs):
+            layer.forward = lambda inp, _layer=layer, _out=out: _out if inp is x else type(_layer).forward(_layer, inp)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for layer in layers:
+                del layer.forward
+
+    return forward

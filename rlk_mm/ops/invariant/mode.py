@@ -1,0 +1,102 @@
+"""``batch_invariant()``: inside the block a transformers forward gives bitwise the same
+results for a sequence however it is batched, padded, packed or cached.
+
+Inside the block:
+
+* ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` and patch-embedding ``convolution`` on
+  the CPU and CUDA dispatch keys run ``matmul.matmul``, whose tiles depend on the weight
+  shape only. Autograd is untouched: backward matmuls also go through it.
+* transformers' attention registry entries ``sdpa`` and ``eager`` (and their mask
+  functions) run ``attention.segment_attention``: the 4-D mask is turned into
+  per-sequence segments, and key tiles start at each sequence's first key.
+* model classes get the patches their model module registered with
+  ``register_module_patches`` (``rlk_mm.models.qwen2_5_vl``: Qwen2.5-VL's RMSNorm, vision
+  attention and shared-input projections).
+
+Everything is restored exactly when the block exits. The LM head is not here: score
+tokens with ``selected_logprob`` (its reduction order is fixed by H, V and dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable
+
+import torch
+
+from .. import _backend
+from ._dispatch import SEGMENT_CACHE, STATE
+from .attention import attention_interface, full_bool_mask
+from .matmul import ATEN_OVERRIDES
+
+#: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
+ModulePatches = list[tuple[type, str, object]]
+_MODULE_PATCHES: list[Callable[[], ModulePatches]] = []
+
+
+def register_module_patches(provider: Callable[[], ModulePatches]) -> None:
+    """Have ``batch_invariant()`` apply ``provider()``'s patches to model classes while active.
+
+    A model module registers its classes' batch-invariant forwards this way (ops never
+    import a model); ``import rlk_mm`` imports ``rlk_mm.models``, so they are always known."""
+    if provider not in _MODULE_PATCHES:
+        _MODULE_PATCHES.append(provider)
+
+
+def _registries():
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return []
+    return [(AttentionInterface, attention_interface), (AttentionMaskInterface, full_bool_mask)]
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def batch_invariant(backend: str | None = None):
+    """Route matmuls, attention and RMSNorm through batch-invariant kernels inside the block.
+
+    ``backend``: None (Triton on CUDA, torch on CPU; ``RLK_MM_BACKEND`` forces one),
+    ``"triton"`` or ``"torch"``. Not re-entrant; restores every override on exit.
+    """
+    if backend not in (None, "torch", "triton"):
+        raise ValueError(f"batch_invariant: backend must be None, 'torch' or 'triton', got {backend!r}")
+    if STATE.active:
+        raise RuntimeError("batch_invariant() is already active in this thread (it is not re-entrant)")
+    lib = torch.library.Library("aten", "IMPL")
+    saved: list[tuple[object, str, object]] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+            warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+            for op, fn in ATEN_OVERRIDES.items():
+                for key in ("CPU", "CUDA"):
+                    lib.impl(op, fn, key)
+        for registry, fn in _registries():
+            mapping = registry._global_mapping
+            for name in ("sdpa", "eager"):
+                saved.append((mapping, name, mapping.get(name, _MISSING)))
+                mapping[name] = fn
+        for cls, attr, fn in (patch for provider in _MODULE_PATCHES for patch in provider()):
+            saved.append((cls, attr, cls.__dict__.get(attr, _MISSING)))
+            setattr(cls, attr, fn)
+        STATE.active, STATE.backend = True, backend or _backend.backend_name()
+        yield
+    finally:
+        STATE.active, STATE.backend = False, None
+        SEGMENT_CACHE.clear()
+        for target, name, old in reversed(saved):
+            if isinstance(target, dict):
+                if old is _MISSING:
+                    target.pop(name, None)
+                else:
+                    target[name] = old
+            elif old is _MISSING:
+                delattr(target, name)
+            else:
+                setattr(target, name, old)
+        lib._destroy()
