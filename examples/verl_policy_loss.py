@@ -16,12 +16,17 @@ on a synthetic GRPO step, and checks them against verl's own ``grpo`` and ``vani
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from rlk_mm.integrations import ray_stand_in
-
-ray_stand_in.install()  # this demo needs no cluster: verl only imports ray at import time (no-op with ray)
+try:
+    import ray  # noqa: F401  (verl imports ray at import time; a verl install has it)
+except ImportError:  # a source checkout without ray: the tests' stand-in absorbs verl's import-time use
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    __import__("ray_stand_in").install()
 
 import verl  # noqa: E402,F401  (loads the rlk_mm entry point when rlk-mm is installed)
 import rlk_mm.integrations.verl  # noqa: E402,F401  (registers explicitly, e.g. from a source checkout)

@@ -141,10 +141,10 @@ def compute_rloo_outcome_advantage(
 
 def register() -> None:
     """Register the policy losses and advantage estimators with verl (idempotent)."""
-    core_algos.register_policy_loss("rlk_mm")(compute_policy_loss)
-    core_algos.register_policy_loss("rlk_mm_gspo")(compute_policy_loss_gspo)
-    core_algos.register_adv_est("rlk_mm_grpo")(compute_grpo_outcome_advantage)
-    core_algos.register_adv_est("rlk_mm_rloo")(compute_rloo_outcome_advantage)
+    for name, loss in zip(POLICY_LOSSES, (compute_policy_loss, compute_policy_loss_gspo)):
+        core_algos.register_policy_loss(name)(loss)
+    for name, estimator in zip(ADV_ESTIMATORS, (compute_grpo_outcome_advantage, compute_rloo_outcome_advantage)):
+        core_algos.register_adv_est(name)(estimator)
     importlib.import_module("rlk_mm.integrations.verl_fused").register()  # honours RLK_MM_VERL_FUSED
 
 

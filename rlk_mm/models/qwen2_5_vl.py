@@ -26,7 +26,7 @@ from ..ops.invariant.matmul import shared_input_patch
 from ..ops.invariant.mode import register_module_patches
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
-from ..schema import Choice, Modality, RLBatch
+from ..schema import Choice, Modality
 
 
 class Layout(Choice):
@@ -103,13 +103,13 @@ def layout_inputs(batch, layout: str, pad_token_id: int = 0) -> tuple[dict, torc
     return dict(input_ids=ids.view(shape), attention_mask=mask.view(shape), position_ids=positions.view(3, *shape)), rows
 
 
-def media_inputs(batch) -> dict:
+def _media_inputs(batch) -> dict:
     """The vision-tower inputs a transformers Qwen-VL forward takes, from the batch."""
     names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     return {name: getattr(batch, name) for name in names if getattr(batch, name) is not None}
 
 
-def media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, item, index) int64 [n]: the packed row of every media placeholder token, its
     media item, and its index among that item's placeholders."""
     table = batch.modality_spans
@@ -134,10 +134,10 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
     inputs, rows = layout_inputs(batch, layout, getattr(model.config.text_config, "pad_token_id", None) or 0)
     backbone = model.model
     if media_embeds is None:
-        out = backbone(**inputs, **media_inputs(batch), use_cache=False)
+        out = backbone(**inputs, **_media_inputs(batch), use_cache=False)
     else:
         embeds = model.get_input_embeddings()(batch.input_ids)
-        embeds = fill_media(embeds, batch, media_embeds)
+        embeds = _fill_media(embeds, batch, media_embeds)
         width = inputs["input_ids"].numel()
         padded = embeds.new_zeros((width, embeds.shape[-1])).index_put((rows,), embeds)
         out = backbone(inputs_embeds=padded.view(*inputs["input_ids"].shape, -1),
@@ -146,9 +146,9 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
     return hidden.reshape(-1, hidden.shape[-1])[rows]
 
 
-def fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
+def _fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
     """Packed token embeddings with every media placeholder replaced by its vision row."""
-    rows, item, index = media_token_rows(batch)
+    rows, item, index = _media_token_rows(batch)
     counts = batch.media_token_counts().to(item.device)
     if media_embeds.shape[0] != int(counts.sum()):
         raise ValueError(f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}")
@@ -288,7 +288,7 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
     then (when any member has tokens after the prompt) the members' right-padded rest."""
     vision_cache = vision_cache or VisionCache(model)
     lm = model.model.language_model
-    embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
+    embeds = _fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
     dev, width_h = embeds.device, embeds.shape[-1]
     # index arithmetic on the host, once: per-member device syncs would stall a launch-bound forward
     rows, _ = batch.loss_token_index()

@@ -12,11 +12,11 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
-    from .invariant.mode import batch_invariant
-    from .logprob import selected_logprob
-    from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss
-    from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded
-    from .rewards import Estimator, RewardPlacement, SpanReward, group_advantages, overlong_penalty, scatter_rewards
+    from .invariant.mode import batch_invariant  # noqa: F401
+    from .logprob import selected_logprob  # noqa: F401
+    from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss  # noqa: F401
+    from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
+    from .rewards import Estimator, RewardPlacement, SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
 
 _EXPORTS = {
     "selected_logprob": "logprob",

@@ -279,7 +279,7 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl
 # ----------------------------------------------------------------------------- fused op (registration)
 # The op takes its constant inputs packed in three lists (names below): torch's custom-op
 # autograd re-binds every argument on each call at a cost that grows with the square of
-# the argument count, and 20 separate arguments cost ~0.3 ms a call.
+# the argument count (bench/results/README.md).
 _OP_TENSORS = (
     "old_log_probs", "advantages", "seq_coef", "mask", "sample_index", "seq_log_ratio", "rollout_weights",
     "ref_log_probs",

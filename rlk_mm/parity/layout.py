@@ -18,8 +18,8 @@ import torch
 from ..schema import Modality, RLBatch, Span
 
 #: compared per-token fields, in the order used to break ties at one position
-TOKEN_FIELDS = ("input_ids", "modality_spans", "position_ids.t", "position_ids.h", "position_ids.w", "loss_spans")
-CONTEXT_TOKENS = 3
+_TOKEN_FIELDS = ("input_ids", "modality_spans", "position_ids.t", "position_ids.h", "position_ids.w", "loss_spans")
+_CONTEXT_TOKENS = 3
 
 
 class LayoutParityError(ValueError):
@@ -157,7 +157,7 @@ def _span_at(batch: RLBatch, b: int, p: int) -> Optional[str]:
 
 def _context(batch: RLBatch, b: int, p: int, decode: Optional[Callable]) -> str:
     ids = batch.sample_tokens(b).tolist()
-    lo, hi = max(0, p - CONTEXT_TOKENS), min(len(ids), p + CONTEXT_TOKENS + 1)
+    lo, hi = max(0, p - _CONTEXT_TOKENS), min(len(ids), p + _CONTEXT_TOKENS + 1)
 
     def show(tok: int) -> str:
         return repr(decode([tok])) if decode else str(tok)
@@ -196,7 +196,7 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
         idx_a = ra.cu_seqlens.long()[sample_of] + position
         idx_b = tb.cu_seqlens.long()[sample_of] + position
     per_field = {}
-    for name in TOKEN_FIELDS:
+    for name in _TOKEN_FIELDS:
         if same_lengths:  # the common case: both batches index tokens the same way
             diff = views_a[name] != views_b[name]
         else:
@@ -213,7 +213,7 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
     # media ids / keys, per sample in sequence order
     for name in ("media_ids", "media_cache_keys"):
         found += _compare_media(ra, tb, name, B)
-    order = {n: i for i, n in enumerate(("length",) + TOKEN_FIELDS + ("media_ids", "media_cache_keys"))}
+    order = {n: i for i, n in enumerate(("length",) + _TOKEN_FIELDS + ("media_ids", "media_cache_keys"))}
     found.sort(key=lambda m: (-1 if m.sample is None else m.sample, -1 if m.position is None else m.position, order.get(m.field, -1)))
     for m in found:
         if m.sample is not None and m.position is not None:

@@ -50,9 +50,6 @@ class Span:
     def __contains__(self, position: int) -> bool:
         return self.start <= position < self.end
 
-    def overlaps(self, other: "Span") -> bool:
-        return self.start < other.end and other.start < self.end
-
     def __str__(self) -> str:
         media = f" #{self.media_index}" if self.media_index >= 0 else ""
         return f"{self.modality.label}{media}[{self.start}, {self.end})"
@@ -183,28 +180,6 @@ class SpanTable:
             ptr,
             [int(s.modality) for s in flat],
             [s.media_index for s in flat],
-        )
-
-    @classmethod
-    def empty(cls, num_samples: int) -> "SpanTable":
-        return cls([], [], [0] * (num_samples + 1))
-
-    @classmethod
-    def concat(cls, tables: Sequence["SpanTable"], media_offsets: Sequence[int] | None = None) -> "SpanTable":
-        """Stack tables of consecutive sample blocks; media indices shift by ``media_offsets``."""
-        media_offsets = media_offsets or [0] * len(tables)
-        ptrs, base = [torch.zeros(1, dtype=torch.int32)], 0
-        media = []
-        for t, off in zip(tables, media_offsets):
-            ptrs.append(t.sample_ptr[1:].cpu() + base)
-            base += t.num_spans
-            media.append(torch.where(t.media_index >= 0, t.media_index + off, t.media_index).cpu())
-        return cls(
-            torch.cat([t.starts.cpu() for t in tables]),
-            torch.cat([t.ends.cpu() for t in tables]),
-            torch.cat(ptrs),
-            torch.cat([t.modality.cpu() for t in tables]),
-            torch.cat(media),
         )
 
     # views ----------------------------------------------------------------------

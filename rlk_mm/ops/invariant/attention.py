@@ -54,12 +54,8 @@ def _segments_tensors(rows: list[np.ndarray], device) -> tuple[torch.Tensor, ...
     return tuple(torch.as_tensor(np.asarray(r, dtype=np.int32), device=device) for r in rows)
 
 
-def segments_from_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor | None = None):
-    """Segments (batch row 0) of packed sequences; returns (segments, max_q_len)."""
-    return cached(_segments_from_cu_seqlens, cu_q, cu_k)
-
-
 def _segments_from_cu_seqlens(cu_q, cu_k):
+    """Segments (batch row 0) of packed sequences; returns (segments, max_q_len)."""
     cq = cu_q.detach().to("cpu", torch.int64).numpy()
     ck = cq if cu_k is None else cu_k.detach().to("cpu", torch.int64).numpy()
     if cq.ndim != 1 or ck.shape != cq.shape or cq[0] != 0 or ck[0] != 0:
@@ -132,7 +128,7 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = True, scale=None):
     """Attention over packed sequences: q [T, Hq, D], k/v [Tk, Hkv, D], cu_seqlens [B+1] -> [T, Hq, D]."""
-    segments, max_q = segments_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+    segments, max_q = cached(_segments_from_cu_seqlens, cu_seqlens_q, cu_seqlens_k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             segments, causal=causal, scale=scale, max_q=max_q)

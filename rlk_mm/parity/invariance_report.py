@@ -1,0 +1,126 @@
+"""The invariance sweep's report: per case and mode, bitwise or not, by how much, and where
+drift starts; as a table, JSON, and a PNG of the first differing module."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass
+class Divergence:
+    """Where two runs first differ for one sample."""
+
+    sample: int
+    module: str  # e.g. "model.language_model.layers.0.self_attn.q_proj"; "lm_head" when only scores differ
+    op: str  # the module's class, e.g. "Linear"
+    max_abs_diff: float
+    order: int  # index of the module in model.named_modules() (len of it for the LM head)
+    modules_compared: int
+
+
+@dataclass
+class CaseResult:
+    case: str
+    detail: str
+    mode: str  # "batch_invariant" or "default"
+    bitwise: bool
+    max_abs_diff: float
+    tokens: int
+    divergence: Optional[Divergence] = None
+
+
+@dataclass
+class InvarianceReport:
+    results: list[CaseResult]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def invariant(self) -> bool:
+        """True when every case under batch_invariant() was bitwise equal."""
+        return all(r.bitwise for r in self.results if r.mode == "batch_invariant")
+
+    def to_dict(self) -> dict:
+        return {"meta": self.meta, "invariant": self.invariant, "results": [asdict(r) for r in self.results]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "InvarianceReport":
+        """The report ``to_dict`` wrote (e.g. to re-draw a saved run's chart)."""
+        results = []
+        for r in data["results"]:
+            r = dict(r)
+            r["divergence"] = Divergence(**r["divergence"]) if r.get("divergence") else None
+            results.append(CaseResult(**r))
+        return cls(results, data.get("meta", {}))
+
+    def save_json(self, path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    def table(self) -> str:
+        head = f"{'case':<18} {'detail':<22} {'mode':<16} {'bitwise':<8} {'max |diff|':>11} {'tokens':>6}  drift starts at"
+        lines = [head, "-" * len(head)]
+        for r in self.results:
+            where = "" if r.divergence is None else f"{r.divergence.module} ({r.divergence.op})"
+            lines.append(f"{r.case:<18} {r.detail:<22} {r.mode:<16} {'yes' if r.bitwise else 'NO':<8} "
+                         f"{r.max_abs_diff:>11.3e} {r.tokens:>6}  {where}")
+        return "\n".join(lines)
+
+    def save_png(self, path) -> Path:
+        """Two panels: max |diff| per case and mode; and for drifting cases, the module where drift starts."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = list(dict.fromkeys((r.case, r.detail) for r in self.results))  # the sweep's order
+        names = [f"{c} {d}".strip() for c, d in labels]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 0.45 * len(labels) + 2.2), sharey=True)
+        y = range(len(labels))
+        floor = 1e-12
+        for k, (mode, colour) in enumerate((("batch_invariant", "tab:green"), ("default", "tab:red"))):
+            vals = []
+            for key in labels:
+                hit = [r for r in self.results if (r.case, r.detail) == key and r.mode == mode]
+                vals.append(max(hit[0].max_abs_diff, floor) if hit else float("nan"))
+            ax1.barh([i + (0.2 if k else -0.2) for i in y], vals, height=0.4, color=colour, label=mode, log=True)
+        ax1.axvline(floor, color="grey", lw=0.8)
+        ax1.set_yticks(list(y), names)
+        ax1.invert_yaxis()
+        ax1.set_xlabel(f"max |Δ| vs reference (bars at {floor:g} = bitwise equal)")
+        ax1.legend(loc="lower right")
+        stages = self.meta.get("module_order", [])
+        for i, key in enumerate(labels):
+            for r in self.results:
+                if (r.case, r.detail) == key and r.divergence is not None:
+                    colour = "tab:green" if r.mode == "batch_invariant" else "tab:red"
+                    ax2.scatter([r.divergence.order], [i], color=colour, s=40)
+                    ax2.annotate(r.divergence.module.replace("model.", ""), (r.divergence.order, i),
+                                 fontsize=7, xytext=(4, 3), textcoords="offset points")
+        if stages:
+            starts = [j for j in range(len(stages)) if _stage(stages[j]) and (j == 0 or _stage(stages[j]) != _stage(stages[j - 1]))]
+            every = max(1, len(starts) // 16)
+            ticks = starts[::every] + [len(stages)]
+            ax2.set_xticks(ticks, [_stage(stages[j]) for j in ticks[:-1]] + ["LM head"], rotation=45, ha="right", fontsize=7)
+            ax2.set_xlim(-1, len(stages) + 2)
+        ax2.set_xlabel("first module whose output differs (execution order)")
+        ax2.set_title("where drift starts")
+        fig.suptitle(f"invariance sweep: {self.meta.get('model', '')} {self.meta.get('device', '')} "
+                     f"{self.meta.get('dtype', '')}, score={self.meta.get('score', '')}")
+        fig.tight_layout()
+        path = Path(path)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
+
+
+def _stage(name: str) -> str:
+    """A coarse label of where a module sits (vision block k, merger, LM layer k), or ''."""
+    parts = name.split(".")
+    for key, label in (("blocks", "vision block "), ("layers", "LM layer ")):
+        if key in parts and parts.index(key) + 1 < len(parts):
+            return label + parts[parts.index(key) + 1]
+    return "merger" if "merger" in parts else ""
