@@ -4,7 +4,7 @@
     python examples/grpo_smoke.py --data ../shared/geo3k --steps 2
     python examples/grpo_smoke.py --break adv-sign     # watch the learning check catch it
 
-Options: `python examples/grpo_smoke.py --help`. The code lives in `rlk_mm/smoke.py`:
+Options: `python examples/grpo_smoke.py --help`. The code lives in `rlk_mm/smoke/`:
 rollout with `generate`, the four gates, and GRPO through `selected_logprob`,
 `scatter_rewards`, `group_advantages` and `policy_loss`.
 """

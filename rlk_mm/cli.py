@@ -12,7 +12,7 @@ def _load(path: str):
     return RLBatch.load(path)
 
 
-def cmd_inspect(args) -> int:
+def _inspect(args) -> int:
     from .schema import SchemaError
 
     try:
@@ -28,7 +28,7 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_parity(args) -> int:
+def _parity(args) -> int:
     from .parity import check_layout_parity
     from .schema import SchemaError
 
@@ -66,10 +66,10 @@ def _add_invariance_parser(sub) -> None:
     p.add_argument("--no-control", action="store_true", help="skip the run without batch_invariant()")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--png", help="draw the 'where drift starts' chart here")
-    p.set_defaults(func=cmd_invariance)
+    p.set_defaults(func=_invariance)
 
 
-def cmd_invariance(args) -> int:
+def _invariance(args) -> int:
     """Exit 0 when every case is bitwise under batch_invariant(), else 1."""
     import torch
 
@@ -96,7 +96,7 @@ def cmd_invariance(args) -> int:
     return 0 if report.invariant else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlk-mm", description="Multimodal RL operators: layout parity, smoke test, inspection.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -104,14 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a batch saved with RLBatch.save (.safetensors)")
     p.add_argument("--png", help="also draw each sample's spans to this PNG")
     p.add_argument("--max-rows", type=int, default=32, help="samples shown in the table (default 32)")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=_inspect)
 
     p = sub.add_parser("parity", help="check that two saved batches share a token layout (exit 0 match, 1 mismatch, 2 unreadable)")
     p.add_argument("rollout")
     p.add_argument("training")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model-path", help="a local Qwen-VL model dir, to decode context tokens")
-    p.set_defaults(func=cmd_parity)
+    p.set_defaults(func=_parity)
 
     _add_invariance_parser(sub)
     from .smoke import add_smoke_parser
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

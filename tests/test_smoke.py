@@ -12,6 +12,8 @@ import torch
 
 from rlk_mm import smoke
 from rlk_mm.fixtures import Sample, processor_inputs, tiny_qwen2_5_vl
+from rlk_mm.smoke.rollout import _Sampler
+from rlk_mm.smoke.tasks import _colour_pixels
 
 # Short runs: the gates and a couple of GRPO steps. Warm-up length matters: the policy must
 # answer with colour words often enough that the first batch has a reward spread (the
@@ -99,7 +101,7 @@ def test_colour_samples_have_a_dominant_colour():
     assert any(len(s.images) == 2 for s in samples) and any(len(s.images) == 1 for s in samples)
     assert len({s.images[0].size for s in samples}) > 1
     for s in samples:
-        counts = smoke._colour_pixels(s.images)
+        counts = _colour_pixels(s.images)
         assert counts == s.meta["pixels"]
         assert all(counts[s.answer] >= 1.5 * max(v, 1) for c, v in counts.items() if c != s.answer)
     again = smoke.colour_sample(random.Random(7), "s0")
@@ -122,7 +124,7 @@ def test_sampler_samples_the_tempered_softmax_and_records_its_logprobs():
     torch.manual_seed(0)
     scores = torch.randn(1, 6).repeat(40_000, 1) * 2
     expected = torch.log_softmax(scores / 0.7, -1)
-    sampler = smoke._Sampler(0.7, torch.Generator().manual_seed(1))
+    sampler = _Sampler(0.7, torch.Generator().manual_seed(1))
     out = sampler(None, scores.clone())
     token = out.argmax(-1)  # generate's greedy step picks the sample
     assert bool((out.gather(1, token[:, None]) == 0).all()) and bool(torch.isinf(out).sum(-1).eq(5).all())

@@ -1,0 +1,57 @@
+"""`rlk-mm smoke`: an image-text GRPO run that proves the pipeline before it trains.
+
+What a VLM RL engineer runs first. With no download it:
+
+1. draws seeded images in which one of four colours dominates (distractor shapes, varying
+   sizes, sometimes two images) and asks "Which colour dominates the image? Answer with
+   one word." (reward 1 for the right colour word); `--data DIR` runs on a Geo3K folder
+   with a Geo3K-style reward instead;
+2. builds the real Qwen2.5-VL processor and a tiny random-weight
+   `Qwen2_5_VLForConditionalGeneration` (or loads `--model-path`);
+3. warms the policy up on the answer format with shuffled labels, so it answers with a
+   colour word but at chance: it has not learned to look at the image;
+4. samples G answers per prompt with the model's own `generate` (KV cache, temperature
+   sampling) and records the tokens, the positions the model was fed and the log-probs;
+5. checks four gates before the first update, each printed PASS/FAIL: (a) layout parity
+   of the rollout-side and training-side `RLBatch`; (b) rollout log-probs vs the training
+   path (`selected_logprob`) within the numerical contract; (c) loss masking: no prompt,
+   image or padding token is scored, and changing every target id outside the loss spans
+   leaves loss and gradients bitwise unchanged; (d) the importance ratio exp(logp - old)
+   at the first update is 1 within the contract;
+6. trains with GRPO through rlk_mm ops only: rewards -> `scatter_rewards` ->
+   `group_advantages` -> `policy_loss` (k3 KL to the warm-up reference) -> Adam step,
+   with a live per-step table;
+7. writes `smoke_report.json`, `smoke_curves.png` and `smoke_layout.png` (one group) to
+   `--out`, and exits non-zero when a gate or the learning check fails.
+
+`--break {loss-shift,adv-sign,image-swap}` injects a known bug so one can see what
+catches it: loss spans one token early (gates a-d), negated advantages (learning check),
+image embeddings swapped between two prompts of the same image size (gates b and d).
+
+Why it is built as it is:
+- the sampler is a logits processor handed to `generate`: inverse-CDF sampling is cheaper
+  than `torch.multinomial` over the whole vocabulary, and it records each token's log-prob
+  from the same logits;
+- the vision tower encodes each distinct image once and the LM head computes each distinct
+  row once, since a group repeats its prompt G times;
+- the token embeddings and LM head are frozen during GRPO: Adam would otherwise move every
+  unsampled row of the 151k-row head at once, and the answer format collapses;
+- `keep_freed_memory` (glibc mallopt, at the start of every run) keeps the big logits
+  buffers on the heap instead of returning them to the OS on every step.
+
+Modules, bottom up: ``tasks`` (colour and Geo3K), ``policy`` (model, hooks, training
+forward, warm-up), ``rollout``, ``gates``, ``learning`` (the learning check), ``report``
+(versions, progress table, curves), ``train`` (``run_smoke``), ``options`` (argparse),
+``cli`` (the sub-command and ``python -m rlk_mm.smoke``).
+"""
+
+from .cli import add_smoke_parser
+from .options import parse_args
+from .policy import TINY_MODEL, load_policy
+from .tasks import COLOURS, colour_reward, colour_sample, geo3k_reward
+from .train import LR_FLOOR, lr_factor, run_smoke
+
+__all__ = [
+    "COLOURS", "LR_FLOOR", "TINY_MODEL", "add_smoke_parser", "colour_reward", "colour_sample", "geo3k_reward",
+    "load_policy", "lr_factor", "parse_args", "run_smoke",
+]

@@ -1,0 +1,83 @@
+"""What a run reports besides its gates: versions and device, the live progress table,
+and the reward and KL curves."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .learning import LEARNING_WINDOW
+
+
+def versions() -> dict:
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    from .. import __version__
+
+    out["rlk_mm"] = __version__
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def _bar(done: int, total: int, width: int = 12) -> str:
+    filled = int(round(width * done / max(total, 1)))
+    return "█" * filled + "·" * (width - filled)
+
+
+HEADER = f"{'step':>9} {'progress':<12} {'reward':>11} {'loss':>8} {'KL':>8} {'clip':>5} {'|r-1|max':>8} {'tok/s':>6} {'s':>5}"
+
+
+def progress_row(m: dict, steps: int) -> str:
+    return (
+        f"{m['step']:>4}/{steps:<4} {_bar(m['step'], steps)} {m['reward_mean']:>5.2f}±{m['reward_std']:<4.2f} "
+        f"{m['loss']:>8.4f} {m['kl']:>8.5f} {m['clip_frac']:>5.2f} {m['max_ratio_dev']:>8.1e} "
+        f"{m['tokens_per_s']:>6.0f} {m['seconds']:>5.2f}"
+    )
+
+
+def draw_curves(steps: list[dict], path: Path, task: str, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    mean = np.array([s["reward_mean"] for s in steps])
+    std = np.array([s["reward_std"] for s in steps])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    ax1.fill_between(x, mean - std, mean + std, alpha=0.2, color="#2c7fb8", linewidth=0)
+    ax1.plot(x, mean, color="#2c7fb8", linewidth=1, label="mean reward")
+    if len(x) >= LEARNING_WINDOW:
+        smooth = np.convolve(mean, np.ones(LEARNING_WINDOW) / LEARNING_WINDOW, mode="valid")
+        ax1.plot(x[LEARNING_WINDOW - 1 :], smooth, color="#08306b", linewidth=2, label=f"{LEARNING_WINDOW}-step mean")
+    if task == "colour":
+        ax1.axhline(0.25, color="grey", linestyle=":", linewidth=1, label="chance")
+    ax1.set_ylim(-0.02, 1.02)
+    ax1.set_xlabel("GRPO step")
+    ax1.set_ylabel("reward")
+    ax1.legend(fontsize=8, loc="lower right")
+    ax1.set_title(f"reward ({args.prompts} prompts x {args.samples} answers per step)", fontsize=10)
+    ax2.plot(x, [s["kl"] for s in steps], color="#d95f0e", linewidth=1.5)
+    ax2.set_xlabel("GRPO step")
+    ax2.set_ylabel("k3 KL to the warm-up policy")
+    ax2.set_title("KL", fontsize=10)
+    fig.suptitle(f"rlk-mm smoke ({task}, seed {args.seed}" + (f", --break {args.break_mode}" if args.break_mode else "") + ")", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
