@@ -20,21 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import DEFAULT_OUT, install_ray_stand_in, time_ms, write_result
 
-from timing import time_ms  # noqa: E402
-from rlk_mm.integrations import ray_stand_in  # noqa: E402
-
-ray_stand_in.install()  # verl imports ray at import time
+install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from rlk_mm.integrations import verl as rlk_verl  # noqa: E402
@@ -90,30 +82,17 @@ def run(device: str, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (small ops: 1 avoids thread spin)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    import verl
-
-    meta = {
-        "torch": torch.__version__,
-        "verl": verl.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "command": " ".join(["python"] + sys.argv),
-    }
     for device in args.devices.split(","):
-        res = {**meta, **run(device, args.reps)}
-        name = "cpu" if device == "cpu" else "gpu"
-        path = Path(args.out) / f"advantages_{name}.json"
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        res = run(device, args.reps)
         print(json.dumps({"device": res["device"], "ms": {k: v["ms"] for k, v in res["timings"].items()},
                           "speedup": res["speedup_vs_verl_grpo"], "ok": res["correctness"]["ok"]}), flush=True)
-        print(f"wrote {path}")
+        write_result(args.out, f"advantages_{'cpu' if device == 'cpu' else 'gpu'}.json", res)
 
 
 if __name__ == "__main__":

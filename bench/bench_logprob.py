@@ -1,12 +1,14 @@
 """GPU benchmark of ``selected_logprob`` against torch and Liger, peers in one process.
 
-Shapes: Qwen2.5-VL-7B head (N=16384, H=3584, V=152064) and 3B (N=4096, H=2048, V=151936),
-bf16. Measured: forward only (no grad), forward+backward (per-token upstream weights),
-and ours with 25% of the tokens scored, each group round-robin (peers share the GPU's
-power and clock history). Times are medians of CUDA-event timings after warm-up;
-"extra" is peak memory above what was allocated before the call (gradients included for
-forward+backward). Correctness: ours against the fp32 plain-torch reference
-on a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``.``).
+Shapes: the Qwen2.5-VL-7B head (N=16384, H=3584, V=152064) and 3B (N=4096, H=2048, V=151936;
+``configs/lm_heads.json``), bf16. Measured: forward only (no grad), forward+backward
+(per-token upstream weights), and ours with 25% of the tokens scored, each group round-robin
+(peers share the GPU's power and clock history). Times are medians of CUDA-event timings
+after warm-up; "extra" is peak memory above what was allocated before the call (gradients
+included for forward+backward). Correctness: ours against the fp32 plain-torch reference on
+a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``.``).
+``--sweep`` instead times the bare Triton kernels at the 7B shape with candidate
+``LogprobConfig``s (tiles, dz budgets) and writes ``logprob_sweep.json``.
 
     python bench/bench_logprob.py [--shapes 7b,3b] [--reps 7] [--sweep]
 """
@@ -14,24 +16,24 @@ on a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import sys
 import time
-from pathlib import Path
+from dataclasses import asdict, replace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
+from rlk_mm.ops import selected_logprob
+from rlk_mm.ops._torch import logprob as ref
+from rlk_mm.ops._triton import logprob as tri
+from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
-from timing import GIB, measure, measure_interleaved  # noqa: E402
-from rlk_mm.ops import selected_logprob  # noqa: E402
-from rlk_mm.ops._reference import logprob as ref  # noqa: E402
-from rlk_mm.ops._triton import logprob as tri  # noqa: E402
-from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error  # noqa: E402
+HEADS = load_config("lm_heads")
+TOKENS = {"7b": 16384, "3b": 4096}  # scored tokens at each head shape
 
-SHAPES = {"7b": (16384, 3584, 152064), "3b": (4096, 2048, 151936)}
+
+def shape(name: str) -> tuple[int, int, int]:
+    """(N scored tokens, H, V) of a head shape."""
+    return TOKENS[name], HEADS[name]["hidden"], HEADS[name]["vocab"]
 
 
 def inputs(N: int, H: int, V: int, seed: int = 0):
@@ -67,7 +69,7 @@ def check_correctness(h, w, tg, up, rows: int = 512) -> dict:
 
 
 def run_shape(name: str, reps: int) -> dict:
-    N, H, V = SHAPES[name]
+    N, H, V = shape(name)
     h, w, tg, up = inputs(N, H, V)
     res: dict = {"shape": {"N": N, "H": H, "V": V, "dtype": "bfloat16"}}
     res["grads_gib"] = round((h.numel() + w.numel()) * 2 / GIB, 4)
@@ -180,105 +182,84 @@ def host_overhead_us(calls: int = 300) -> dict:
         }
 
 
-def sweep(reps: int) -> list:
-    """Forward/backward times of candidate tile configs and dz budgets at the 7B shape."""
-    N, H, V = SHAPES["7b"]
+CANDIDATES = [  # tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), read through tensor descriptors or not
+    tri.LogprobConfig(128, 256, 64, 8, 8, 3, tma=False),
+    tri.LogprobConfig(128, 256, 64, 8, 8, 3),
+    tri.LogprobConfig(128, 256, 64, 8, 8, 4),
+    tri.LogprobConfig(256, 128, 64, 8, 8, 3),
+    tri.LogprobConfig(128, 128, 64, 8, 4, 4),
+]
+
+
+def sweep(reps: int) -> dict:
+    """The bare Triton kernels at the 7B shape, configs passed as ``config=``: forward and
+    forward+backward times of candidate tiles, backward time and memory per dz budget, and
+    where the default config's time goes (cuBLAS's logits product, backward parts)."""
+    N, H, V = shape("7b")
     h, w, tg, up = inputs(N, H, V)
-    hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
     rows = torch.arange(N, device="cuda")
-    base_cfg, base_budget = tri.config, tri.DZ_BUDGET
-    out = []
-    cands = [  # (tiles, read through tensor descriptors)
-        (tri.TileConfig(128, 256, 64, 8, 8, 3), False),
-        (tri.TileConfig(128, 256, 64, 8, 8, 3), True),
-        (tri.TileConfig(128, 256, 64, 8, 8, 4), True),
-        (tri.TileConfig(256, 128, 64, 8, 8, 3), True),
-        (tri.TileConfig(128, 128, 64, 8, 4, 4), True),
-    ]
+    base = tri.default_config(h.dtype, h.device)
 
-    def fb():
-        hg.grad = wg.grad = None
-        selected_logprob(hg, wg, index=rows, targets=tg).backward(up)
+    def fwd(cfg):
+        return tri.forward(h, w, rows, tg, None, 1.0, False, True, config=cfg)
 
-    def fwd():
-        with torch.no_grad():
-            selected_logprob(hg, wg, index=rows, targets=tg)
+    def bwd(cfg, lse, need=(True, True, False)):  # d hidden, d weight, d bias
+        return tri.backward(up, None, h, w, rows, tg, None, lse, None, True, 1.0, *need, config=cfg)
 
-    with torch.no_grad():
-        base = selected_logprob(hg, wg, index=rows, targets=tg)
-    for cfg, tma in cands:
-        tri.config = lambda dtype, device, cfg=cfg: cfg
-        tri.USE_TMA = tma
-        row = {"cfg": cfg.__dict__, "tma": tma}
+    def fwd_bwd(cfg):
+        bwd(cfg, fwd(cfg)[2])
+
+    expect = fwd(base)[0]
+    tiles = []
+    for cfg in CANDIDATES:
+        row = {"config": asdict(cfg)}
         try:
             t0 = time.time()
-            with torch.no_grad():
-                row["max_abs_vs_default"] = (selected_logprob(hg, wg, index=rows, targets=tg) - base).abs().max().item()
+            row["max_abs_vs_default"] = (fwd(cfg)[0] - expect).abs().max().item()
+            fwd_bwd(cfg)
             torch.cuda.synchronize()
             row["compile_s"] = round(time.time() - t0, 1)
-            row["fwd"] = measure(fwd, reps)["ms"]
-            row["fwd_bwd"] = measure(fb, max(3, reps // 2))["ms"]
+            row["fwd"] = measure(lambda: fwd(cfg), reps)["ms"]
+            row["fwd_bwd"] = measure(lambda: fwd_bwd(cfg), max(3, reps // 2))["ms"]
         except Exception as exc:  # a config that does not fit (shared memory, registers)
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(row, flush=True)
-        out.append(row)
-    tri.config, tri.USE_TMA = base_cfg, True
-    for budget in (64 << 20, 128 << 20, 192 << 20):
-        tri.DZ_BUDGET = budget
-        r = measure(fb, 3, before=lambda: (setattr(hg, "grad", None), setattr(wg, "grad", None)))
-        out.append({"dz_budget_mib": budget >> 20, "fwd_bwd": r["ms"], "extra_gib": r["extra_gib"]})
-        print(out[-1], flush=True)
-    tri.DZ_BUDGET = base_budget
-    # where the time goes, default config: cuBLAS logits product, then backward pieces
-    out.append({"cublas_logits_mm_ms": measure(lambda: h @ w.T, 3)["ms"]})
-    with torch.no_grad():
-        _, ent, lse, all_rows = torch.ops.rlk_mm.selected_logprob(h, w, rows, tg, None, 1.0, True)
-    for need in ((False, False, False), (True, False, False), (False, True, False), (True, True, False)):
-        r = measure(lambda: tri.backward(up, None, h, w, rows, tg, None, lse, None, bool(all_rows), 1.0, *need), 3)
-        out.append({"backward_parts(dz,+dH,+dW)": need, "ms": r["ms"]})
-    for row in out[-5:]:
-        print(row, flush=True)
-    return out
+        tiles.append(row)
+    lse = fwd(base)[2]
+    budgets = []
+    for mib in sorted({64, 128, base.dz_budget >> 20, 192}):
+        cfg = replace(base, dz_budget=mib << 20)
+        r = measure(lambda: bwd(cfg, lse), 3)
+        budgets.append({"dz_budget_mib": mib, "dz_columns": tri.dz_chunk_columns(N, V, h.dtype, cfg),
+                        "bwd": r["ms"], "extra_gib": r["extra_gib"]})
+        print(budgets[-1], flush=True)
+    parts = {"cublas_logits_mm": measure(lambda: h @ w.T, 3)["ms"]}
+    for label, need in (("dz", (False, False, False)), ("dz+d_hidden", (True, False, False)),
+                        ("dz+d_weight", (False, True, False)), ("dz+d_hidden+d_weight", (True, True, False))):
+        parts[f"backward_{label}"] = measure(lambda: bwd(base, lse, need), 3)["ms"]
+    print(parts, flush=True)
+    return {"unit": "ms", "default": asdict(base), "tiles": tiles, "dz_budgets": budgets, "parts": parts}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--shapes", default="7b,3b")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--sweep", action="store_true", help="tune tile configs instead of the benchmark")
+    ap.add_argument("--sweep", action="store_true", help="time candidate kernel configs instead of the benchmark")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "command": " ".join(["python"] + sys.argv),
-    }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
-
-        meta["liger_kernel"] = version("liger-kernel")
-    except Exception:
-        pass
     if args.sweep:
-        result = {"meta": meta, "sweep": sweep(args.reps)}
-        name = "logprob_sweep.json"
-    else:
-        result = {"meta": meta, "config": {k: v for k, v in tri.config(torch.bfloat16, torch.device("cuda")).__dict__.items()},
-                  "dz_budget_mib": tri.DZ_BUDGET >> 20, "host_us_per_call": host_overhead_us()}
-        for s in args.shapes.split(","):
-            result[s] = run_shape(s, args.reps)
-            torch.cuda.empty_cache()
-        name = "logprob.json"
-        print_table(result, args.shapes.split(","))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / name).write_text(json.dumps(result, indent=1))
+        write_result(args.out, "logprob_sweep.json", {"sweep": sweep(args.reps)})
+        return
+    result = {"config": asdict(tri.default_config(torch.bfloat16, torch.device("cuda"))),
+              "host_us_per_call": host_overhead_us()}
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        result[s] = run_shape(s, args.reps)
+        torch.cuda.empty_cache()
+    print_table(result, shapes)
+    write_result(args.out, "logprob.json", result)
 
 
 def print_table(result: dict, shapes) -> None:

@@ -10,7 +10,7 @@ float32 log-probs:
 * ``compact``: ours on the valid tokens only (``sample_index`` layout);
 * ``ours_torch_backend``: our torch backend on the GPU (``RLK_MM_BACKEND=torch``);
 * ``combined``: ``selected_logprob -> policy_loss`` from hidden states and the LM head
-  (16,384 tokens, Qwen2.5-VL-3B head H=2048, V=151,936, bf16) vs eager torch
+  (16,384 tokens, Qwen2.5-VL-3B head H=2048, V=151,936 of ``configs/lm_heads.json``, bf16) vs eager torch
   (bf16 logits -> float32 log_softmax -> gather -> verl's loss); both checked against the
   float32 loss of the upcast inputs.
 
@@ -25,20 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from common import DEFAULT_OUT, MIB, forced_backend, install_ray_stand_in, load_config, measure, write_result
 
-from timing import MIB, measure  # noqa: E402
-from rlk_mm.integrations import ray_stand_in  # noqa: E402
-
-ray_stand_in.install()  # verl imports ray at import time
+install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
@@ -135,9 +127,8 @@ def bench_losses(reps: int) -> dict:
         },
         "compact": {"ours_fwd_bwd": measure(fwd_bwd(ours_compact, [flat]), reps)},
     }
-    os.environ["RLK_MM_BACKEND"] = "torch"
-    t["ours_torch_backend"] = {"pg_fwd_bwd": measure(fwd_bwd(ours_pg, [logp]), reps)}
-    del os.environ["RLK_MM_BACKEND"]
+    with forced_backend("torch"):
+        t["ours_torch_backend"] = {"pg_fwd_bwd": measure(fwd_bwd(ours_pg, [logp]), reps)}
     for name in ("pg", "pg_kl_entropy"):
         t[name]["speedup_fwd_bwd"] = round(t[name]["verl_fwd_bwd"]["ms"] / t[name]["ours_fwd_bwd"]["ms"], 2)
     t["pg"]["speedup_fwd"] = round(t["pg"]["verl_fwd"]["ms"] / t["pg"]["ours_fwd"]["ms"], 2)
@@ -146,7 +137,8 @@ def bench_losses(reps: int) -> dict:
 
 def bench_combined(reps: int) -> dict:
     """selected_logprob -> policy_loss vs eager torch, from hidden states and the LM head."""
-    N, H, V = 16384, 2048, 151936
+    head = load_config("lm_heads")["3b"]
+    N, H, V = 16384, head["hidden"], head["vocab"]
     g = torch.Generator(device="cuda").manual_seed(1)
     h = torch.randn(N, H, device="cuda", generator=g).bfloat16().requires_grad_()
     w = (torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
@@ -197,33 +189,19 @@ def bench_combined(reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip-combined", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
-    import triton
-    import verl
-
-    res = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "verl": verl.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(["python"] + sys.argv),
-        "loss": bench_losses(args.reps),
-    }
+    res = {"loss": bench_losses(args.reps)}
     print(json.dumps({k: {n: v["ms"] if isinstance(v, dict) else v for n, v in d.items()}
                       for k, d in res["loss"]["timings"].items()}), flush=True)
     print(json.dumps(res["loss"]["correctness"]), flush=True)
     if not args.skip_combined:
         res["combined"] = bench_combined(args.reps)
         print(json.dumps({k: v for k, v in res["combined"].items() if k != "shape"}), flush=True)
-    path = Path(args.out) / "loss.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "loss.json", res)
 
 
 if __name__ == "__main__":

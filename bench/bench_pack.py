@@ -1,8 +1,8 @@
 """GPU benchmark of pack/unpad ``[B, L, H] ↔ [T, H]`` against device-to-device copy and torch.
 
-Default shape: B=16, L=4096, H=3584 bf16 (Qwen2.5-VL-7B hidden states), about 70% of the
-positions valid (left padding, lengths drawn uniformly in [0.4 L, L]). Measured, each a
-median of CUDA-event timings after warm-up:
+Default shape: B=16, L=4096, H=3584 bf16 (Qwen2.5-VL-7B hidden states, ``configs/lm_heads.json``),
+about 70% of the positions valid (left padding, lengths drawn uniformly in [0.4 L, L]).
+Measured, each a median of CUDA-event timings after warm-up:
 
 - ``copy``: ``dst.copy_(src)`` of the packed bytes ``[T, H]`` (and of ``[B*L, H]``): the
   device-to-device bandwidth a gather can at best reach (bytes read + bytes written);
@@ -17,45 +17,26 @@ median of CUDA-event timings after warm-up:
 number of bytes. Correctness (bitwise) is checked before timing. Writes ``pack.json`` to
 ``--out`` (default ``$OUT`` or ``.``).
 
-    python bench/bench_pack.py [--B 16 --L 4096 --H 3584 --valid 0.7] [--reps 20]
+    python bench/bench_pack.py [--B 16 --L 4096 --H 3584] [--reps 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
-import os
-import platform
-import sys
-from pathlib import Path
+from dataclasses import asdict, astuple
 
 import torch
-import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import measure  # noqa: E402
-from rlk_mm.ops._triton import pack as tri  # noqa: E402
-
-P = importlib.import_module("rlk_mm.ops.packing")
+from common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
+from rlk_mm.ops import packing as P
+from rlk_mm.ops._triton import pack as tri
 
 DEVICE = "cuda"
-SWEEP = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 512, 8), (4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (1, 4096, 8)]
-
-
-@contextlib.contextmanager
-def backend(name: str):
-    old = os.environ.get("RLK_MM_BACKEND")
-    os.environ["RLK_MM_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("RLK_MM_BACKEND")
-        else:
-            os.environ["RLK_MM_BACKEND"] = old
+SWEEP = [  # block_r, block_f, num_warps
+    tri.GatherConfig(8, 512, 4), tri.GatherConfig(4, 512, 4), tri.GatherConfig(16, 512, 8), tri.GatherConfig(32, 512, 8),
+    tri.GatherConfig(4, 1024, 4), tri.GatherConfig(8, 1024, 8), tri.GatherConfig(2, 2048, 8), tri.GatherConfig(1, 4096, 8),
+]
 
 
 def rate(entry: dict, nbytes: int, copy_gbps: float) -> dict:
@@ -70,12 +51,12 @@ def left_padded_mask(B: int, L: int, g: torch.Generator) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--L", type=int, default=4096)
-    ap.add_argument("--H", type=int, default=3584)
+    ap.add_argument("--H", type=int, default=load_config("lm_heads")["7b"]["hidden"])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
     B, L, H, reps = args.B, args.L, args.H, args.reps
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -91,9 +72,7 @@ def main() -> None:
     flat = x.reshape(B * L, H)
     zero = x.new_zeros(1)
     result = {
-        "benchmark": "pack_unpad", "command": " ".join([sys.executable] + sys.argv),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "dtype": "bfloat16",
+        "benchmark": "pack_unpad", "dtype": "bfloat16",
         "shape": {"B": B, "L": L, "H": H, "T": T, "valid_fraction": round(T / (B * L), 4)},
         "reps": reps, "timing": "median of CUDA-event timings after 3 warm-up calls",
     }
@@ -101,7 +80,7 @@ def main() -> None:
     # ---------------------------------------------------------------- correctness (bitwise)
     want = x[mask]
     packed, cu_pub = P.pack_padded(x, mask)
-    with backend("torch"):
+    with forced_backend("torch"):
         packed_torch, _ = P.pack_padded(x, mask)
         padded_torch = P.unpack_to_padded(want, cu, L, "left")
     padded = P.unpack_to_padded(want, cu, L, "left")
@@ -116,7 +95,7 @@ def main() -> None:
     }
     grads = {}
     for name in ("triton", "torch"):
-        with backend(name):
+        with forced_backend(name):
             xs = x[:2].clone().requires_grad_()
             out, _ = P.pack_padded(xs, mask[:2])
             gy = torch.randn(out.shape, device=DEVICE, generator=g).bfloat16()
@@ -127,7 +106,7 @@ def main() -> None:
     ref_grad[mask[:2]] = gy
     checks["backward_triton_is_scatter"] = torch.equal(grads["triton"][0], ref_grad)
     for cfg in SWEEP:
-        checks[f"gather_config_{cfg}"] = torch.equal(tri.gather_rows(flat, rows, zero, config=cfg), want) and torch.equal(
+        checks[f"gather_config_{astuple(cfg)}"] = torch.equal(tri.gather_rows(flat, rows, zero, config=cfg), want) and torch.equal(
             tri.gather_rows(want, inverse, zero, config=cfg).reshape(B, L, H), want_padded
         )
     result["checks"] = checks
@@ -150,7 +129,7 @@ def main() -> None:
     del src, dst, big_dst
 
     # ---------------------------------------------------------------- pack [B, L, H] → [T, H]
-    with backend("torch"):
+    with forced_backend("torch"):
         torch_public = measure(lambda: P.pack_padded(x, mask), reps)
     result["pack"] = {
         "triton_pack_padded": rate(measure(lambda: P.pack_padded(x, mask), reps), pack_bytes, copy_gbps),
@@ -172,7 +151,7 @@ def main() -> None:
     def torch_index_copy():
         return flat.new_zeros(B * L, H).index_copy_(0, rows, packed)
 
-    with backend("torch"):
+    with forced_backend("torch"):
         torch_public = measure(lambda: P.unpack_to_padded(packed, cu, L, "left"), reps)
     result["unpad"] = {
         "triton_unpack_to_padded": rate(measure(lambda: P.unpack_to_padded(packed, cu, L, "left"), reps), unpad_bytes, unpad_copy_gbps),
@@ -193,7 +172,7 @@ def main() -> None:
 
     fb = {}
     for name in ("triton", "torch"):
-        with backend(name):
+        with forced_backend(name):
             fb[name] = rate(measure(fwd_bwd, reps), pack_bytes + unpad_bytes, unpad_copy_gbps)
     result["pack_forward_backward"] = fb
     del xg, gy
@@ -204,15 +183,15 @@ def main() -> None:
         p_ms = measure(lambda: tri.gather_rows(flat, rows, zero, config=cfg), reps)["ms"]
         u_ms = measure(lambda: tri.gather_rows(packed, inverse, zero, config=cfg), reps)["ms"]
         sweep.append({
-            "block_r": cfg[0], "block_f": cfg[1], "num_warps": cfg[2], "pack_ms": p_ms, "unpad_ms": u_ms,
+            **asdict(cfg), "pack_ms": p_ms, "unpad_ms": u_ms,
             "pack_fraction_of_copy": round(pack_bytes / (p_ms * 1e-3) / 1e9 / copy_gbps, 3),
             "unpad_fraction_of_copy": round(unpad_bytes / (u_ms * 1e-3) / 1e9 / unpad_copy_gbps, 3),
         })
-    result["tile_sweep"] = {"default": list(tri.blocks(H, x.device)), "configs": sweep}
+    result["tile_sweep"] = {"default": asdict(tri.default_config(H, x.device)), "configs": sweep}
 
     # ---------------------------------------------------------------- per-token [B, L] fp32 (H = 1)
     v = torch.randn(B, L, device=DEVICE, generator=g)
-    with backend("torch"):
+    with forced_backend("torch"):
         small_torch = measure(lambda: P.pack_padded(v, mask), reps)
     result["per_token_fp32"] = {
         "triton_pack_padded": measure(lambda: P.pack_padded(v, mask), reps),
@@ -220,11 +199,9 @@ def main() -> None:
         "torch_v_mask": measure(lambda: v[mask], reps),
     }
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "pack.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, "pack.json", result)
     print(json.dumps(result["checks"]))
-    print(f"{result['gpu']}  B={B} L={L} H={H} T={T} ({T / (B * L):.0%} valid) bf16")
+    print(f"{torch.cuda.get_device_name()}  B={B} L={L} H={H} T={T} ({T / (B * L):.0%} valid) bf16")
     print(f"copy [T,H]: {copy_packed['ms']:.3f} ms = {copy_gbps:.0f} GB/s;  copy [B*L,H]: {copy_padded['ms']:.3f} ms = {copy_big_gbps:.0f} GB/s")
     for section in ("pack", "unpad", "pack_forward_backward"):
         for name, e in result[section].items():

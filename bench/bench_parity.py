@@ -1,23 +1,22 @@
 """Layout-parity speed on CPU: 512 samples x 4,096 tokens with 2 images each.
 
 Both batches are built once (from token lists, as a rollout engine returns them); the
-timed part is ``check_layout_parity`` alone. Writes bench/results/parity_cpu.json.
+timed part is ``check_layout_parity`` alone. Writes ``parity_cpu.json`` to ``--out``
+(default ``$OUT`` or ``.``).
 
-Run: python bench/bench_parity.py [--samples 512] [--tokens 4096] [--repeats 5]
+    python bench/bench_parity.py [--samples 512] [--tokens 4096] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from common import DEFAULT_OUT, write_result
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import qwen_vl_processor
 from rlk_mm.parity import check_layout_parity
@@ -47,11 +46,11 @@ def build(processor, samples: int, tokens: int) -> RLBatch:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "parity_cpu.json"))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     processor = qwen_vl_processor()
     t0 = time.perf_counter()
@@ -82,14 +81,10 @@ def main() -> None:
         "times_s": times,
         "with_one_drift_s": drift_s,
         "build_s_not_timed": build_s,
-        "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates the times
-        "torch": torch.__version__,
-        "command": "python bench/bench_parity.py",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, "parity_cpu.json", result)
     print(f"check_layout_parity: {args.samples} x {args.tokens} tokens, 2 images each: median {result['median_s']:.3f} s (one drift: {drift_s:.3f} s)")
 
 

@@ -1,5 +1,5 @@
-"""Batch-invariant prefill on a Qwen2.5-VL-3B-shaped random-weight model (bf16, built from a
-config, nothing downloaded), on the GPU:
+"""Batch-invariant prefill on a Qwen2.5-VL-3B-shaped random-weight model (bf16, built from
+``configs/qwen2_5_vl_3b.json``, nothing downloaded), on the GPU:
 
 * ``checks``: the Triton kernels against torch in fp32 (matmul, RMSNorm, attention) and a
   matmul row alone / in 4,096 rows / shifted, bitwise;
@@ -14,6 +14,8 @@ config, nothing downloaded), on the GPU:
   images: scoring all G samples in full (one right-padded batch) vs ``group_logprobs``
   (vision once, prompt KV once), both under ``batch_invariant()`` and checked bitwise
   equal; time and peak memory;
+* ``tiles`` (with ``--tiles``): candidate ``MatmulConfig`` / ``AttentionConfig`` tiles against
+  cuBLAS / sdpa at the model's shapes, TFLOP/s;
 * the invariance sweep (``rlk_mm.parity.invariance``) on the same model with small images,
   under ``batch_invariant()`` and the default kernels.
 
@@ -22,7 +24,7 @@ Medians of CUDA-event timings after warm-up; peak memory is ``max_memory_allocat
 Writes ``prefill.json``, ``invariance_gpu.json`` and ``invariance_gpu.png`` to ``--out``
 (default ``$OUT`` or ``.``).
 
-    python bench/bench_prefill.py [--layers 36] [--reps 5] [--skip-sweep]
+    python bench/bench_prefill.py [--layers 36] [--reps 5] [--skip-sweep] [--tiles]
     python bench/bench_prefill.py --smoke   # the tiny model and small images, CPU or GPU (a dry run)
 """
 
@@ -31,31 +33,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from timing import GIB, peak_extra_bytes, time_ms  # noqa: E402
-
-from rlk_mm import fixtures  # noqa: E402
-from rlk_mm.ops import prefill as P  # noqa: E402
-from rlk_mm.ops.cache import VisionCache, group_logprobs  # noqa: E402
-from rlk_mm.ops.logprob import selected_logprob  # noqa: E402
-from rlk_mm.parity.invariance import invariance_sweep  # noqa: E402
-from rlk_mm.schema.batch import RLBatch  # noqa: E402
+from common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
+from rlk_mm import fixtures
+from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, forward_hidden, group_logprobs
+from rlk_mm.ops._triton import attention as TA
+from rlk_mm.ops._triton import matmul as TM
+from rlk_mm.ops.invariant.attention import attention_interface
+from rlk_mm.ops.invariant.matmul import matmul
+from rlk_mm.ops.invariant.mode import batch_invariant
+from rlk_mm.ops.logprob import selected_logprob
+from rlk_mm.parity.invariance import invariance_sweep
+from rlk_mm.schema.batch import RLBatch
 
 EOS = fixtures.IM_END_TOKEN_ID
+MODEL = load_config("qwen2_5_vl_3b")
 
 
 class Setup:
@@ -67,24 +69,16 @@ class Setup:
 
 
 def config_3b(layers: int):
+    """``configs/qwen2_5_vl_3b.json`` with ``layers`` text layers and the Qwen token ids."""
     from transformers import Qwen2_5_VLConfig
 
-    half = 64  # head_dim 128
+    special = {"bos_token_id": fixtures.ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS, "pad_token_id": fixtures.ENDOFTEXT_TOKEN_ID}
     config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": layers,
-            "num_attention_heads": 16, "num_key_value_heads": 2, "max_position_embeddings": 128000,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, half - 40]},
-            "bos_token_id": fixtures.ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS, "pad_token_id": fixtures.ENDOFTEXT_TOKEN_ID,
-        },
-        vision_config={
-            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
-        },
+        text_config={**MODEL["text_config"], "num_hidden_layers": layers, **special},
+        vision_config=MODEL["vision_config"],
         image_token_id=fixtures.IMAGE_TOKEN_ID, video_token_id=fixtures.VIDEO_TOKEN_ID,
         vision_start_token_id=fixtures.VISION_START_TOKEN_ID, vision_end_token_id=fixtures.VISION_END_TOKEN_ID,
-        tie_word_embeddings=True,
+        tie_word_embeddings=MODEL["tie_word_embeddings"],
     )
     config._attn_implementation = "sdpa"
     return config
@@ -159,10 +153,10 @@ def checks() -> dict:
     out = {}
     rows, hidden, inner = (4096, 2048, 11008) if dev == "cuda" else (64, 64, 96)
     a, w, bias = rnd(rows, hidden), rnd(inner, hidden), rnd(inner)
-    with P.batch_invariant():
-        y = P.matmul(a, w.t(), bias)
-        alone = P.matmul(a[17:18], w.t(), bias)
-        shifted = P.matmul(torch.cat([a[:3], a[:100]]), w.t(), bias)[3:]
+    with batch_invariant():
+        y = matmul(a, w.t(), bias)
+        alone = matmul(a[17:18], w.t(), bias)
+        shifted = matmul(torch.cat([a[:3], a[:100]]), w.t(), bias)[3:]
     out["matmul_rel_err_vs_fp32"] = relative_error(y, a.float() @ w.float().t() + bias.float())
     out["matmul_row_alone_bitwise"] = bool(torch.equal(alone, y[17:18]))
     out["matmul_rows_shifted_bitwise"] = bool(torch.equal(shifted, y[:100]))
@@ -170,15 +164,15 @@ def checks() -> dict:
     x = rnd(3000, hidden)
     with torch.no_grad():
         ref = norm(x)
-        with P.batch_invariant():
+        with batch_invariant():
             got = norm(x)
     out["rmsnorm_rel_err_vs_torch"] = relative_error(got, ref)
     n = 1500 if dev == "cuda" else 40
     q, k, v = rnd(1, 16, n, 128), rnd(1, 2, n, 128), rnd(1, 2, n, 128)
     expect = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(8, 1), v.float().repeat_interleave(8, 1), is_causal=True)
-    with P.batch_invariant():
-        att, _ = P._attention_interface(None, q, k, v, torch.ones(1, 1, n, n, dtype=torch.bool, device=dev).tril())
+    with batch_invariant():
+        att, _ = attention_interface(None, q, k, v, torch.ones(1, 1, n, n, dtype=torch.bool, device=dev).tril())
     out["attention_rel_err_vs_fp32"] = relative_error(att, expect.transpose(1, 2))
     out["ok"] = (out["matmul_row_alone_bitwise"] and out["matmul_rows_shifted_bitwise"]
                  and out["matmul_rel_err_vs_fp32"] < 1e-2 and out["rmsnorm_rel_err_vs_torch"] < 1e-2
@@ -186,51 +180,62 @@ def checks() -> dict:
     return out
 
 
-MM_CANDIDATES = {
-    "128x256x64 w8 s3": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "128x128x64 w8 s3": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "128x128x64 w4 s4": dict(BM=128, BN=128, BK=64, GROUP_M=8, num_warps=4, num_stages=4),
-    "256x128x64 w8 s3": dict(BM=256, BN=128, BK=64, GROUP_M=8, num_warps=8, num_stages=3),
-    "128x256x64 w8 s4": dict(BM=128, BN=256, BK=64, GROUP_M=8, num_warps=8, num_stages=4),
-    "128x256x128 w8 s2": dict(BM=128, BN=256, BK=128, GROUP_M=8, num_warps=8, num_stages=2),
-}
-ATTN_CANDIDATES = {
-    "128x64 w8 s2": dict(BM=128, BN=64, num_warps=8, num_stages=2),
-    "128x128 w8 s2": dict(BM=128, BN=128, num_warps=8, num_stages=2),
-    "128x64 w4 s3": dict(BM=128, BN=64, num_warps=4, num_stages=3),
-    "64x64 w4 s3": dict(BM=64, BN=64, num_warps=4, num_stages=3),
-}
+MM_CANDIDATES = [  # block_m, block_n, block_k, group_m, num_warps, num_stages
+    TM.MatmulConfig(128, 256, 64, 8, 8, 3),
+    TM.MatmulConfig(128, 128, 64, 8, 8, 3),
+    TM.MatmulConfig(128, 128, 64, 8, 4, 4),
+    TM.MatmulConfig(256, 128, 64, 8, 8, 3),
+    TM.MatmulConfig(128, 256, 64, 8, 8, 4),
+    TM.MatmulConfig(128, 256, 128, 8, 8, 2),
+]
+ATTN_CANDIDATES = [  # block_m, block_n, num_warps, num_stages (block_d: the head dim's)
+    (128, 64, 8, 2),
+    (128, 128, 8, 2),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+]
+
+
+def linear_shapes() -> dict:
+    """(N, K) of the model's linear layers (text and vision)."""
+    t, v = MODEL["text_config"], MODEL["vision_config"]
+    h, inner = t["hidden_size"], t["intermediate_size"]
+    kv = t["num_key_value_heads"] * h // t["num_attention_heads"]
+    vh, v_inner, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    return {"q/o_proj": (h, h), "k/v_proj": (kv, h), "gate/up": (inner, h), "down": (h, inner),
+            "vision qkv": (3 * vh, vh), "vision proj": (vh, vh), "vision up": (v_inner, vh),
+            "vision down": (vh, v_inner), "merger": (merged, merged)}
 
 
 def tiles() -> dict:
     """Candidate tiles of the Triton kernels vs cuBLAS / sdpa at this model's shapes (TFLOP/s), to
-    choose mm_config / attention_config (the chosen tiles must depend on N, K / head dim only)."""
+    choose the matmul's and the attention's ``default_config`` (tiles that depend on N, K / the
+    head dim only)."""
     from triton.testing import do_bench
-
-    from rlk_mm.ops._triton import attention as TA
-    from rlk_mm.ops._triton import matmul as TM
 
     ms = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
     m = 16384
-    shapes = {"q/o_proj": (2048, 2048), "k/v_proj": (256, 2048), "gate/up": (11008, 2048), "down": (2048, 11008),
-              "vision qkv": (3840, 1280), "vision proj": (1280, 1280), "vision up": (3420, 1280),
-              "vision down": (1280, 3420), "merger": (5120, 5120)}
     out = {"matmul_M": m, "matmul": {}, "attention": {}}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in linear_shapes().items():
         a, w = rnd(m, k), rnd(n, k)
         flops = 2 * m * n * k
-        row = {"cublas": round(flops / ms(lambda: a @ w.t()) / 1e9, 1), "chosen": str(TM.mm_config(n, k, torch.bfloat16))}
-        for label, cfg in MM_CANDIDATES.items():
+        row = {"cublas": round(flops / ms(lambda: a @ w.t()) / 1e9, 1), "chosen": str(TM.default_config(n, k, torch.bfloat16))}
+        for cfg in MM_CANDIDATES:
+            label = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             row[label] = round(flops / ms(lambda: TM.bmm(a[None], w.t()[None], config=cfg)) / 1e9, 1)
         out["matmul"][f"{name} N={n} K={k}"] = row
-    cases = {  # (batch rows, segment length, heads, kv heads, head dim, causal)
-        "text causal 8x1400 d128": (8, 1400, 16, 2, 128, True),
-        "vision windows 768x64 d80": (768, 64, 16, 16, 80, False),
-        "vision full 12x4096 d80": (12, 4096, 16, 16, 80, False),
+    t, v = MODEL["text_config"], MODEL["vision_config"]
+    text = (t["num_attention_heads"], t["num_key_value_heads"], t["hidden_size"] // t["num_attention_heads"])
+    vision = (v["num_heads"], v["num_heads"], v["hidden_size"] // v["num_heads"])
+    window = (v["window_size"] // v["patch_size"]) ** 2
+    cases = {  # (batch rows, segment length, (heads, kv heads, head dim), causal)
+        f"text causal 8x1400 d{text[2]}": (8, 1400, text, True),
+        f"vision windows 768x{window} d{vision[2]}": (768, window, vision, False),
+        f"vision full 12x4096 d{vision[2]}": (12, 4096, vision, False),
     }
-    for name, (bsz, length, hq, hkv, d, causal) in cases.items():
+    for name, (bsz, length, (hq, hkv, d), causal) in cases.items():
         q, kk, vv = rnd(bsz, hq, length, d), rnd(bsz, hkv, length, d), rnd(bsz, hkv, length, d)
         seg = [torch.arange(bsz, dtype=torch.int32, device="cuda"), torch.zeros(bsz, dtype=torch.int32, device="cuda"),
                torch.full((bsz,), length, dtype=torch.int32, device="cuda"), torch.zeros(bsz, dtype=torch.int32, device="cuda"),
@@ -238,11 +243,12 @@ def tiles() -> dict:
         flops = 4 * bsz * hq * length * length * d / (2 if causal else 1)
         rep_k, rep_v = kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1)
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, rep_k, rep_v, is_causal=causal)  # noqa: E731
-        row = {"sdpa (one call, no mask)": round(flops / ms(sdpa) / 1e9, 1), "chosen": str(TA.attention_config(d, torch.bfloat16))}
-        for label, cfg in ATTN_CANDIDATES.items():
-            cfg = dict(cfg, BD=max(16, 1 << (d - 1).bit_length()))
+        chosen = TA.default_config(d, torch.bfloat16)
+        row = {"sdpa (one call, no mask)": round(flops / ms(sdpa) / 1e9, 1), "chosen": str(chosen)}
+        for bm, bn, warps, stages in ATTN_CANDIDATES:
+            cfg = replace(chosen, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
             fn = lambda: TA.segment_attention(q, kk, vv, seg, causal=causal, scale=d**-0.5, max_q=length, config=cfg)  # noqa: E731
-            row[label] = round(flops / ms(fn) / 1e9, 1)
+            row[f"{bm}x{bn} w{warps} s{stages}"] = round(flops / ms(fn) / 1e9, 1)
         out["attention"][name] = row
     out["unit"] = "TFLOP/s"
     return out
@@ -260,10 +266,10 @@ def overhead(model, processor, reps: int) -> dict:
     patches = int(batch.image_grid_thw.prod(-1).sum())
 
     def full():
-        return P.batch_logprobs(model, batch, layout="right")
+        return batch_logprobs(model, batch, layout="right")
 
     def language():
-        hidden = P.forward_hidden(model, batch, layout="right", media_embeds=media)[rows]
+        hidden = forward_hidden(model, batch, layout="right", media_embeds=media)[rows]
         return selected_logprob(hidden, head, index=index, targets=targets)
 
     def vision():
@@ -274,7 +280,7 @@ def overhead(model, processor, reps: int) -> dict:
                      "padded_length": int(batch.seq_lengths().max()), "layout": "right-padded"}}
     outs = {}
     for mode in ("default", "batch_invariant"):
-        ctx = P.batch_invariant() if mode == "batch_invariant" else contextlib.nullcontext()
+        ctx = batch_invariant() if mode == "batch_invariant" else contextlib.nullcontext()
         with ctx, torch.no_grad():
             outs[mode] = full()
             res[mode] = {"full": timed(full, reps), "language_model": timed(language, reps), "vision_tower": timed(vision, reps),
@@ -293,7 +299,7 @@ def group(model, processor, reps: int, n_images: int, g: int = 8) -> dict:
                      "prompt_tokens": int(batch.prompt_lengths[0]), "response_tokens": Setup.response, "layout": "right-padded"}}
 
     def full():
-        return P.batch_logprobs(model, batch, layout="right")
+        return batch_logprobs(model, batch, layout="right")
 
     def cached():
         return group_logprobs(model, batch)
@@ -309,7 +315,7 @@ def group(model, processor, reps: int, n_images: int, g: int = 8) -> dict:
             sync()
         return round(statistics.median(times), 3)
 
-    with P.batch_invariant(), torch.no_grad():
+    with batch_invariant(), torch.no_grad():
         a, b = full(), cached()
         res["batch_invariant"] = {"full": timed(full, reps), "cached": timed(cached, reps),
                                   "full_peak_extra_gib": peak_extra_gib(full), "cached_peak_extra_gib": peak_extra_gib(cached),
@@ -329,35 +335,26 @@ def main() -> int:
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--tiles", action="store_true", help="also time candidate kernel tiles against cuBLAS / sdpa")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 56 px images, 8-token responses (a dry run)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     if args.smoke:
         Setup.image_side, Setup.response = 56, 8
         Setup.device = "cuda" if torch.cuda.is_available() else "cpu"
         args.reps = 1
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import transformers
-    import triton
-
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name() if Setup.device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-        "model": {"shape": "Qwen2.5-VL-3B", "text_layers": args.layers, "hidden": 2048, "heads": 16, "kv_heads": 2,
-                  "intermediate": 11008, "vision_depth": 32, "vision_hidden": 1280, "dtype": "bfloat16",
-                  "weights": "random (seed 0)", "attn_implementation": "sdpa"},
+        "device": Setup.device,
+        "model": {"name": MODEL["name"], "config": "bench/configs/qwen2_5_vl_3b.json", "text_layers": args.layers,
+                  "dtype": "bfloat16", "weights": "random (seed 0)", "attn_implementation": "sdpa"},
     }
-    path = out_dir / "prefill.json"
 
     def save():
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(out_dir, "prefill.json", result)
 
     t0 = time.time()
     if args.smoke:
         model = fixtures.tiny_qwen2_5_vl().to(Setup.device)
-        result["model"] = {"shape": "tiny (smoke run)", "dtype": "float32"}
+        result["model"] = {"name": "tiny (smoke run)", "dtype": "float32"}
     else:
         model = build_model(args.layers)
     processor = fixtures.qwen_vl_processor(max_pixels=Setup.image_side * Setup.image_side)
@@ -381,7 +378,7 @@ def main() -> int:
             small = fixtures.qwen_vl_processor()
             samples = fixtures.synthetic_image_text(4, seed=0)
             report = invariance_sweep(model, small, samples, group_size=4, response_length=32)
-            report.meta["command"] = result["command"]
+            report.meta["command"] = command_line()
             report.meta["wall_s"] = round(time.time() - t, 1)
             report.save_json(out_dir / "invariance_gpu.json")
             report.save_png(out_dir / "invariance_gpu.png")

@@ -1,5 +1,6 @@
 """GPU benchmark: verl 0.9.1's ``FusedLinearForPPO`` (torch backend, 512-row chunks)
-against rlk_mm's drop-in, both in one process, at the Qwen2.5-VL-7B head shape (bf16).
+against rlk_mm's drop-in, both in one process, at the Qwen2.5-VL-7B head shape (bf16,
+``configs/lm_heads.json``).
 
 Inputs are laid out as verl's FSDP engine passes them (``[1, T, H]`` packed hidden
 states, rolled labels); 16 samples of 1024 tokens. Measured: forward (no grad),
@@ -20,33 +21,25 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from timing import GIB, measure_interleaved  # noqa: E402
-
-from rlk_mm.integrations import ray_stand_in  # noqa: E402
+from common import DEFAULT_OUT, GIB, install_ray_stand_in, load_config, measure_interleaved, write_result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    ray_stand_in.install()  # verl imports ray at import time
+    install_ray_stand_in()
     from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlClass
 
     from rlk_mm.integrations import verl_fused
     from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
-    B, L, H, V = 16, 1024, 3584, 152064
+    head = load_config("lm_heads")["7b"]
+    B, L, H, V = 16, 1024, head["hidden"], head["vocab"]
     T = B * L
     g = torch.Generator(device="cuda").manual_seed(0)
     h = torch.randn(1, T, H, device="cuda", generator=g).bfloat16()
@@ -114,8 +107,6 @@ def main() -> None:
                        and check["grad_weight_rel"] <= LOGPROB_GRAD_REL.low_precision)
     ms = {k: v["ms"] for k, v in t.items()}
     result = {
-        "meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-                 "command": " ".join(["python"] + sys.argv)},
         "shape": {"B": B, "L": L, "T": T, "H": H, "V": V, "dtype": "bfloat16", "temperature": temperature,
                   "response_fraction": response / L},
         "grads_gib": round((h.numel() + w.numel()) * 2 / GIB, 4),
@@ -132,8 +123,7 @@ def main() -> None:
         "correctness": check,
     }
     print(json.dumps({"speedup": result["speedup"], "correctness": check}, indent=1))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "verl_fused.json").write_text(json.dumps(result, indent=1))
+    write_result(args.out, "verl_fused.json", result)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ log is parsed as it stands, so a run cut off by `--deadline` still reports its c
     python bench/smoke_sweep.py CONFIGS.json --out DIR [--cpu-workers 6] [--threads 2] [--deadline 540]
 
 CONFIGS.json: a list of {"name": str, "device": "cuda" | "cpu", "args": [smoke options],
-"set": {module constant of rlk_mm.smoke: value}}. Writes DIR/sweep.json and DIR/NAME.log.
+"set": {constant of a module of rlk_mm.smoke: value}}. Writes DIR/sweep.json and DIR/NAME.log.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROW = re.compile(r"^\s*(\d+)/(\d+)\s+\S+\s+([0-9.]+)±")
+# each constant is set in every module of the package that holds it (where it is defined and where it is imported)
 RUNNER = "import sys, json, rlk_mm.smoke as S\n" \
-         "for k, v in json.loads(sys.argv[1]).items(): setattr(S, k, v)\n" \
+         "parts = [m for name, m in sys.modules.items() if name.startswith('rlk_mm.smoke.')]\n" \
+         "for k, v in json.loads(sys.argv[1]).items(): [setattr(m, k, v) for m in parts if hasattr(m, k)]\n" \
          "sys.exit(S.run_smoke(S.parse_args(sys.argv[2:])))"
 
 

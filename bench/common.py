@@ -1,0 +1,164 @@
+"""What the benchmarks share: timing and memory measurement, the run's metadata, shared
+shapes (``configs/``), writing a result, forcing an rlk_mm backend, and importing verl where
+ray is missing.
+
+Times are medians of CUDA-event timings after warm-up (wall clock on CPU); memory is the
+peak of one more call above what was allocated just before it. Peers compared with each
+other are best timed round-robin (``measure_interleaved``). Importing this module puts the
+repository root first on ``sys.path``, so the scripts run from a checkout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+#: where results go unless ``--out`` says otherwise
+DEFAULT_OUT = os.environ.get("OUT", ".")
+#: distributions whose versions a run records, where installed (peers of some benchmarks included)
+PACKAGES = ("triton", "transformers", "verl", "liger-kernel")
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+
+def _call_ms(fn, device: str = "cuda") -> float:
+    """Milliseconds of one call: CUDA events around it on a GPU, wall clock on CPU."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def _summary(times: list) -> dict:
+    return {
+        "ms": round(statistics.median(times), 4),
+        "min_ms": round(min(times), 4),
+        "max_ms": round(max(times), 4),
+        "times_ms": [round(t, 4) for t in times],
+    }
+
+
+def time_ms(fn, reps: int, warmup: int = 2, device: str = "cuda") -> dict:
+    """``fn``'s median / min / max milliseconds over ``reps`` timed calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    return _summary([_call_ms(fn, device) for _ in range(reps)])
+
+
+def peak_extra_bytes(fn, before=None) -> int:
+    """Peak CUDA memory of one call of ``fn`` above what is allocated just before it
+    (``before()`` runs first, e.g. to free the gradients of earlier calls)."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - held
+
+
+def measure(fn, reps: int, warmup: int = 2, before=None) -> dict:
+    """``time_ms`` on CUDA plus ``extra_gib``: the peak memory of one more call;
+    ``before()`` (e.g. freeing the gradients of earlier calls) runs before every call."""
+    return measure_interleaved({"fn": fn}, reps, warmup, before)["fn"]
+
+
+def measure_interleaved(fns: dict, reps: int, warmup: int = 2, before=None) -> dict:
+    """``measure`` for several callables timed in turn, one call of each per round, so that
+    they share the GPU's power and clock history (an H100 running these products sits at
+    its power cap, and its clock moves by ~30% with what ran just before). Returns
+    ``{name: measure-style dict}``."""
+    def call(fn):
+        if before is not None:
+            before()
+        return _call_ms(fn)
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            call(fn)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(call(fn))
+    return {name: {**_summary(times[name]), "extra_gib": round(peak_extra_bytes(fn, before) / GIB, 4)}
+            for name, fn in fns.items()}
+
+
+def command_line() -> str:
+    """This run's command, as ``python bench/<script>.py <args>``."""
+    return " ".join(["python", *sys.argv])
+
+
+def run_metadata() -> dict:
+    """The GPU (None without CUDA), the CPU, the versions and the command line of this run."""
+    meta = {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            meta[name] = metadata.version(name)
+    meta["command"] = command_line()
+    return meta
+
+
+def load_config(name: str):
+    """The shared shapes or model config ``configs/<name>.json``."""
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def write_result(out_dir, name: str, data: dict) -> Path:
+    """Write ``{"meta": run_metadata(), **data}`` as JSON to ``out_dir/name``."""
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": run_metadata(), **data}, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+@contextlib.contextmanager
+def forced_backend(name: str):
+    """Run the block with ``RLK_MM_BACKEND=name`` (``torch`` or ``triton``)."""
+    old = os.environ.get("RLK_MM_BACKEND")
+    os.environ["RLK_MM_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RLK_MM_BACKEND")
+        else:
+            os.environ["RLK_MM_BACKEND"] = old
+
+
+def install_ray_stand_in() -> None:
+    """Let verl import where ray is missing (verl imports ray at import time; the benchmarks
+    use only its stateless functions): installs ``tests/ray_stand_in.py``."""
+    sys.path.append(str(ROOT / "tests"))
+    import ray_stand_in
+
+    ray_stand_in.install()
