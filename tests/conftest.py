@@ -11,6 +11,13 @@ each product summed over K in one order that depends on K alone, the same for ev
 
 verl's package imports ray at import time; ray is a cluster runtime our tests never use,
 so ``ray_stand_in`` (tests only) is installed when ray is absent.
+
+Shared fixtures: ``processor`` (the real Qwen-VL processor) and ``tiny_model`` (the tiny
+Qwen2.5-VL, seed 0, eval mode; read it, never change it: ``own_tiny_model`` is a module's own
+for tests that do), ``backend`` (each test once per forced ``RLK_MM_BACKEND``; it wraps
+``helpers.use_backend``, which hypothesis tests call directly), ``requires_verl`` (skips
+only where verl is not installed) and ``one_thread``. A test marked ``gpu`` fails at setup
+with a clear message where CUDA is absent (``pytest_runtest_setup``): never a silent skip.
 """
 
 import os
@@ -43,6 +50,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _install_row_independent_dot()
 
 import ray_stand_in  # noqa: E402  (after TRITON_INTERPRET is set)
+from helpers import BACKENDS, GPU_NEEDED, VERL_MISSING, use_backend, verl_installed  # noqa: E402
+
+pytest_plugins = ["pytester"]
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 GEO3K = SHARED / "geo3k"
@@ -55,3 +65,99 @@ ray_stand_in.install()
 def geo3k_dir() -> Path:
     assert GEO3K.is_dir(), f"the shared Geo3K sample is missing at {GEO3K}"
     return GEO3K
+
+
+@pytest.fixture(scope="session")
+def processor():
+    """The real Qwen2.5-VL processor (offline tokenizer, PIL image processor)."""
+    from rlk_mm.fixtures import qwen_vl_processor
+
+    return qwen_vl_processor()
+
+
+def _model_state(model) -> dict:
+    """What a test could change on a model: mode, devices, dtypes, grad flags, grads, hooks."""
+    return {
+        "training": model.training,
+        "tensors": {k: (v.device, v.dtype) for k, v in model.state_dict().items()},
+        "requires_grad": [p.requires_grad for p in model.parameters()],
+        "grads": [n for n, p in model.named_parameters() if p.grad is not None],
+        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()),
+    }
+
+
+#: the shared tiny model as built: its state and weights, for the check after each test that uses it
+_TINY: dict = {}
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny random-weight Qwen2.5-VL (seed 0), eval mode, shared by the whole session.
+
+    Read it only: a test that trains it, fills its ``.grad``, hooks it or moves it takes
+    ``own_tiny_model``. After each test that uses it, ``pytest_runtest_teardown`` checks
+    that its state and weights are as built."""
+    from rlk_mm.fixtures import tiny_qwen2_5_vl
+
+    model = tiny_qwen2_5_vl(seed=0).eval()
+    _TINY.update(model=model, state=_model_state(model), weights={k: v.clone() for k, v in model.state_dict().items()})
+    yield model
+    _TINY.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    """A test that changed the shared tiny model errors at teardown, naming what changed; the
+    weights, mode and gradients are put back so that the tests after it are not affected."""
+    changed = []
+    if _TINY and "tiny_model" in getattr(item, "fixturenames", ()):
+        model, state, weights = _TINY["model"], _TINY["state"], _TINY["weights"]
+        now = _model_state(model)
+        changed = [k for k in state if now[k] != state[k]]
+        if now["tensors"] == state["tensors"]:
+            changed += [k for k, v in model.state_dict().items() if not torch.equal(v, weights[k])]
+        if changed:
+            model.load_state_dict(weights)
+            model.eval().zero_grad(set_to_none=True)
+    result = yield  # the fixtures' own teardown
+    if changed:
+        pytest.fail(f"{item.nodeid} changed the shared tiny_model ({', '.join(changed)}): use own_tiny_model there", pytrace=False)
+    return result
+
+
+@pytest.fixture(scope="module")
+def own_tiny_model():
+    """A tiny Qwen2.5-VL (seed 0, eval mode) of the test module's own, for tests that change it."""
+    from rlk_mm.fixtures import tiny_qwen2_5_vl
+
+    return tiny_qwen2_5_vl(seed=0).eval()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """Runs the test once per backend, with ``RLK_MM_BACKEND`` forced to it; yields the name."""
+    with use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def requires_verl():
+    """Skips the test where verl is not installed. An installed verl that fails to import is
+    not skipped: the test's own import of it errors."""
+    if not verl_installed():
+        pytest.skip(VERL_MISSING)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for the module (many small fixed-shape matmuls: one thread is fastest)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def pytest_runtest_setup(item):
+    """A test marked ``gpu`` fails (at setup, before its fixtures) where CUDA is absent."""
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.fail(f"{GPU_NEEDED} (torch.cuda.is_available() is False here)", pytrace=False)

@@ -9,19 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlk_mm import BatchFileError, Modality, RLBatch, SchemaError, Span, SpanTable
-from rlk_mm.fixtures import load_geo3k, processor_inputs, qwen_vl_processor, synthetic_image_text, synthetic_video_text, tiny_qwen2_5_vl
+from rlk_mm.fixtures import load_geo3k, processor_inputs, synthetic_image_text, synthetic_video_text
 
 IM_END = 151645
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return qwen_vl_processor()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_qwen2_5_vl(seed=0)
 
 
 def responses_for(processor, n):
@@ -50,7 +40,7 @@ def grids_of(batch, b):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_geo3k_real_images(processor, model, geo3k_dir, side):
+def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
     samples = load_geo3k(geo3k_dir)[:4]
     out = processor_inputs(processor, samples, padding_side=side)
     responses = responses_for(processor, len(samples))
@@ -65,7 +55,7 @@ def test_geo3k_real_images(processor, model, geo3k_dir, side):
         assert batch.loss_spans_of(b) == [Span(len(prompt), len(prompt) + len(responses[b]))]
         assert batch.sample_tokens(b)[-1] == IM_END
         # positions bitwise equal to the real model's rope index over prompt + response
-        assert torch.equal(batch.sample_positions(b), real_positions(model, batch.sample_tokens(b), grids_of(batch, b)))
+        assert torch.equal(batch.sample_positions(b), real_positions(tiny_model, batch.sample_tokens(b), grids_of(batch, b)))
         image_spans = [s for s in batch.modality_spans_of(b) if s.modality == Modality.IMAGE]
         assert len(image_spans) == 1
         grid = batch.media_grid_thw[image_spans[0].media_index]
@@ -81,7 +71,7 @@ def test_geo3k_real_images(processor, model, geo3k_dir, side):
     assert other.media_cache_keys == batch.media_cache_keys
 
 
-def test_multi_image_text_only_and_loss_rows(processor, model):
+def test_multi_image_text_only_and_loss_rows(processor, tiny_model):
     samples = synthetic_image_text(6, seed=3, max_images=3, allow_text_only=True)
     assert any(not s.images for s in samples) and any(len(s.images) > 1 for s in samples)
     out = processor_inputs(processor, samples, padding_side="left")
@@ -89,7 +79,7 @@ def test_multi_image_text_only_and_loss_rows(processor, model):
     batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses)
     for b, s in enumerate(samples):
         assert sum(1 for sp in batch.modality_spans_of(b) if sp.modality == Modality.IMAGE) == len(s.images)
-        assert torch.equal(batch.sample_positions(b), real_positions(model, batch.sample_tokens(b), grids_of(batch, b)))
+        assert torch.equal(batch.sample_positions(b), real_positions(tiny_model, batch.sample_tokens(b), grids_of(batch, b)))
     rows, targets = batch.loss_token_index()
     sample = batch.loss_token_sample()
     assert torch.equal(targets, batch.input_ids[rows + 1])
@@ -100,7 +90,7 @@ def test_multi_image_text_only_and_loss_rows(processor, model):
     assert torch.equal(prow - sample * L, rows - batch.cu_seqlens.long()[sample])
 
 
-def test_group_repeats_reuse_positions_and_keys_exactly(processor, model):
+def test_group_repeats_reuse_positions_and_keys_exactly(processor, tiny_model):
     """A GRPO batch repeats each prompt G times in a row (the builder reuses the previous
     sample's positions and media keys then): positions stay bitwise those of the real rope
     index, and keys those of building each sample alone. The same prompt tokens with
@@ -116,14 +106,14 @@ def test_group_repeats_reuse_positions_and_keys_exactly(processor, model):
     grids = batch.image_grid_thw.tolist()
     assert grids[0] == grids[1] == grids[2] == grids[3] != grids[4]
     for b in range(len(samples)):
-        assert torch.equal(batch.sample_positions(b), real_positions(model, batch.sample_tokens(b), grids_of(batch, b)))
+        assert torch.equal(batch.sample_positions(b), real_positions(tiny_model, batch.sample_tokens(b), grids_of(batch, b)))
     alone = [RLBatch.from_qwen_vl(processor_inputs(processor, [s]), processor=processor, responses=[r]).media_cache_keys[0]
              for s, r in zip(samples, responses)]
     assert batch.media_cache_keys == alone
     assert len(set(alone)) == 3
 
 
-def test_video_and_image_positions(processor, model):
+def test_video_and_image_positions(processor, tiny_model):
     samples = synthetic_video_text(2, seed=1, with_image=True)
     out = processor_inputs(processor, samples, padding_side="right")
     assert "video_grid_thw" in out
@@ -133,7 +123,7 @@ def test_video_and_image_positions(processor, model):
         mods = [s.modality for s in batch.modality_spans_of(b) if s.modality != Modality.TEXT]
         assert mods == [Modality.IMAGE, Modality.VIDEO]
         sec = None if seconds is None else seconds[b : b + 1]
-        assert torch.equal(batch.sample_positions(b), real_positions(model, batch.sample_tokens(b), grids_of(batch, b), sec))
+        assert torch.equal(batch.sample_positions(b), real_positions(tiny_model, batch.sample_tokens(b), grids_of(batch, b), sec))
     assert batch.video_grid_thw.shape == (2, 3) and batch.pixel_values_videos is not None
 
 

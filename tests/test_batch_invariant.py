@@ -17,17 +17,11 @@ from rlk_mm.ops.invariant import rmsnorm as N
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, relative_error
 from rlk_mm.schema import RLBatch
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "triton"]  # batch_invariant(backend=...), not RLK_MM_BACKEND
 DTYPES = [torch.float32, torch.bfloat16]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The torch reference matmul is many small fixed-shape products: one thread is fastest."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+#: the torch reference matmul is many small fixed-shape products: one thread is fastest
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -279,18 +273,13 @@ def test_batch_invariant_restores_everything_exactly():
             pass
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return fixtures.tiny_qwen2_5_vl(seed=0), fixtures.qwen_vl_processor()
-
-
 def _group_batch(processor, samples, responses, group_ids):
     out = fixtures.processor_inputs(processor, samples, padding_side="left")
     return RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=group_ids)
 
 
-def test_gradients_under_batch_invariant_match_default(tiny):
-    model, processor = tiny
+def test_gradients_under_batch_invariant_match_default(own_tiny_model, processor):
+    model = own_tiny_model  # gradients go into its .grad
     samples = fixtures.synthetic_image_text(2, seed=5, max_images=1)
     batch = _group_batch(processor, samples, [[11, 12, 13, 151645], [14, 15, 151645]], None)
 
@@ -323,8 +312,8 @@ def test_gather_backward_sums_users_in_item_order():
     assert torch.equal(table.grad[2], grad[2])
 
 
-def test_vision_cache_encodes_each_key_once_and_keeps_gradients(tiny):
-    model, processor = tiny
+def test_vision_cache_encodes_each_key_once_and_keeps_gradients(tiny_model, processor):
+    model = tiny_model
     sample = fixtures.synthetic_image_text(1, seed=2, max_images=2)[0]
     batch = _group_batch(processor, [sample] * 3, [[5, 151645], [6, 7, 151645], [8, 151645]], ["g"] * 3)
     cache = VisionCache(model)
@@ -346,8 +335,8 @@ def test_vision_cache_encodes_each_key_once_and_keeps_gradients(tiny):
         VisionCache(model, keep=True)(batch)
 
 
-def test_group_logprobs_requires_a_shared_prompt(tiny):
-    model, processor = tiny
+def test_group_logprobs_requires_a_shared_prompt(tiny_model, processor):
+    model = tiny_model
     samples = fixtures.synthetic_image_text(2, seed=4, max_images=1)
     batch = _group_batch(processor, samples, [[5, 151645], [6, 151645]], ["g", "g"])
     with pytest.raises(ValueError, match="group 'g': sample 1 does not share sample 0's prompt"):
@@ -355,7 +344,6 @@ def test_group_logprobs_requires_a_shared_prompt(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_kernels_are_row_invariant_and_accurate():
     """On the GPU: a K whose row stride is not 16-byte aligned (Qwen2.5-VL's vision MLP,
     K = 3420) goes through the K-padded path; rows alone / shifted are bitwise; attention

@@ -18,16 +18,6 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return F.qwen_vl_processor()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return F.tiny_qwen2_5_vl()
-
-
 def media_runs(ids: list[int]) -> list[tuple[int, int]]:
     """(token id, length) of each run of image/video placeholder tokens, checking that
     every run sits between <|vision_start|> and <|vision_end|>."""
@@ -192,7 +182,8 @@ def test_processor_from_a_local_model_directory(tmp_path, processor):
 # --------------------------------------------------------------------------- video
 
 
-def test_video_items_layout_and_model_positions(processor, model):
+def test_video_items_layout_and_model_positions(processor, tiny_model):
+    model = tiny_model
     samples = F.synthetic_video_text(2, seed=1, num_frames=5, with_image=True)
     batch = F.processor_inputs(processor, samples, padding_side="right")
     # 84x56 frames: 6x4 patches; 5 frames padded to 6 -> 3 temporal patches
@@ -254,7 +245,8 @@ def test_video_patches_follow_the_real_image_processor_layout(processor):
 # --------------------------------------------------------------------------- model
 
 
-def test_tiny_model_forward_on_processor_output(processor, model):
+def test_tiny_model_forward_on_processor_output(processor, tiny_model):
+    model = tiny_model
     assert isinstance(model, Qwen2_5_VLForConditionalGeneration) and not model.training
     assert all(p.dtype == torch.float32 for p in model.parameters())
     config = model.config
@@ -287,6 +279,7 @@ def test_tiny_model_is_deterministic_and_sizes_are_the_callers():
     rng_before = torch.get_rng_state()
     a, b = F.tiny_qwen2_5_vl(seed=7), F.tiny_qwen2_5_vl(seed=7)
     assert torch.equal(torch.get_rng_state(), rng_before)
+    assert not a.training  # built in eval mode (the shared tiny_model fixture also calls .eval())
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     c = F.tiny_qwen2_5_vl(seed=8)
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)

@@ -6,29 +6,17 @@ a planted drift is located by the probe; report files and the CLI."""
 import json
 
 import pytest
-import torch
 
 from rlk_mm import fixtures
 from rlk_mm.cli import main as cli_main
 from rlk_mm.parity.invariance import CASES, MODES, InvarianceReport, invariance_sweep
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The torch reference matmul is many small fixed-shape products: one thread is fastest."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+#: the torch reference matmul is many small fixed-shape products: one thread is fastest
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return fixtures.tiny_qwen2_5_vl(seed=0), fixtures.qwen_vl_processor()
-
-
-def test_sweep_torch_path_is_bitwise_in_every_case(tiny, tmp_path):
-    model, processor = tiny
+def test_sweep_torch_path_is_bitwise_in_every_case(tiny_model, processor, tmp_path):
+    model = tiny_model
     samples = fixtures.synthetic_image_text(3, seed=0)
     report = invariance_sweep(model, processor, samples, backend="torch", group_size=3, response_length=6)
     rows = {(r.case, r.detail, r.mode) for r in report.results}
@@ -49,8 +37,8 @@ def test_sweep_torch_path_is_bitwise_in_every_case(tiny, tmp_path):
     assert "group_cache" in report.table()
 
 
-def test_sweep_triton_path_is_bitwise(tiny):
-    model, processor = tiny
+def test_sweep_triton_path_is_bitwise(tiny_model, processor):
+    model = tiny_model
     samples = fixtures.synthetic_image_text(2, seed=0, max_images=1, sizes=((56, 56),))
     report = invariance_sweep(model, processor, samples, backend="triton", score="hidden", control=False,
                               cases=["batch_size", "packed", "padding_side", "group_cache"],
@@ -71,8 +59,8 @@ def _perturb_when(module, rows_over: int):
 
 
 @pytest.mark.parametrize("where", ["model.language_model.layers.1.mlp", "model.visual.blocks.0.mlp.down_proj"])
-def test_probe_names_the_planted_layer(tiny, where):
-    model, processor = tiny
+def test_probe_names_the_planted_layer(own_tiny_model, processor, where):
+    model = own_tiny_model  # the test hooks its modules
     samples = fixtures.synthetic_image_text(2, seed=1, max_images=1, sizes=((56, 56),))
     module = model.get_submodule(where)
     # one 56x56 image is 16 patches; a sample alone has < 60 tokens; the batch of 2 exceeds both
@@ -99,8 +87,8 @@ def test_invariance_cli(tmp_path, capsys):
     assert (tmp_path / "r.png").exists()
 
 
-def test_sweep_rejects_bad_arguments(tiny):
-    model, processor = tiny
+def test_sweep_rejects_bad_arguments(tiny_model, processor):
+    model = tiny_model
     samples = fixtures.synthetic_image_text(2, seed=0)
     with pytest.raises(ValueError, match="unknown invariance cases"):
         invariance_sweep(model, processor, samples, cases=["bogus"])

@@ -5,19 +5,12 @@ invariance bitwise; the RLBatch path; bad input; empty selection; torch.compile.
 import pytest
 import torch
 
+from helpers import use_backend
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as reference_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
-
-BACKENDS = ["torch", "triton"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", request.param)
-    return request.param
 
 
 def _inputs(T, H, V, dtype, seed=0, bias=False):
@@ -245,8 +238,7 @@ def test_bad_input_raises_clear_error(backend, case):
         selected_logprob(**kwargs)
 
 
-def test_torch_compile_matches_eager(monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", "torch")
+def test_torch_compile_matches_eager():
     h, w, _ = _inputs(20, 16, 50, torch.float32, seed=10)
     rows, targets = torch.arange(0, 20, 2), torch.randint(0, 50, (10,))
 
@@ -255,11 +247,12 @@ def test_torch_compile_matches_eager(monkeypatch):
         return (2 * logp + ent).sum()
 
     results = []
-    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
-        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-        out = fn(hg, wg)
-        out.backward()
-        results.append((out.detach(), hg.grad, wg.grad))
+    with use_backend("torch"):
+        for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+            hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+            out = fn(hg, wg)
+            out.backward()
+            results.append((out.detach(), hg.grad, wg.grad))
     for eager, compiled in zip(*results):
         assert torch.equal(eager, compiled)
 

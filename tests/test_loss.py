@@ -1,24 +1,29 @@
 """Policy loss, KL penalty and aggregation: against real verl 0.9.1 and the references.
 
 Both backends are run on every parity check: torch, and the Triton kernel (under
-TRITON_INTERPRET=1 on a machine without CUDA, as conftest sets up).
+TRITON_INTERPRET=1 on a machine without CUDA, as conftest sets up). Only the checks against
+verl need it (``core_algos``): the rest run without verl.
 """
 
+import importlib
 import math
 
 import pytest
 import torch
 
+from helpers import use_backend
 from oracles import loss as ref
 from rlk_mm.ops.loss import AggMode, agg_loss, kl_penalty, policy_loss
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
 
-core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
-from verl.workers.config import ActorConfig  # noqa: E402
-
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32
 VERL_MODES = [m.value for m in AggMode if m not in (AggMode.TOKEN, AggMode.SEQ)]
-BACKENDS = ["torch", "triton"]
+
+
+@pytest.fixture
+def core_algos(requires_verl):
+    """verl's ``verl.trainer.ppo.core_algos`` (skipped without verl; an import error errors)."""
+    return importlib.import_module("verl.trainer.ppo.core_algos")
 
 
 def close(actual, expected, tol=TOL):
@@ -39,6 +44,8 @@ def inputs(seed, B=6, R=23, spread=0.4):
 
 
 def actor_config(**kw):
+    from verl.workers.config import ActorConfig
+
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, **kw)
 
 
@@ -49,7 +56,7 @@ def compact(t, mask):
 # ----------------------------------------------------------------------------- aggregation, KL
 @pytest.mark.parametrize("mode", VERL_MODES)
 @pytest.mark.parametrize("global_info", [{}, {"dp_size": 4, "batch_num_tokens": 200, "global_batch_size": 24, "loss_scale_factor": 64}])
-def test_agg_loss_matches_verl(mode, global_info):
+def test_agg_loss_matches_verl(core_algos, mode, global_info):
     logp, _, _, mask = inputs(1)
     loss_mat = (logp * 1.3).detach().requires_grad_()
     expected = core_algos.agg_loss(loss_mat, mask, mode, **global_info)
@@ -77,7 +84,7 @@ def test_agg_loss_compact_equals_padded():
 
 
 @pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k2+", "k3+"])
-def test_kl_penalty_matches_verl(kind):
+def test_kl_penalty_matches_verl(core_algos, kind):
     logp, old, _, _ = inputs(4, spread=2.0)
     old = old.clone()
     old[1, :4] = logp[1, :4].detach() + torch.tensor([30.0, -30.0, 12.0, 0.0])  # both clamps, and x = 0
@@ -90,10 +97,8 @@ def test_kl_penalty_matches_verl(kind):
 
 
 # ----------------------------------------------------------------------------- policy loss vs verl
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", VERL_MODES)
-def test_policy_loss_matches_verl_vanilla(backend, mode, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+def test_policy_loss_matches_verl_vanilla(core_algos, backend, mode):
     logp, old, adv, mask = inputs(5)
     weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(9)) + 0.5
     cfg = actor_config(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=2.5)
@@ -113,9 +118,7 @@ def test_policy_loss_matches_verl_vanilla(backend, mode, monkeypatch):
     assert m_expected["actor/pg_clipfrac_lower"] > 0 and m_expected["actor/pg_clipfrac"] > 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gspo_matches_verl(backend, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+def test_gspo_matches_verl(core_algos, backend):
     logp, old, adv, mask = inputs(6, spread=0.1)
     old = old.clone()
     old[3] = old[3] - 12.0  # sequence log-ratio above verl's clamp at 10: no gradient there
@@ -135,10 +138,8 @@ def test_gspo_matches_verl(backend, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- layouts, terms
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ratio", ["token", "gspo_token", "gspo"])
-def test_compact_equals_padded(backend, ratio, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+def test_compact_equals_padded(backend, ratio):
     logp, old, adv, mask = inputs(7)
     B, R = mask.shape
     sample = torch.arange(B)[:, None].expand(B, R)[mask]
@@ -155,10 +156,8 @@ def test_compact_equals_padded(backend, ratio, monkeypatch):
             close(m_flat[k], m_padded[k])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kl_type", ["low_var_kl", "k1+", "abs"])
-def test_kl_and_entropy_terms_match_reference(backend, kl_type, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+def test_kl_and_entropy_terms_match_reference(backend, kl_type):
     logp, old, adv, mask = inputs(8)
     g = torch.Generator().manual_seed(3)
     ref_logp = logp.detach() + torch.randn(mask.shape, generator=g) * 0.3
@@ -181,23 +180,20 @@ def test_kl_and_entropy_terms_match_reference(backend, kl_type, monkeypatch):
         close(a, e)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_deterministic_and_backends_agree(backend, monkeypatch):
+def test_deterministic_and_backends_agree(backend):
     logp, old, adv, mask = inputs(9, B=5, R=300)  # several kernel blocks
     runs = []
     for be in (backend, backend, "torch"):
-        monkeypatch.setenv("RLK_MM_BACKEND", be)
-        loss, metrics = policy_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
-        (grad,) = torch.autograd.grad(loss, logp)
+        with use_backend(be):
+            loss, metrics = policy_loss(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+            (grad,) = torch.autograd.grad(loss, logp)
         runs.append((loss, grad, metrics["pg_clipfrac"]))
     assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))  # bitwise run to run
     close(runs[0][0], runs[2][0])
     assert relative_error(runs[0][1], runs[2][1]) < LOGPROB_GRAD_REL.fp32
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_inputs(backend, monkeypatch):
-    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+def test_bf16_inputs(backend):
     logp, old, adv, mask = inputs(10)
     low = logp.detach().bfloat16().requires_grad_()
     loss, _ = policy_loss(low, old.bfloat16(), adv.bfloat16(), mask)
@@ -304,7 +300,7 @@ def test_selected_logprob_then_policy_loss():
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", VERL_MODES)
-def test_triton_on_gpu_matches_verl_and_torch(mode, monkeypatch):
+def test_triton_on_gpu_matches_verl_and_torch(core_algos, mode):
     """Compiled Triton (not the interpreter) at a size with many blocks, vs verl and our torch backend."""
     torch.manual_seed(0)
     B, R = 64, 1500
@@ -317,12 +313,12 @@ def test_triton_on_gpu_matches_verl_and_torch(mode, monkeypatch):
     (g_expected,) = torch.autograd.grad(expected, logp)
     results = []
     for backend in ("triton", "triton", "torch"):
-        monkeypatch.setenv("RLK_MM_BACKEND", backend)
-        loss, metrics = policy_loss(logp, old, adv, mask, clip_ratio_high=0.28, loss_agg_mode=mode)
-        (grad,) = torch.autograd.grad(loss, logp)
-        full, _ = policy_loss(logp, old, adv, mask, ref_log_probs=ref_logp, kl_coef=0.1, entropy=entropy,
-                              entropy_coeff=0.01, loss_agg_mode=mode, loss_scale_factor=R)
-        results.append((loss, grad, torch.autograd.grad(full, (logp, entropy))))
+        with use_backend(backend):
+            loss, metrics = policy_loss(logp, old, adv, mask, clip_ratio_high=0.28, loss_agg_mode=mode)
+            (grad,) = torch.autograd.grad(loss, logp)
+            full, _ = policy_loss(logp, old, adv, mask, ref_log_probs=ref_logp, kl_coef=0.1, entropy=entropy,
+                                  entropy_coeff=0.01, loss_agg_mode=mode, loss_scale_factor=R)
+            results.append((loss, grad, torch.autograd.grad(full, (logp, entropy))))
         close(loss, expected)
         close(grad, g_expected)
         for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
@@ -334,5 +330,6 @@ def test_triton_on_gpu_matches_verl_and_torch(mode, monkeypatch):
     sample = torch.arange(B, device="cuda")[:, None].expand(B, R)[mask]
     flat = logp.detach()[mask].requires_grad_()
     kw = dict(loss_agg_mode=mode, loss_scale_factor=R, clip_ratio_high=0.28)
-    compact, _ = policy_loss(flat, old[mask], adv[mask], sample_index=sample, num_samples=B, **kw)
-    close(compact, policy_loss(logp, old, adv, mask, **kw)[0])
+    with use_backend("torch"):  # as before: the loop's last backend
+        compact, _ = policy_loss(flat, old[mask], adv[mask], sample_index=sample, num_samples=B, **kw)
+        close(compact, policy_loss(logp, old, adv, mask, **kw)[0])

@@ -2,16 +2,14 @@
 sample-by-sample references in oracles/pack.py; the Triton gather under
 TRITON_INTERPRET=1 at tiny shapes (forward and backward); clear errors."""
 
-import contextlib
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlk_mm import fixtures as F
+from helpers import use_backend
 from oracles import pack as ref
+from rlk_mm import fixtures as F
 from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
 from rlk_mm.schema import RLBatch, media_token_counts
 from rlk_mm.schema.spans import SpanTable
@@ -19,24 +17,6 @@ from rlk_mm.schema.spans import SpanTable
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: where the Triton backend runs: the GPU, or Triton's interpreter on CPU (conftest sets it)
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@contextlib.contextmanager
-def backend(name: str):
-    old = os.environ.get("RLK_MM_BACKEND")
-    os.environ["RLK_MM_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["RLK_MM_BACKEND"]
-        else:
-            os.environ["RLK_MM_BACKEND"] = old
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return F.qwen_vl_processor()
 
 
 def assert_batches_equal(a: RLBatch, b: RLBatch) -> None:
@@ -98,36 +78,34 @@ def test_padded_round_trip_torch(case):
 @settings(max_examples=12, **SETTINGS)
 @given(padded_cases(max_b=3, max_l=6))
 def test_padded_round_trip_triton(case):
-    with backend("triton"):
+    with use_backend("triton"):
         check_padded_round_trip(*case, device=TRITON_DEVICE)
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
-def test_padded_backward_is_the_inverse_op(name):
+def test_padded_backward_is_the_inverse_op(backend):
     """d pack = scatter of the packed gradient (zero at padding); d unpack = gather."""
     g = torch.Generator().manual_seed(3)
-    dev = TRITON_DEVICE if name == "triton" else "cpu"
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
     mask = torch.tensor([[0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     starts = [1, 0, 0, 3]
-    with backend(name):
-        x = torch.randn(4, 6, 5, generator=g).to(dev).requires_grad_()
-        packed, cu = pack_padded(x, mask.to(dev))
-        grad = torch.randn(packed.shape, generator=g)
-        packed.backward(grad.to(dev))
-        assert torch.equal(x.grad.cpu(), ref.unpack_to_padded(grad, cu.cpu(), 6, starts))
+    x = torch.randn(4, 6, 5, generator=g).to(dev).requires_grad_()
+    packed, cu = pack_padded(x, mask.to(dev))
+    grad = torch.randn(packed.shape, generator=g)
+    packed.backward(grad.to(dev))
+    assert torch.equal(x.grad.cpu(), ref.unpack_to_padded(grad, cu.cpu(), 6, starts))
 
-        y = torch.randn(packed.shape, generator=g).to(dev).requires_grad_()
-        padded = unpack_to_padded(y, cu, 6, mask.to(dev), fill=3.0)
-        grad = torch.randn(padded.shape, generator=g)
-        padded.backward(grad.to(dev))
-        assert torch.equal(y.grad.cpu(), ref.pack_padded(grad, mask)[0])
+    y = torch.randn(packed.shape, generator=g).to(dev).requires_grad_()
+    padded = unpack_to_padded(y, cu, 6, mask.to(dev), fill=3.0)
+    grad = torch.randn(padded.shape, generator=g)
+    padded.backward(grad.to(dev))
+    assert torch.equal(y.grad.cpu(), ref.pack_padded(grad, mask)[0])
 
-        # bf16 through both ops, composed: the gradient is 2·z on the real rows, 0 at padding
-        z = torch.randn(4, 6, 8, generator=g).bfloat16().to(dev).requires_grad_()
-        out = unpack_to_padded(pack_padded(z, mask.to(dev))[0], cu, 6, mask.to(dev))
-        out.float().pow(2).sum().backward()
-        m = mask[..., None].to(dev)
-        assert torch.equal(z.grad, torch.where(m, 2 * z.detach(), torch.zeros_like(z)))
+    # bf16 through both ops, composed: the gradient is 2·z on the real rows, 0 at padding
+    z = torch.randn(4, 6, 8, generator=g).bfloat16().to(dev).requires_grad_()
+    out = unpack_to_padded(pack_padded(z, mask.to(dev))[0], cu, 6, mask.to(dev))
+    out.float().pow(2).sum().backward()
+    m = mask[..., None].to(dev)
+    assert torch.equal(z.grad, torch.where(m, 2 * z.detach(), torch.zeros_like(z)))
 
 
 def test_custom_ops_pass_opcheck():
@@ -140,36 +118,34 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.rlk_mm.unpack_to_padded.default, (y, starts, cu, 5, 0.0))
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
-def test_padded_errors(name):
+def test_padded_errors(backend):
     """Both backends raise the same errors, before any kernel runs."""
-    dev = TRITON_DEVICE if name == "triton" else "cpu"
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
     x = torch.randn(2, 5, 3, device=dev)
     good = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]], dtype=torch.bool, device=dev)
-    with backend(name):
-        with pytest.raises(ValueError, match=r"sample 1 has a hole at position 3"):
-            pack_padded(x, torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 1]], dtype=torch.bool, device=dev))
-        with pytest.raises(ValueError, match=r"mask has shape \(2, 4\)"):
-            pack_padded(x, good[:, :4])
-        with pytest.raises(ValueError, match=r"sample 0, position 1 holds 2"):
-            pack_padded(x, torch.tensor([[1, 2, 1, 0, 0], [0, 0, 1, 1, 1]], device=dev))
-        with pytest.raises(TypeError, match="mask must be bool or integer"):
-            pack_padded(x, good.float())
-        with pytest.raises(TypeError, match="complex64"):
-            pack_padded(x.to(torch.complex64), good)
-        packed, cu = pack_padded(x, good)
-        with pytest.raises(ValueError, match=r"packed row count 5; got 0..6"):
-            unpack_to_padded(packed[:5], cu, 5)
-        with pytest.raises(ValueError, match=r"sample 0 has 3 rows, more than the padded length 2"):
-            unpack_to_padded(packed, cu, 2, "left")
-        with pytest.raises(ValueError, match="side must be 'left', 'right'"):
-            unpack_to_padded(packed, cu, 5, "up")
-        with pytest.raises(ValueError, match=r"sample 1 has 2 set positions but cu_seqlens gives it 3"):
-            unpack_to_padded(packed, cu, 5, torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool, device=dev))
-        with pytest.raises(ValueError, match="fill 0.5 is not a value of torch.int64"):
-            unpack_to_padded(packed.long(), cu, 5, fill=0.5)
-        with pytest.raises(ValueError, match="cu_seqlens decreases at sample 1"):
-            unpack_to_padded(packed, torch.tensor([0, 4, 3, 6], device=dev), 5)
+    with pytest.raises(ValueError, match=r"sample 1 has a hole at position 3"):
+        pack_padded(x, torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 1]], dtype=torch.bool, device=dev))
+    with pytest.raises(ValueError, match=r"mask has shape \(2, 4\)"):
+        pack_padded(x, good[:, :4])
+    with pytest.raises(ValueError, match=r"sample 0, position 1 holds 2"):
+        pack_padded(x, torch.tensor([[1, 2, 1, 0, 0], [0, 0, 1, 1, 1]], device=dev))
+    with pytest.raises(TypeError, match="mask must be bool or integer"):
+        pack_padded(x, good.float())
+    with pytest.raises(TypeError, match="complex64"):
+        pack_padded(x.to(torch.complex64), good)
+    packed, cu = pack_padded(x, good)
+    with pytest.raises(ValueError, match=r"packed row count 5; got 0..6"):
+        unpack_to_padded(packed[:5], cu, 5)
+    with pytest.raises(ValueError, match=r"sample 0 has 3 rows, more than the padded length 2"):
+        unpack_to_padded(packed, cu, 2, "left")
+    with pytest.raises(ValueError, match="side must be 'left', 'right'"):
+        unpack_to_padded(packed, cu, 5, "up")
+    with pytest.raises(ValueError, match=r"sample 1 has 2 set positions but cu_seqlens gives it 3"):
+        unpack_to_padded(packed, cu, 5, torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool, device=dev))
+    with pytest.raises(ValueError, match="fill 0.5 is not a value of torch.int64"):
+        unpack_to_padded(packed.long(), cu, 5, fill=0.5)
+    with pytest.raises(ValueError, match="cu_seqlens decreases at sample 1"):
+        unpack_to_padded(packed, torch.tensor([0, 4, 3, 6], device=dev), 5)
 
 
 # ============================================================ RLBatch ↔ PackedBatch

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rlk_mm import BatchFileError, Modality, RLBatch, Span, SpanTable
 from rlk_mm.cli import main as cli_main
-from rlk_mm.fixtures import processor_inputs, qwen_vl_processor, synthetic_image_text, tiny_qwen2_5_vl
+from rlk_mm.fixtures import processor_inputs, synthetic_image_text
 from rlk_mm.parity import LayoutParityError, check_layout_parity, compare_logprobs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "parity"
@@ -63,8 +63,8 @@ def test_reprocessed_image(image0):
     assert (tokens.position, tokens.rollout, tokens.training) == (image0.start + 4, 151653, 151655)
 
 
-def test_chat_template_whitespace(image0):
-    report = check_layout_parity(*pair("chat_template_whitespace"), tokenizer=qwen_vl_processor().tokenizer)
+def test_chat_template_whitespace(image0, processor):
+    report = check_layout_parity(*pair("chat_template_whitespace"), tokenizer=processor.tokenizer)
     first = report.first
     # the rollout's template put a space token (220) where the training prompt opens the image
     assert (first.field, first.sample, first.position) == ("input_ids", 0, image0.start - 1)
@@ -139,9 +139,8 @@ def test_single_change_is_found(training, field, sample, pick, row):
 
 # ------------------------------------------------------------------ verl tensors
 @pytest.fixture(scope="module")
-def verl_case():
-    processor = qwen_vl_processor()
-    model = tiny_qwen2_5_vl(seed=0)
+def verl_case(processor, tiny_model):
+    model = tiny_model
     samples = synthetic_image_text(3, seed=4, max_images=2)
     out = processor_inputs(processor, samples, padding_side="left")
     tok = processor.tokenizer

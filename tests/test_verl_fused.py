@@ -8,10 +8,14 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-import verl.utils.experimental.torch_functional as verl_tf
-from rlk_mm.integrations import verl_fused
-from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+from helpers import skip_module_without_verl
+
+skip_module_without_verl()  # an installed verl that fails to import errors below, never skips
+import verl.utils.experimental.torch_functional as verl_tf  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+from rlk_mm.integrations import verl_fused  # noqa: E402
+from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error  # noqa: E402
 
 VERL_CLASS = verl_tf.FusedLinearForPPO
 
