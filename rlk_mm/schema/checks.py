@@ -1,0 +1,145 @@
+"""Argument checks shared by the public entry points of rlk_mm.
+
+Every public function checks its arguments before any work and raises an error that
+names the argument (and, where the value has them, the sample and the position) and says
+what to change. These helpers are the common part:
+
+- ``tensor_arg`` / ``int_arg`` / ``float_arg`` / ``bool_arg``: type, shape, dtype and range
+  of one argument, read on the host (no device sync);
+- ``DeviceChecks``: checks of tensor *values* (finiteness, ranges, order) gathered as
+  device flags and read with one host sync, so a call validates in one round trip; the
+  error message is built only when a check fails.
+
+Nothing is coerced silently: a float tensor is not an id tensor, a bool is not an int,
+a string is not a sequence of ids.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Iterable, NoReturn, Optional, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return "/".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor_arg(
+    name: str,
+    value,
+    *,
+    ndim: Optional[int | Sequence[int]] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    device: Optional[torch.device] = None,
+    error: type[Exception] = ValueError,
+) -> Tensor:
+    """``value`` itself when it is a tensor of the given rank, shape (None: any size on that
+    axis), dtype and device; else ``error`` (``TypeError`` for a non-tensor or a wrong dtype)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            want = " or ".join(f"{d}-D" for d in allowed)
+            raise error(f"{name} must be {want}, got shape {tuple(value.shape)}")
+    if shape is not None:
+        if value.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise error(f"{name} must have shape {want}, got {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name} must be {_dtype_names(dtypes)}, got {value.dtype}")
+    if device is not None and value.device != torch.device(device):
+        raise error(f"{name} is on {value.device}; expected {torch.device(device)} like the other inputs")
+    return value
+
+
+def int_arg(name: str, value, *, min: Optional[int] = None, max: Optional[int] = None) -> int:
+    """``value`` as an ``int`` (Python or 0-d integer tensor/numpy integer; never a bool or a
+    float), within ``[min, max]``."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype in INTEGER_DTYPES:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if (min is not None and value < min) or (max is not None and value > max):
+        raise ValueError(f"{name}={value} is out of range: it must be {_range_text(min, max)}")
+    return value
+
+
+def float_arg(
+    name: str,
+    value,
+    *,
+    min: Optional[float] = None,
+    max: Optional[float] = None,
+    min_open: bool = False,
+    finite: bool = True,
+) -> float:
+    """``value`` as a ``float`` (a real number, not a bool), finite unless ``finite=False``,
+    within ``[min, max]`` (``(min, max]`` with ``min_open``)."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype.is_floating_point:
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name}={value} must be a finite number")
+    low_bad = min is not None and (value <= min if min_open else value < min)
+    if low_bad or (max is not None and value > max):
+        raise ValueError(f"{name}={value} is out of range: it must be {_range_text(min, max, min_open)}")
+    return value
+
+
+def bool_arg(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _range_text(low, high, low_open: bool = False) -> str:
+    if low is not None and high is not None:
+        return f"{'>' if low_open else '>='} {low} and <= {high}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"<= {high}"
+
+
+class DeviceChecks:
+    """Value checks of device tensors, read with one host sync.
+
+    ``add(bad, fail)``: ``bad`` is a 0-d bool tensor (True means the check failed) and
+    ``fail()`` raises the error, naming argument, sample and position (it may read the
+    device: it runs only on failure). ``run()`` reads every flag at once and calls the
+    ``fail`` of the first failed check. With no checks added, ``run()`` costs nothing."""
+
+    def __init__(self):
+        self._flags: list[Tensor] = []
+        self._fails: list[Callable[[], NoReturn]] = []
+
+    def add(self, bad: Tensor, fail: Callable[[], NoReturn]) -> None:
+        self._flags.append(bad.reshape(()).to(torch.bool))
+        self._fails.append(fail)
+
+    def run(self) -> None:
+        if not self._flags:
+            return
+        device = self._flags[0].device
+        flags = torch.stack([f.to(device) for f in self._flags]).tolist()  # the one sync
+        for bad, fail in zip(flags, self._fails):
+            if bad:
+                fail()
+                raise AssertionError("a DeviceChecks fail() returned instead of raising")  # a bug in rlk_mm
+
+
+def first_true(mask: Tensor) -> tuple[int, ...]:
+    """The index of the first True entry of ``mask`` (row-major), for error messages."""
+    return tuple(int(i) for i in torch.nonzero(mask)[0].tolist())
