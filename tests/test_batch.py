@@ -2,6 +2,8 @@
 
 import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from rlk_mm import BatchFileError, Modality, RLBatch, SchemaError, Span, SpanTable
 from rlk_mm.fixtures import load_geo3k, processor_inputs, synthetic_image_text, synthetic_video_text
+from helpers import count_syncs
 
 IM_END = 151645
 
@@ -85,9 +88,14 @@ def test_multi_image_text_only_and_loss_rows(processor, tiny_model):
     assert torch.equal(targets, batch.input_ids[rows + 1])
     assert torch.equal(targets, torch.cat([torch.tensor(r) for r in responses]))
     L = int(batch.seq_lengths().max())
-    prow, ptargets = batch.loss_token_index(padded_length=L)
+    prow, ptargets = batch.loss_token_index(padded_length=L, padding="right")
     assert torch.equal(ptargets, targets)
     assert torch.equal(prow - sample * L, rows - batch.cu_seqlens.long()[sample])
+    lrow, _ = batch.loss_token_index(padded_length=L + 3, padding="left")
+    shift = (L + 3 - batch.seq_lengths())[sample]
+    assert torch.equal(lrow - sample * (L + 3) - shift, rows - batch.cu_seqlens.long()[sample])
+    with pytest.raises(ValueError, match="padded_length and padding go together"):
+        batch.loss_token_index(padded_length=L)
 
 
 def test_group_repeats_reuse_positions_and_keys_exactly(processor, tiny_model):
@@ -302,3 +310,41 @@ def test_corrupt_and_foreign_files(tmp_path, good):
         RLBatch.load(tmp_path / "model.safetensors")
     with pytest.raises(BatchFileError, match="no such file"):
         RLBatch.load(tmp_path / "missing.safetensors")
+
+
+def test_readme_tour_runs(tmp_path, monkeypatch):
+    """The README's tour runs as printed, on data shipped with the package, and its GRPO
+    groups are the rollouts of one prompt each."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tour = re.search(r"## A 15-line tour.*?```python\n(.*?)```", readme, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(tour, "README.md (tour)", "exec"), scope)
+    batch = RLBatch.load(tmp_path / "batch.safetensors")
+    assert batch.group_ids == [s.id for s in scope["samples"]] and batch.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    for members in (batch.select([0, 1]), batch.select([2, 3])):  # one group each: the same prompt and media
+        prompt = [members.sample_tokens(b)[: int(members.prompt_lengths[b])] for b in range(2)]
+        keys, half = members.media_cache_keys, members.num_media // 2  # media in sample order
+        assert torch.equal(*prompt) and keys[:half] == keys[half:]
+
+
+@pytest.mark.gpu
+def test_checks_of_a_cuda_batch_sync_once(processor):
+    """RLBatch(**fields) of CUDA tensors checks every invariant with one host sync (GRPO
+    repeats share media keys; grounding fields included); select and concat stay on CUDA."""
+    samples = [s for s in synthetic_image_text(2, seed=7) for _ in range(2)]
+    batch = RLBatch.from_qwen_vl(processor_inputs(processor, samples), processor=processor, responses=responses_for(processor, 4),
+                                 group_ids=[s.id for s in samples], rewards=[1.0, 0.0, 0.5, 0.0])
+    batch = replace(batch, coordinate_system="normalized", bbox_targets=torch.tensor([[0.1, 0.1, 0.5, 0.5]]), bbox_sample=torch.tensor([3]),
+                    screen_size=torch.tensor([[640, 480]] * 4))
+    cuda = batch.to("cuda")
+    fields = {name: getattr(cuda, name) for name in type(cuda).model_fields}
+    RLBatch(**fields)  # warm-up: first CUDA calls initialize
+    assert count_syncs(lambda: RLBatch(**fields)) == 1
+    with pytest.raises(SchemaError, match=r"rewards\[2\] is nan \(sample 2\)"):
+        RLBatch(**{**fields, "rewards": cuda.rewards.clone().index_fill_(0, torch.tensor([2], device="cuda"), math.nan)})
+    whole = RLBatch.concat([cuda.select([0, 1]), cuda.select([2, 3])])
+    assert whole.device.type == "cuda"
+    for name in type(batch).model_fields:
+        a, b = getattr(whole, name), getattr(batch, name)
+        assert (torch.equal(a.cpu(), b) if isinstance(a, torch.Tensor) else a.to("cpu") == b if isinstance(a, SpanTable) else a == b), name

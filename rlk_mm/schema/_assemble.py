@@ -4,6 +4,8 @@ A batch is assembled from ``SampleParts`` (one sample's slice of every field, me
 numbered 0.. within the sample) and split back into them by ``sample_parts``. Assembly
 orders the media images-then-videos by sample (the order of ``image_grid_thw`` and
 ``video_grid_thw``) and returns the fields as a dict: ``RLBatch(**fields)`` validates them.
+The optional per-sample fields it fills are named by the caller (``present``), so a
+selection keeps every field of its batch, even one that its samples leave empty.
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from typing import Optional, Sequence
 
 import torch
 
-from .media import MediaItem, vision_token_offsets
+from .media import MediaItem, offsets, token_counts
 from .spans import Modality, Span, SpanTable
 
 Tensor = torch.Tensor
+
+#: the optional per-sample fields (and grounding tables) a batch has or lacks as a whole
+SAMPLE_FIELDS = (
+    "group_ids", "rewards", "costs", "prompt_lengths", "region_spans", "region_rewards",
+    "action_spans", "turn_rewards", "bbox_targets", "point_targets", "screen_size",
+)
 
 
 @dataclass
@@ -36,17 +44,17 @@ class SampleParts:
     region_rewards: list[float] = field(default_factory=list)
     action_spans: list[Span] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
-    bboxes: Optional[Tensor] = None
+    bboxes: Optional[Tensor] = None  # [k, 4] rows of this sample
     points: Optional[Tensor] = None
     screen_size: Optional[Tensor] = None
 
 
-def sample_parts(batch, b: int) -> SampleParts:
-    """Sample ``b`` of an ``RLBatch`` as parts (media renumbered within the sample)."""
+def sample_parts(batch, b: int, pixels: list[Optional[Tensor]]) -> SampleParts:
+    """Sample ``b`` of an ``RLBatch`` as parts (media renumbered within the sample);
+    ``pixels`` is ``batch.media_pixel_rows()``."""
     lo, hi = int(batch.cu_seqlens[b]), int(batch.cu_seqlens[b + 1])
     media_here = [] if batch.media_sample is None else torch.nonzero(batch.media_sample == b).flatten().tolist()
     local = {g: i for i, g in enumerate(media_here)}
-    pixels = batch.media_pixel_rows()
     media = [
         MediaItem(
             modality=Modality(int(batch.media_modality[g])),
@@ -101,13 +109,20 @@ def _second_per_grid(batch, g: int) -> Optional[float]:
     return float(batch.second_per_grid_ts[video_rank])
 
 
-def assemble(parts: Sequence[SampleParts], *, processor_fingerprint: str, **common) -> dict:
-    """A batch's fields from per-sample parts: media ordered images-then-videos by sample.
+def present_fields(batch) -> frozenset[str]:
+    """The optional per-sample fields ``batch`` has (``SAMPLE_FIELDS``)."""
+    return frozenset(name for name in SAMPLE_FIELDS if getattr(batch, name) is not None)
+
+
+def assemble(parts: Sequence[SampleParts], *, present: frozenset[str], processor_fingerprint: str, device=None, **common) -> dict:
+    """A batch's fields from per-sample parts on ``device`` (default CPU): media ordered
+    images-then-videos by sample, and each optional field named in ``present`` filled from
+    the parts (empty where they hold none).
 
     ``common`` holds the batch-wide fields (token ids of the placeholders, merge size,
-    coordinate system). A per-sample field is kept only when every sample has it."""
+    coordinate system)."""
     B = len(parts)
-    ids = [p.input_ids.long() for p in parts]
+    ids = [p.input_ids.long().cpu() for p in parts]
     lengths = torch.tensor([t.numel() for t in ids], dtype=torch.int64)
     cu = torch.zeros(B + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lengths, 0)
@@ -124,7 +139,7 @@ def assemble(parts: Sequence[SampleParts], *, processor_fingerprint: str, **comm
     values.update(
         input_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64),
         cu_seqlens=cu,
-        position_ids=torch.cat([p.position_ids.long() for p in parts], dim=1) if parts else torch.zeros(3, 0, dtype=torch.int64),
+        position_ids=torch.cat([p.position_ids.long().cpu() for p in parts], dim=1) if parts else torch.zeros(3, 0, dtype=torch.int64),
         modality_spans=SpanTable.from_lists(mod_spans),
         loss_spans=SpanTable.from_lists([p.loss_spans for p in parts]),
         processor_fingerprint=processor_fingerprint,
@@ -133,45 +148,45 @@ def assemble(parts: Sequence[SampleParts], *, processor_fingerprint: str, **comm
     )
     if media:
         values.update(_media_fields(media, [b for b, _ in order], common.get("spatial_merge_size", 2)))
-    if parts and all(p.group_id is not None for p in parts):
+    if "group_ids" in present:
         values["group_ids"] = [p.group_id for p in parts]
     for name, attr in (("rewards", "reward"), ("costs", "cost")):
-        if parts and all(getattr(p, attr) is not None for p in parts):
+        if name in present:
             values[name] = torch.tensor([getattr(p, attr) for p in parts], dtype=torch.float32)
-    if parts and all(p.prompt_length is not None for p in parts):
+    if "prompt_lengths" in present:
         values["prompt_lengths"] = torch.tensor([p.prompt_length for p in parts], dtype=torch.int64)
     for spans, rewards in (("region_spans", "region_rewards"), ("action_spans", "turn_rewards")):
-        if any(getattr(p, spans) for p in parts):
+        if spans in present:
             values[spans] = SpanTable.from_lists([getattr(p, spans) for p in parts])
-            if all(len(getattr(p, rewards)) == len(getattr(p, spans)) for p in parts):
-                values[rewards] = torch.tensor([r for p in parts for r in getattr(p, rewards)], dtype=torch.float32)
-    for name, owner, attr in (("bbox_targets", "bbox_sample", "bboxes"), ("point_targets", "point_sample", "points")):
-        rows = [(b, getattr(p, attr)) for b, p in enumerate(parts) if getattr(p, attr) is not None and len(getattr(p, attr))]
-        if rows:
-            values[name] = torch.cat([r for _, r in rows]).float()
-            values[owner] = torch.cat([torch.full((len(r),), b, dtype=torch.int64) for b, r in rows])
-    if parts and all(p.screen_size is not None for p in parts):
-        values["screen_size"] = torch.stack([p.screen_size.long() for p in parts])
-    return values
+        if rewards in present:
+            values[rewards] = torch.tensor([r for p in parts for r in getattr(p, rewards)], dtype=torch.float32)
+    for name, owner, attr, width in (("bbox_targets", "bbox_sample", "bboxes", 4), ("point_targets", "point_sample", "points", 2)):
+        if name in present:
+            rows = [getattr(p, attr).cpu() for p in parts]
+            values[name] = torch.cat([torch.zeros(0, width), *rows]).float()
+            values[owner] = torch.cat([torch.zeros(0, dtype=torch.int64), *(torch.full((len(r),), b, dtype=torch.int64) for b, r in enumerate(rows))])
+    if "screen_size" in present:
+        values["screen_size"] = torch.stack([p.screen_size.long().cpu() for p in parts]) if parts else torch.zeros(0, 2, dtype=torch.int64)
+    return {k: v.to(device) if isinstance(v, (Tensor, SpanTable)) and device is not None else v for k, v in values.items()}
 
 
 def _media_fields(media: list[MediaItem], owners: list[int], merge: int) -> dict:
     """The per-item fields and the model inputs (grids, pixel rows) of the ordered items."""
-    grid = torch.stack([m.grid.long() for m in media])
+    grid = torch.stack([m.grid.long().cpu() for m in media])
     modality = torch.tensor([int(m.modality) for m in media], dtype=torch.int8)
     values = dict(
         media_modality=modality,
         media_sample=torch.tensor(owners, dtype=torch.int64),
         media_grid_thw=grid,
-        vision_token_offsets=vision_token_offsets(grid, modality, merge),
+        vision_token_offsets=offsets(token_counts(grid, merge), modality),
     )
     for mod, pix_name, grid_name in ((Modality.IMAGE, "pixel_values", "image_grid_thw"), (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
         items = [m for m in media if m.modality == mod]
         if not items:
             continue
-        values[grid_name] = torch.stack([m.grid.long() for m in items])
+        values[grid_name] = torch.stack([m.grid.long().cpu() for m in items])
         if all(m.pixels is not None for m in items):
-            values[pix_name] = torch.cat([m.pixels for m in items])
+            values[pix_name] = torch.cat([m.pixels.cpu() for m in items])
     videos = [m for m in media if m.modality == Modality.VIDEO]
     if videos and all(m.second_per_grid is not None for m in videos):
         values["second_per_grid_ts"] = torch.tensor([m.second_per_grid for m in videos], dtype=torch.float32)

@@ -14,8 +14,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .checks import DeviceChecks, FLOAT_DTYPES, INTEGER_DTYPES, float_arg, int_arg, sequence_arg, tensor_arg
 from ._assemble import SampleParts, assemble
-from .media import MediaItem, default_media_id, media_cache_key, media_token_counts, processor_fingerprint
+from ._inputs import per_sample_values, str_list
+from .media import (
+    MediaItem, add_grid_checks, add_pixel_checks, content_key, default_media_id, grid_arg, grid_row, processor_fingerprint,
+    token_counts,
+)
 from .spans import Modality, SchemaError, Span, spans_from_mask
 
 Tensor = torch.Tensor
@@ -31,9 +36,11 @@ class LayoutInfo:
     merge_size: int
     tokens_per_second: Optional[float]  # Qwen2.5-VL temporal spacing; None for Qwen2-VL
     pad_token_id: Optional[int]
+    vocab_size: int  # len(tokenizer): every token id is below it
 
     @classmethod
     def of(cls, processor: Any, tokens_per_second: Optional[float] = None) -> "LayoutInfo":
+        fingerprint = processor_fingerprint(processor)  # refuses what is no processor or tokenizer
         tokenizer = getattr(processor, "tokenizer", processor)
         image_id = getattr(processor, "image_token_id", None) or tokenizer.convert_tokens_to_ids("<|image_pad|>")
         video_id = getattr(processor, "video_token_id", None) or tokenizer.convert_tokens_to_ids("<|video_pad|>")
@@ -41,7 +48,9 @@ class LayoutInfo:
         merge = int(getattr(image_processor, "merge_size", 2) or 2)
         if tokens_per_second is None and "2_5" in type(processor).__name__:
             tokens_per_second = 2.0  # Qwen2.5-VL's vision_config.tokens_per_second default
-        return cls(processor_fingerprint(processor), int(image_id), int(video_id), merge, tokens_per_second, tokenizer.pad_token_id)
+        if tokens_per_second is not None:
+            tokens_per_second = float_arg("tokens_per_second", tokens_per_second, min=0.0, min_open=True)
+        return cls(fingerprint, int(image_id), int(video_id), merge, tokens_per_second, tokenizer.pad_token_id, len(tokenizer))
 
 
 # ---------------------------------------------------------------------- M-RoPE positions
@@ -53,11 +62,45 @@ def mrope_positions(
 ) -> Tensor:
     """int64 (3, L) positions of one unpadded sequence, as Qwen2(.5)-VL's ``get_rope_index``.
 
-    ``media``: (start, modality, grid_thw, second_per_grid) for each media span in order.
-    Text runs continue from the current position; a media item of grid (t, h, w) gets
-    t/h/w indices offset by the current position, which then advances by max(h, w)/merge.
+    ``ids``: the sequence's int token ids [L]. ``media``: (start, modality, grid_thw,
+    second_per_grid) for each media span, in order, each inside the sequence and after the
+    previous one. Text runs continue from the current position; a media item of grid
+    (t, h, w) gets t/h/w indices offset by the current position, which then advances by
+    max(h, w)/merge.
     """
-    L = ids.numel()
+    ids = tensor_arg("ids", ids, ndim=1, dtypes=INTEGER_DTYPES)
+    merge_size = int_arg("merge_size", merge_size, min=1)
+    if tokens_per_second is not None:
+        tokens_per_second = float_arg("tokens_per_second", tokens_per_second, min=0.0, min_open=True)
+    _check_media_runs(media, ids.numel(), merge_size)
+    return _mrope_positions(ids.numel(), media, merge_size, tokens_per_second)
+
+
+def _check_media_runs(media, L: int, merge_size: int) -> None:
+    """``mrope_positions``' media spans: in order, disjoint, inside the sequence, grids that merge."""
+    previous = (0, 0)
+    for i, item in enumerate(sequence_arg("media", media, "(start, modality, grid_thw, second_per_grid) tuples")):
+        if not isinstance(item, (tuple, list)) or len(item) != 4:
+            raise TypeError(f"media[{i}] must be (start, modality, grid_thw, second_per_grid), got {item!r}")
+        start, modality, grid, second = item
+        start = int_arg(f"media[{i}] start", start, min=0)
+        if modality not in (Modality.IMAGE, Modality.VIDEO):
+            raise ValueError(f"media[{i}] modality={modality!r}: expected Modality.IMAGE or Modality.VIDEO")
+        t, h, w = grid_row(f"media[{i}] grid_thw", grid)
+        if h % merge_size or w % merge_size:
+            raise ValueError(f"media[{i}] grid_thw {[t, h, w]}: h and w must be multiples of the merge size {merge_size}")
+        if second is not None:
+            float_arg(f"media[{i}] second_per_grid", second, min=0.0, min_open=True)
+        stop = start + t * h * w // merge_size**2
+        if start < previous[1]:
+            raise ValueError(f"media[{i}] starts at {start}, inside media[{i - 1}] at [{previous[0]}, {previous[1]})")
+        if stop > L:
+            raise ValueError(f"media[{i}] at [{start}, {stop}) runs past the {L} tokens of ids")
+        previous = (start, stop)
+
+
+def _mrope_positions(L: int, media, merge_size: int, tokens_per_second: Optional[float]) -> Tensor:
+    """``mrope_positions`` on checked arguments."""
     out = torch.empty(3, L, dtype=torch.int64)
     current, cursor = 0, 0
     for start, modality, grid, second in media:
@@ -99,11 +142,6 @@ class _MediaPool:
         grid = self.grids[self.next]
         rows = int(grid.prod())
         pix = None if self.pixels is None else self.pixels[self.row : self.row + rows]
-        if pix is not None and pix.shape[0] != rows:
-            raise SchemaError(
-                f"{'pixel_values' if self.modality == Modality.IMAGE else 'pixel_values_videos'} has too few rows "
-                f"for {self.modality.label} {self.next} (grid {grid.tolist()} needs {rows})"
-            )
         second = None if self.seconds is None else float(self.seconds[self.next])
         self.next += 1
         self.row += rows
@@ -140,7 +178,7 @@ def _place_media(b: int, prompt: Tensor, pools: dict, info: LayoutInfo) -> list[
                         f"the placeholder count does not match the grids"
                     )
                 item = pool.take()
-                need = int(media_token_counts(item.grid, info.merge_size)[0])
+                need = int(token_counts(item.grid[None], info.merge_size)[0])
                 have = run.end - cursor
                 if have < need:
                     hint = (
@@ -169,6 +207,39 @@ def _check_response(b: int, prompt: Tensor, response: Tensor, info: LayoutInfo) 
             )
 
 
+def _media_pool(mod: Modality, grids, pixels, seconds, info: LayoutInfo) -> _MediaPool:
+    """One modality's checked grids, pixel rows (as many as the grids need) and seconds per
+    temporal patch (one per video). Their values' finiteness is checked once, by RLBatch."""
+    grid_name = f"{mod.label}_grid_thw"
+    pixel_name = "pixel_values" if mod is Modality.IMAGE else "pixel_values_videos"
+    if grids is None and pixels is not None:
+        raise SchemaError(f"{pixel_name} given without {grid_name}: the vision tower needs each item's grid")
+    grids = torch.zeros(0, 3, dtype=torch.int64) if grids is None else grid_arg(grid_name, grids).cpu()
+    checks = DeviceChecks()
+    add_grid_checks(checks, grid_name, grids, info.merge_size)
+    if pixels is not None:
+        pixels = tensor_arg(pixel_name, pixels, ndim=2, dtypes=FLOAT_DTYPES, error=SchemaError).cpu()
+        add_pixel_checks(checks, pixel_name, pixels, grid_name, grids, mod.label, finite=False)  # RLBatch checks finiteness
+    if seconds is not None:
+        seconds = tensor_arg("second_per_grid_ts", seconds, ndim=1, dtypes=FLOAT_DTYPES, error=SchemaError).cpu()
+        if seconds.shape[0] != grids.shape[0]:
+            raise SchemaError(f"second_per_grid_ts has {seconds.shape[0]} entries; video_grid_thw has {grids.shape[0]} videos")
+    checks.run()
+    return _MediaPool(mod, grids, pixels, seconds)
+
+
+def _recorded_positions(position_ids, B: int) -> list[Tensor]:
+    """Per-sample (3, L) int positions a framework used (shapes checked per sample later)."""
+    items = sequence_arg("position_ids", position_ids, "per-sample (3, L) int tensors")
+    if len(items) != B:
+        raise SchemaError(f"position_ids has {len(items)} entries; expected one per sample ({B})")
+    for b, pos in enumerate(items):
+        tensor_arg(f"position_ids[{b}]", pos)
+        if pos.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"position_ids[{b}] must be int (int64 positions), got {pos.dtype}")
+    return [pos.long().cpu() for pos in items]
+
+
 # ---------------------------------------------------------------------- the core
 def build(
     prompts: Sequence[Tensor],
@@ -187,31 +258,37 @@ def build(
     costs=None,
     media_ids: Optional[Sequence[str]] = None,
     media_cache_keys: Optional[Sequence[str]] = None,
+    media_per_sample: Optional[Sequence[dict]] = None,
+    media_source: str = "",
 ) -> dict:
-    """A batch's fields from unpadded per-sample prompts (placeholders expanded) and responses.
+    """A batch's fields from checked, unpadded per-sample prompts (placeholders expanded) and responses.
 
     Loss spans are the responses (EOS included), or the runs of ``loss_masks`` (one bool per
-    prompt + response token). ``position_ids``: per-sample (3, L) positions to record instead
-    of computing them."""
-    pools = {
-        Modality.IMAGE: _MediaPool(Modality.IMAGE, _grid(image_grid_thw), pixel_values, None),
-        Modality.VIDEO: _MediaPool(Modality.VIDEO, _grid(video_grid_thw), pixel_values_videos, second_per_grid_ts),
-    }
+    prompt + response token; the prompt length then ends at the first scored token).
+    ``position_ids``: per-sample (3, L) positions to record instead of computing them.
+    ``media_per_sample``: how many items of each modality each sample's inputs hold
+    (``media_source`` names them in errors)."""
     B = len(prompts)
-    group_ids = per_sample("group_ids", group_ids, B)
-    rewards = per_sample("rewards", rewards, B)
-    costs = per_sample("costs", costs, B)
+    pools = {
+        Modality.IMAGE: _media_pool(Modality.IMAGE, image_grid_thw, pixel_values, None, info),
+        Modality.VIDEO: _media_pool(Modality.VIDEO, video_grid_thw, pixel_values_videos, second_per_grid_ts, info),
+    }
+    given = {name: per_sample_values(name, value, B) for name, value in (("group_ids", group_ids), ("rewards", rewards), ("costs", costs))}
+    group_ids, rewards, costs = (given[name] or [None] * B for name in ("group_ids", "rewards", "costs"))
+    media_ids, media_cache_keys = str_list("media_ids", media_ids), str_list("media_cache_keys", media_cache_keys)
+    positions = None if position_ids is None else _recorded_positions(position_ids, B)
     has_responses = any(r is not None and r.numel() for r in responses)
     previous = _PreviousSample()
     parts: list[SampleParts] = []
     for b in range(B):
-        prompt = prompts[b].long().cpu()
-        response = responses[b]
-        response = torch.zeros(0, dtype=torch.int64) if response is None else response.long().cpu()
+        prompt = prompts[b]
+        response = torch.zeros(0, dtype=torch.int64) if responses[b] is None else responses[b]
         _check_response(b, prompt, response, info)
         ids = torch.cat([prompt, response])
         P, L = prompt.numel(), ids.numel()
         placed = _place_media(b, prompt, pools, info)
+        if media_per_sample is not None:
+            _check_media_count(b, placed, media_per_sample[b], media_source)
         keys = previous.media_keys(placed, info)
         spans, cursor = [], 0
         for j, (p, key) in enumerate(zip(placed, keys)):
@@ -222,23 +299,23 @@ def build(
             cursor = p.end
         if cursor < L:
             spans.append(Span(cursor, L))
-        if position_ids is not None:
-            pos = position_ids[b].long().cpu()
+        if positions is not None:
+            pos = positions[b]
             if pos.shape != (3, L):
                 raise SchemaError(f"position_ids: sample {b} has shape {tuple(pos.shape)}, expected (3, {L})")
         else:
             pos = previous.positions(prompt, ids, placed, info)
         previous.remember(prompt, placed, keys)
+        prompt_length = P
         if loss_masks is not None:
-            mask = loss_masks[b].bool().cpu()
-            if mask.numel() != L:
-                raise SchemaError(f"loss mask: sample {b} has {mask.numel()} entries for {L} tokens")
+            mask = loss_masks[b]
             loss = spans_from_mask(mask)
+            prompt_length = min(P, loss[0].start) if loss else P
         else:
             loss = [Span(P, L)] if L > P else []
         parts.append(SampleParts(
             input_ids=ids, position_ids=pos, modality_spans=spans, loss_spans=loss, media=[p.media for p in placed],
-            group_id=group_ids[b], reward=rewards[b], cost=costs[b], prompt_length=P if has_responses else None,
+            group_id=group_ids[b], reward=rewards[b], cost=costs[b], prompt_length=prompt_length,
         ))
     for mod, pool in pools.items():
         if pool.remaining:
@@ -248,13 +325,23 @@ def build(
                 "or placeholders were removed"
             )
     _name_media(parts, media_ids, media_cache_keys)
+    present = frozenset([name for name, values in given.items() if values is not None] + (["prompt_lengths"] if has_responses else []))
     return assemble(
         parts,
+        present=present,
         processor_fingerprint=info.fingerprint,
         image_token_id=info.image_token_id,
         video_token_id=info.video_token_id,
         spatial_merge_size=info.merge_size,
     )
+
+
+def _check_media_count(b: int, placed: list[_Placed], held: dict, source: str) -> None:
+    for mod in (Modality.IMAGE, Modality.VIDEO):
+        used = sum(1 for p in placed if p.media.modality == mod)
+        if used != held.get(mod, 0):
+            raise SchemaError(f"{source}: sample {b} holds {held.get(mod, 0)} {mod.label}(s) but its prompt has placeholders "
+                              f"for {used}: each sample's inputs hold exactly its own media")
 
 
 class _PreviousSample:
@@ -282,14 +369,14 @@ class _PreviousSample:
                   and torch.equal(prev.grid, item.grid) and torch.equal(prev.pixels, item.pixels)):
                 keys.append(self.keys[j])
             else:
-                keys.append(media_cache_key(item.pixels, item.grid, item.modality.label, info.fingerprint))
+                keys.append(content_key(item.pixels, item.grid.tolist(), item.modality.label, info.fingerprint))
         return keys
 
     def positions(self, prompt: Tensor, ids: Tensor, placed: list[_Placed], info: LayoutInfo) -> Tensor:
         media = [(p.start, p.media.modality, p.media.grid, p.media.second_per_grid) for p in placed]
         if placed and placed[-1].end >= prompt.numel():  # the prompt ends in a media span: no text to continue
             self.prompt_positions = None
-            return mrope_positions(ids, media, info.merge_size, info.tokens_per_second)
+            return _mrope_positions(ids.numel(), media, info.merge_size, info.tokens_per_second)
         same = (
             self.prompt_positions is not None
             and torch.equal(self.prompt, prompt)
@@ -298,7 +385,7 @@ class _PreviousSample:
                     and a.media.second_per_grid == b.media.second_per_grid for a, b in zip(placed, self.placed))
         )
         if not same:
-            self.prompt_positions = mrope_positions(prompt, media, info.merge_size, info.tokens_per_second)
+            self.prompt_positions = _mrope_positions(prompt.numel(), media, info.merge_size, info.tokens_per_second)
         response = torch.arange(1, ids.numel() - prompt.numel() + 1, dtype=torch.int64)
         return torch.cat([self.prompt_positions, self.prompt_positions[:, -1:] + response], dim=1)
 
@@ -306,60 +393,30 @@ class _PreviousSample:
         self.prompt, self.placed, self.keys = prompt, placed, keys
 
 
-def _grid(grid: Optional[Tensor]) -> Tensor:
-    return torch.zeros(0, 3, dtype=torch.int64) if grid is None else torch.as_tensor(grid).long().reshape(-1, 3).cpu()
-
-
-def per_sample(name: str, values, B: int) -> list:
-    """One value per sample (None for all when ``values`` is None); group ids as str, others as float."""
-    if values is None:
-        return [None] * B
-    values = values.tolist() if isinstance(values, Tensor) else list(values)
-    if len(values) != B:
-        raise SchemaError(f"{name} has {len(values)} entries; expected one per sample ({B})")
-    if name == "group_ids":
-        return [str(v) for v in values]
-    return [float(v) for v in values]
-
-
-def _name_media(parts: list[SampleParts], media_ids, media_cache_keys) -> None:
-    """Fill media ids and keys in the batch's media order (images, then videos)."""
+def _name_media(parts: list[SampleParts], media_ids: Optional[list[str]], media_cache_keys: Optional[list[str]]) -> None:
+    """Fill media ids and keys in the batch's media order (images, then videos); caller-given
+    keys must name one content each (equal key: equal modality, grid and pixel rows)."""
     order = [m for mod in (Modality.IMAGE, Modality.VIDEO) for p in parts for m in p.media if m.modality == mod]
     for name, given in (("media_ids", media_ids), ("media_cache_keys", media_cache_keys)):
         if given is not None and len(given) != len(order):
             raise SchemaError(f"{name} has {len(given)} entries; the batch has {len(order)} media items (images first, then videos)")
+    first: dict[str, int] = {}
     for g, m in enumerate(order):
         if media_cache_keys is not None:
-            m.key = str(media_cache_keys[g])
+            m.key = media_cache_keys[g]
+            i = first.setdefault(m.key, g)
+            _check_same_content(i, order[i], g, m)
         if m.key is None:
             raise SchemaError(
                 f"media item {g} ({m.modality.label}) has no pixel values to hash: pass pixel_values/pixel_values_videos "
                 "or media_cache_keys"
             )
-        m.id = str(media_ids[g]) if media_ids is not None else default_media_id(m.key, m.modality.label)
+        m.id = media_ids[g] if media_ids is not None else default_media_id(m.key, m.modality.label)
 
 
-# ---------------------------------------------------------------------- padded inputs
-def unpad(row: Tensor, mask: Tensor, what: str, b: int) -> Tensor:
-    """The entries of ``row`` where ``mask`` is set: one contiguous run (left or right padding)."""
-    mask = mask.bool()
-    kept = torch.nonzero(mask).flatten()
-    if kept.numel() and int(kept[-1] - kept[0]) + 1 != kept.numel():
-        raise SchemaError(f"{what}: sample {b}'s attention mask has holes; expected one contiguous run of real tokens (left or right padding)")
-    return row[mask]
-
-
-def unpad_positions(position_ids: Tensor, b: int, mask: Tensor, *, batch_first: bool) -> Tensor:
-    """(3, L) positions of sample b from padded positions: (B, L) 1-D, or 3-D as
-    (B, 4, L) / (B, 3, L) when ``batch_first`` (verl) else (3, B, L) (transformers)."""
-    keep = mask.bool()
-    if position_ids.ndim == 2:
-        return position_ids[b][keep].unsqueeze(0).expand(3, -1).clone()
-    if position_ids.ndim == 3 and batch_first and position_ids.shape[1] == 4:
-        return position_ids[b, 1:][:, keep]  # verl: row 0 text positions, rows 1-3 M-RoPE
-    if position_ids.ndim == 3 and batch_first and position_ids.shape[1] == 3:
-        return position_ids[b][:, keep]
-    if position_ids.ndim == 3 and not batch_first and position_ids.shape[0] == 3:
-        return position_ids[:, b][:, keep]
-    expected = "(B, L), (B, 3, L) or (B, 4, L)" if batch_first else "(B, L) or (3, B, L)"
-    raise SchemaError(f"position_ids has shape {tuple(position_ids.shape)}; expected {expected}")
+def _check_same_content(i: int, a: MediaItem, j: int, b: MediaItem) -> None:
+    differ = ("modalities" if a.modality != b.modality else "grids" if not torch.equal(a.grid, b.grid)
+              else "pixel rows" if a.pixels is not None and b.pixels is not None and not torch.equal(a.pixels, b.pixels) else None)
+    if differ:
+        raise SchemaError(f"media_cache_keys: media items {i} and {j} share the key {a.key!r} but their {differ} differ: "
+                          "a key names one vision-tower input")

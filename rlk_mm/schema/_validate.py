@@ -1,18 +1,23 @@
-"""The batch contract's invariants, checked when a batch is built or loaded.
+"""The batch contract's invariants (docs/batch_contract.md), checked when a batch is built or loaded.
 
-``check(batch)`` runs every clause (DESIGN.md, "The batch contract") vectorized over the
-whole batch; the first violation raises ``SchemaError`` naming the field, the sample, the
-span and the positions, and saying what to change.
+``check(batch)`` runs every clause vectorized over the whole batch in two steps: host
+checks of types, dtypes, shapes, devices and batch-wide settings (no device read), then
+every value check gathered in one ``DeviceChecks`` (one host sync, on CUDA too). The first
+violation raises ``SchemaError`` naming the field, the sample, the span and the positions,
+and saying what to change.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from pydantic import ValidationError
 
+from .checks import FLOAT_DTYPES, DeviceChecks, first_true
 from .grounding import CoordinateSystem
-from .media import media_token_counts, vision_token_offsets
-from .spans import Modality, SchemaError, Span, SpanTable
+from .media import add_grid_checks, add_pixel_checks, offsets, token_counts
+from .spans import Modality, SchemaError, Span, SpanTable, refuse
 
 Tensor = torch.Tensor
 
@@ -30,252 +35,433 @@ def schema_error(error: ValidationError) -> SchemaError:
 
 
 def _span_name(table: SpanTable, i: int) -> str:
-    s = Span(int(table.starts[i]), int(table.ends[i]), int(table.modality[i]), int(table.media_index[i]))
-    return str(s)
+    return str(Span(int(table.starts[i]), int(table.ends[i]), int(table.modality[i]), int(table.media_index[i])))
 
 
-def check(batch) -> None:  # noqa: C901 - one list of contract clauses
-    """Every clause of the batch contract, vectorized; the first violation raises ``SchemaError``."""
+def check(batch) -> None:
+    """Every clause of the batch contract; the first violation raises ``SchemaError``.
+    One host sync for the value checks (none when the host checks fail first)."""
+    device = batch.input_ids.device
+    for name in type(batch).model_fields:
+        value = getattr(batch, name)
+        if isinstance(value, (Tensor, SpanTable)) and value.device != device:
+            raise SchemaError(f"{name} is on {value.device}; input_ids is on {device}: a batch keeps every tensor on one device")
+    checks = DeviceChecks()
+    lengths = _check_tokens(batch, checks)
+    _check_per_sample(batch, checks, lengths)
+    _check_media(batch, checks)
+    token_modality = _check_modality_spans(batch, checks, lengths)
+    _check_placeholders(batch, checks, token_modality)
+    _check_loss_spans(batch, checks, lengths, token_modality)
+    _check_grounding(batch, checks, lengths)
+    _check_offsets(batch, checks)
+    checks.run()
+
+
+# ----------------------------------------------------------------------------- host checks
+def _field(batch, name: str, dtypes, shape: tuple, meaning: str) -> Optional[Tensor]:
+    """The tensor field ``name`` (None if absent) after checking its dtype and shape
+    (``None`` in ``shape``: any size)."""
+    value = getattr(batch, name)
+    if value is None:
+        return None
+    if value.dtype not in dtypes:
+        raise SchemaError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got {value.dtype}")
+    if value.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise SchemaError(f"{name} has shape {tuple(value.shape)}; expected {want} ({meaning})")
+    return value
+
+
+def _table(batch, name: str, B: int) -> Optional[SpanTable]:
+    table = getattr(batch, name)
+    if table is None:
+        return None
+    if table.num_samples != B:
+        raise SchemaError(f"{name} covers {table.num_samples} samples; the batch has {B}")
+    return table
+
+
+def _check_tokens(batch, checks: DeviceChecks) -> Tensor:
+    """input_ids, cu_seqlens, position_ids and the batch-wide settings; returns the sample lengths."""
     ids, cu, pos = batch.input_ids, batch.cu_seqlens, batch.position_ids
-    if not isinstance(ids, Tensor) or ids.ndim != 1 or ids.dtype != torch.int64:
-        raise SchemaError(f"input_ids must be a 1-D int64 tensor of all samples' tokens, got {getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}")
+    if ids.ndim != 1 or ids.dtype != torch.int64:
+        raise SchemaError(f"input_ids must be a 1-D int64 tensor of all samples' tokens, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.device.type == "meta":
+        raise SchemaError("input_ids is on the meta device, which holds no values to check: build the batch on a real device, then .to('meta')")
     if cu.ndim != 1 or cu.dtype != torch.int32 or cu.numel() < 1:
         raise SchemaError(f"cu_seqlens must be a 1-D int32 tensor of length num_samples + 1, got {cu.dtype} {tuple(cu.shape)}")
-    B, T = cu.numel() - 1, ids.numel()
-    if int(cu[0]) != 0 or int(cu[-1]) != T:
-        raise SchemaError(f"cu_seqlens must run from 0 to the token count {T}, got {int(cu[0])}..{int(cu[-1])}")
-    lengths = torch.diff(cu).long()
-    if B and bool((lengths <= 0).any()):
-        b = int(torch.nonzero(lengths <= 0)[0])
-        raise SchemaError(f"cu_seqlens: sample {b} has {int(lengths[b])} tokens; every sample needs at least one")
+    T = ids.numel()
     if pos.shape != (3, T) or pos.dtype != torch.int64:
         raise SchemaError(f"position_ids must be int64 of shape (3, {T}) (t, h, w per token), got {pos.dtype} {tuple(pos.shape)}")
-    dev = ids.device
-    cu_l = cu.long()
-
-    # ---- per-sample field lengths
-    for name in ("rewards", "costs", "prompt_lengths"):
-        v = getattr(batch, name)
-        if v is not None and (v.ndim != 1 or v.numel() != B):
-            raise SchemaError(f"{name} has shape {tuple(v.shape)}; expected one value per sample ({B})")
-    if batch.group_ids is not None and len(batch.group_ids) != B:
-        raise SchemaError(f"group_ids has {len(batch.group_ids)} entries; expected one per sample ({B})")
-    for name in ("rewards", "costs"):
-        v = getattr(batch, name)
-        if v is not None:
-            if v.dtype != torch.float32:
-                raise SchemaError(f"{name} must be float32, got {v.dtype}")
-            bad = ~torch.isfinite(v)
-            if bool(bad.any()):
-                b = int(torch.nonzero(bad)[0])
-                raise SchemaError(f"{name}[{b}] is {float(v[b])} (sample {b}); rewards and costs must be finite")
+    if batch.spatial_merge_size < 1:
+        raise SchemaError(f"spatial_merge_size={batch.spatial_merge_size} is out of range: it must be >= 1")
+    for name in ("image_token_id", "video_token_id"):
+        if getattr(batch, name) is not None and getattr(batch, name) < 0:
+            raise SchemaError(f"{name}={getattr(batch, name)} is not a token id (>= 0)")
+    if batch.image_token_id is not None and batch.image_token_id == batch.video_token_id:
+        raise SchemaError(f"image_token_id and video_token_id are both {batch.image_token_id}: the placeholders of images and videos differ")
+    if not batch.processor_fingerprint:
+        raise SchemaError("processor_fingerprint is empty: pass processor_fingerprint(processor) of the processor that built the batch")
     if batch.coordinate_system is not None:
         CoordinateSystem.parse(batch.coordinate_system, "coordinate_system", SchemaError)
 
-    # ---- modality spans: a partition of each sample
-    ms = batch.modality_spans
-    if ms.num_samples != B:
-        raise SchemaError(f"modality_spans covers {ms.num_samples} samples; the batch has {B}")
-    _check_span_bounds("modality_spans", ms, lengths, allow_empty=False)
-    if ms.num_spans:
-        first = ms.sample_ptr[:-1].long()
-        last = ms.sample_ptr[1:].long() - 1
-        has = ms.sample_ptr[1:] > ms.sample_ptr[:-1]
-        if not bool(has.all()):
-            b = int(torch.nonzero(~has)[0])
-            raise SchemaError(f"modality_spans: sample {b} has no spans; they must partition its {int(lengths[b])} tokens")
-        bad_first = ms.starts.long()[first] != 0
-        if bool(bad_first.any()):
-            b = int(torch.nonzero(bad_first)[0])
-            raise SchemaError(f"modality_spans: sample {b} starts at position {int(ms.starts[first[b]])}; its first span must start at 0")
-        bad_last = ms.ends.long()[last] != lengths
-        if bool(bad_last.any()):
-            b = int(torch.nonzero(bad_last)[0])
-            raise SchemaError(
-                f"modality_spans: sample {b} ends at position {int(ms.ends[last[b]])} but has {int(lengths[b])} tokens; "
-                "the spans must cover every token"
-            )
-        same = ms.span_sample()[1:] == ms.span_sample()[:-1]
-        gap = same & (ms.starts[1:] != ms.ends[:-1])
-        if bool(gap.any()):
-            i = int(torch.nonzero(gap)[0]) + 1
-            b = int(ms.span_sample()[i])
-            kind = "overlaps" if int(ms.starts[i]) < int(ms.ends[i - 1]) else "leaves a gap after"
-            raise SchemaError(
-                f"modality_spans: sample {b}, span {_span_name(ms, i)} {kind} span {_span_name(ms, i - 1)}; "
-                "modality spans must partition the sample"
-            )
-    elif B:
-        raise SchemaError("modality_spans is empty; every token must lie in exactly one span")
-    _check_media(batch, lengths)
+    checks.add((cu[0] != 0) | (cu[-1] != T), lambda: refuse(
+        f"cu_seqlens must run from 0 to the token count {T}, got {int(cu[0])}..{int(cu[-1])}"))
+    lengths = torch.diff(cu).long()
+    empty = lengths <= 0
+    checks.add(empty.any(), lambda: refuse(
+        f"cu_seqlens: sample {(b := first_true(empty)[0])} has {int(lengths[b])} tokens; every sample needs at least one"))
+    cu_l = cu.long()
 
-    # ---- placeholder tokens agree with the media spans
-    modality = batch.token_modality() if T else torch.zeros(0, dtype=torch.int8, device=dev)
-    for mod, tok, label in ((Modality.IMAGE, batch.image_token_id, "<|image_pad|>"), (Modality.VIDEO, batch.video_token_id, "<|video_pad|>")):
-        if tok is None:
-            continue
-        is_tok = ids == tok
-        in_span = modality == int(mod)
-        wrong = is_tok != in_span
-        if bool(wrong.any()):
-            t = int(torch.nonzero(wrong)[0])
-            b = int(torch.searchsorted(cu_l, torch.tensor([t], device=dev), right=True)[0]) - 1
-            p = t - int(cu_l[b])
-            span = next(s for s in ms.spans_of(b) if p in s)
-            if bool(is_tok[t]):
-                where = "in the response" if batch.prompt_lengths is not None and p >= int(batch.prompt_lengths[b]) else "outside any media span"
-                raise SchemaError(
-                    f"input_ids: sample {b}, position {p} holds the placeholder {label} {where} (span {span}); "
-                    + ("the policy generated a media placeholder token: mask or reject this response" if "response" in where else "every placeholder must lie in its media item's span")
-                )
-            raise SchemaError(f"input_ids: sample {b}, position {p} is token {int(ids[t])} inside media span {span}; a media span covers only {label} tokens")
+    def where(t: int) -> str:
+        b = int(torch.searchsorted(cu_l, torch.tensor([t], device=cu_l.device), right=True)[0]) - 1
+        return f"sample {b}, position {t - int(cu_l[b])}"
 
-    # ---- loss spans
-    ls = batch.loss_spans
-    if ls.num_samples != B:
-        raise SchemaError(f"loss_spans covers {ls.num_samples} samples; the batch has {B}")
-    _check_span_bounds("loss_spans", ls, lengths, allow_empty=False)
-    if ls.num_spans:
-        at_zero = ls.starts == 0
-        if bool(at_zero.any()):
-            i = int(torch.nonzero(at_zero)[0])
-            raise SchemaError(
-                f"loss_spans: sample {int(ls.span_sample()[i])}, span {_span_name(ls, i)} starts at position 0; "
-                "target t is scored from position t-1, so a loss span starts at 1 or later"
-            )
-        _check_sorted_disjoint("loss_spans", ls)
-        sample, p, span_id = ls.token_positions()
-        media_hit = modality[cu_l[sample] + p] != int(Modality.TEXT)
-        if bool(media_hit.any()):
-            k = int(torch.nonzero(media_hit)[0])
-            b, q = int(sample[k]), int(p[k])
-            mspan = next(s for s in ms.spans_of(b) if q in s)
-            raise SchemaError(
-                f"loss_spans: sample {b}, span {_span_name(ls, int(span_id[k]))} intersects media span {mspan} at position {q}; "
-                "loss spans must not score media placeholder tokens"
-            )
-        if batch.prompt_lengths is not None:
-            early = p < batch.prompt_lengths.to(dev)[sample]
-            if bool(early.any()):
-                k = int(torch.nonzero(early)[0])
-                b = int(sample[k])
-                raise SchemaError(
-                    f"loss_spans: sample {b}, span {_span_name(ls, int(span_id[k]))} covers prompt position {int(p[k])} "
-                    f"(the prompt has {int(batch.prompt_lengths[b])} tokens); loss spans lie inside the response"
-                )
-    for name in ("region_spans", "action_spans"):
-        table = getattr(batch, name)
-        if table is not None:
-            if table.num_samples != B:
-                raise SchemaError(f"{name} covers {table.num_samples} samples; the batch has {B}")
-            _check_span_bounds(name, table, lengths, allow_empty=False)
-    for values, table, name in ((batch.region_rewards, batch.region_spans, "region_rewards"), (batch.turn_rewards, batch.action_spans, "turn_rewards")):
-        if values is not None:
-            n = 0 if table is None else table.num_spans
-            if values.shape != (n,):
-                raise SchemaError(f"{name} has shape {tuple(values.shape)}; expected one value per span ({n})")
-            if not bool(torch.isfinite(values).all()):
-                i = int(torch.nonzero(~torch.isfinite(values))[0])
-                raise SchemaError(f"{name}[{i}] is {float(values[i])}; rewards must be finite")
-    for targets, owner, width, name in ((batch.bbox_targets, batch.bbox_sample, 4, "bbox_targets"), (batch.point_targets, batch.point_sample, 2, "point_targets")):
-        if targets is None:
-            continue
-        if targets.ndim != 2 or targets.shape[1] != width:
-            raise SchemaError(f"{name} must have shape [K, {width}], got {tuple(targets.shape)}")
-        if owner is None or owner.shape != (targets.shape[0],):
-            raise SchemaError(f"{name} needs its owner tensor ({name.split('_')[0]}_sample) with one sample per row")
-        if targets.shape[0] and (int(owner.min()) < 0 or int(owner.max()) >= B):
-            raise SchemaError(f"{name}: owner sample out of range [0, {B})")
-        if batch.coordinate_system is None:
-            raise SchemaError(f"{name} given without coordinate_system; say which system the coordinates are in")
-    if batch.screen_size is not None and batch.screen_size.shape != (B, 2):
-        raise SchemaError(f"screen_size has shape {tuple(batch.screen_size.shape)}; expected ({B}, 2) (width, height)")
+    negative = ids < 0
+    checks.add(negative.any(), lambda: refuse(
+        f"input_ids: {where(t := first_true(negative)[0])} is {int(ids[t])}; token ids are >= 0 (an ignore index such as "
+        "-100 is not a token: leave unscored tokens out of loss_spans instead)"))
+    behind = pos < 0
+    checks.add(behind.any(), lambda: refuse(
+        f"position_ids: {where((r := first_true(behind))[1])} is {int(pos[r])} (row {'thw'[r[0]]}); positions are >= 0"))
+    return lengths
 
 
-def _check_span_bounds(name: str, table: SpanTable, lengths: Tensor, *, allow_empty: bool) -> None:
+def _check_per_sample(batch, checks: DeviceChecks, lengths: Tensor) -> None:
+    B = batch.num_samples
+    if batch.group_ids is not None and len(batch.group_ids) != B:
+        raise SchemaError(f"group_ids has {len(batch.group_ids)} entries; expected one per sample ({B})")
+    prompt = _field(batch, "prompt_lengths", (torch.int64,), (B,), "one value per sample")
+    if prompt is not None:
+        out = (prompt < 0) | (prompt > lengths)
+        checks.add(out.any(), lambda: refuse(
+            f"prompt_lengths[{(b := first_true(out)[0])}] is {int(prompt[b])} but sample {b} has {int(lengths[b])} tokens; "
+            f"a prompt length is in [0, {int(lengths[b])}]"))
+    for name in ("rewards", "costs"):
+        value = _field(batch, name, (torch.float32,), (B,), "one value per sample")
+        if value is not None:
+            bad = ~torch.isfinite(value)
+            checks.add(bad.any(), lambda name=name, value=value, bad=bad: refuse(
+                f"{name}[{(b := first_true(bad)[0])}] is {float(value[b])} (sample {b}); rewards and costs must be finite"))
+
+
+# ----------------------------------------------------------------------------- media
+def _check_media(batch, checks: DeviceChecks) -> None:
+    M = len(batch.media_ids)
+    if len(batch.media_cache_keys) != M:
+        raise SchemaError(f"media_cache_keys has {len(batch.media_cache_keys)} entries; media_ids has {M} (one per media item)")
+    per_item = {
+        "media_modality": ((torch.int8,), (M,), "one per media item"),
+        "media_sample": ((torch.int64,), (M,), "one per media item"),
+        "media_grid_thw": ((torch.int64,), (M, 3), "a (t, h, w) row per media item"),
+        "vision_token_offsets": ((torch.int64,), (M,), "one per media item"),
+    }
+    values = {name: _field(batch, name, *spec) for name, spec in per_item.items()}
+    for name, value in values.items():
+        if value is None and M:
+            raise SchemaError(f"{name} is missing; the batch lists {M} media items (media_ids)")
+    device = batch.input_ids.device
+    modality = torch.zeros(0, dtype=torch.int8, device=device) if values["media_modality"] is None else values["media_modality"]
+    grid = torch.zeros(0, 3, dtype=torch.int64, device=device) if values["media_grid_thw"] is None else values["media_grid_thw"]
+    B, merge = batch.num_samples, batch.spatial_merge_size
+    not_media = (modality < int(Modality.IMAGE)) | (modality > int(Modality.AUDIO))
+    checks.add(not_media.any(), lambda: refuse(
+        f"media_modality[{(g := first_true(not_media)[0])}] is {int(modality[g])}; a media item is 1 (image), 2 (video) or 3 (audio)"))
+    if M:
+        sample = values["media_sample"]
+        outside = (sample < 0) | (sample >= B)
+        checks.add(outside.any(), lambda: refuse(
+            f"media_sample[{(g := first_true(outside)[0])}] is {int(sample[g])}; the batch has samples 0..{B - 1}"))
+        add_grid_checks(checks, "media_grid_thw", grid, merge)
+    for mod, grid_name, pixel_name in ((Modality.IMAGE, "image_grid_thw", "pixel_values"), (Modality.VIDEO, "video_grid_thw", "pixel_values_videos")):
+        _check_model_inputs(batch, checks, mod, grid_name, pixel_name, modality, grid)
+    videos = 0 if batch.video_grid_thw is None else batch.video_grid_thw.shape[0]
+    seconds = _field(batch, "second_per_grid_ts", FLOAT_DTYPES, (videos,), "one per video")
+    if seconds is not None:
+        bad_second = ~torch.isfinite(seconds) | (seconds <= 0)
+        checks.add(bad_second.any(), lambda: refuse(
+            f"second_per_grid_ts[{(v := first_true(bad_second)[0])}] is {float(seconds[v])}; seconds per temporal patch are finite and > 0"))
+    _check_keys(batch, checks, modality, grid)
+
+
+def _check_offsets(batch, checks: DeviceChecks) -> None:
+    """``vision_token_offsets`` follow from the grids (checked last: a wrong grid is reported as itself)."""
+    if not batch.media_ids:
+        return
+    expected = offsets(token_counts(batch.media_grid_thw, batch.spatial_merge_size), batch.media_modality)
+    offset = batch.vision_token_offsets
+    wrong = offset != expected
+    checks.add(wrong.any(), lambda: refuse(
+        f"vision_token_offsets[{(g := first_true(wrong)[0])}] is {int(offset[g])}, expected {int(expected[g])}: "
+        "the row offset of the item in its modality's vision-tower output (order of the grids)"))
+
+
+def _check_model_inputs(batch, checks, mod: Modality, grid_name: str, pixel_name: str, modality: Tensor, grid: Tensor) -> None:
+    """``image_grid_thw``/``video_grid_thw`` are the grids of the items of that modality in
+    order; the pixel rows are as many as the grids need, all finite."""
+    label = mod.label
+    grids = _field(batch, grid_name, (torch.int64,), (None, 3), f"a (t, h, w) row per {label}")
+    mine = modality == int(mod)
+    if grids is None:
+        checks.add(mine.any(), lambda: refuse(
+            f"{grid_name} is missing: the batch has {int(mine.sum())} {label} items (the model needs their grids)"))
+    else:
+        n = grids.shape[0]
+        checks.add(mine.sum() != n, lambda: refuse(f"{grid_name} has {n} rows; the batch has {int(mine.sum())} {label} items"))
+        rank = (torch.cumsum(mine.long(), 0) - 1).clamp(0, max(n - 1, 0))
+        differ = (mine & (grids[rank] != grid).any(1)) if n else torch.zeros_like(mine)
+
+        def disagree():
+            g = first_true(differ)[0]
+            k = int(rank[g])
+            raise SchemaError(f"{grid_name}[{k}] is {grids[k].tolist()} but media item {g} ({label}) has grid {grid[g].tolist()}: "
+                  "the model inputs and the media records disagree")
+
+        checks.add(differ.any(), disagree)
+    pixels = getattr(batch, pixel_name)
+    if pixels is None:
+        return
+    if grids is None:
+        raise SchemaError(f"{pixel_name} given without {grid_name}: the vision tower needs each item's grid")
+    pixels = _field(batch, pixel_name, FLOAT_DTYPES, (None, None), f"vision-tower input rows of the {label}s")
+    add_pixel_checks(checks, pixel_name, pixels, grid_name, grids, label)
+
+
+def _check_keys(batch, checks: DeviceChecks, modality: Tensor, grid: Tensor) -> None:
+    """Media items that share a cache key share their modality and grid (a key names one
+    vision-tower input); pairs found on the host from the key strings."""
+    first: dict[str, int] = {}
+    pairs = []
+    for g, key in enumerate(batch.media_cache_keys):
+        i = first.setdefault(key, g)
+        if i != g:
+            pairs.append((i, g))
+    if not pairs:
+        return
+    a, b = (_to_device(list(side), grid.device) for side in zip(*pairs))
+    differ = (grid[a] != grid[b]).any(1) | (modality[a] != modality[b])
+
+    def shared():
+        i, j = pairs[first_true(differ)[0]]
+        raise SchemaError(f"media_cache_keys: media items {i} and {j} share a key but have different grids ({grid[i].tolist()} and "
+              f"{grid[j].tolist()}) or modalities: a key names one vision-tower input")
+
+    checks.add(differ.any(), shared)
+
+
+def _to_device(values: list[int], device: torch.device) -> Tensor:
+    """Host ints as an int64 tensor on ``device`` without a host sync (on CUDA a pinned,
+    non-blocking copy: a plain one from pageable memory waits for the device)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+# ----------------------------------------------------------------------------- spans
+def _check_span_bounds(checks: DeviceChecks, name: str, table: SpanTable, lengths: Tensor) -> None:
+    """Every span of ``table`` is non-empty and inside its sample."""
     if not table.num_spans:
         return
     sample = table.span_sample()
-    bad = (table.starts < 0) | (table.ends.long() > lengths.to(table.device)[sample]) | (table.ends < table.starts)
-    if not allow_empty:
-        bad |= table.ends == table.starts
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    bad = (table.ends.long() > lengths[sample]) | (table.ends <= table.starts)
+
+    def fail():
+        i = first_true(bad)[0]
         b = int(sample[i])
-        raise SchemaError(
-            f"{name}: sample {b}, span [{int(table.starts[i])}, {int(table.ends[i])}) is empty or out of range "
-            f"(the sample has {int(lengths[b])} tokens)"
-        )
+        raise SchemaError(f"{name}: sample {b}, span [{int(table.starts[i])}, {int(table.ends[i])}) is empty or out of range "
+              f"(the sample has {int(lengths[b])} tokens)")
+
+    checks.add(bad.any(), fail)
 
 
-def _check_sorted_disjoint(name: str, table: SpanTable) -> None:
-    sample = table.span_sample()
-    same = sample[1:] == sample[:-1]
-    bad = same & (table.starts[1:] < table.ends[:-1])
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0]) + 1
-        raise SchemaError(
-            f"{name}: sample {int(sample[i])}, span {_span_name(table, i)} overlaps or precedes span {_span_name(table, i - 1)}; "
-            "spans must be sorted and disjoint"
-        )
+def _check_modality_spans(batch, checks: DeviceChecks, lengths: Tensor) -> Tensor:
+    """The modality spans partition each sample, and each media span is its item's placeholder
+    run. Returns the modality of every token (meaningful once the checks pass)."""
+    B, T = batch.num_samples, batch.num_tokens
+    ms = _table(batch, "modality_spans", B)
+    if B and not ms.num_spans:
+        raise SchemaError("modality_spans is empty; every token must lie in exactly one span")
+    _check_span_bounds(checks, "modality_spans", ms, lengths)
+    if not ms.num_spans:
+        return torch.zeros(T, dtype=torch.int8, device=batch.device)
+    count = torch.diff(ms.sample_ptr)
+    checks.add((count == 0).any(), lambda: refuse(
+        f"modality_spans: sample {(b := first_true(count == 0)[0])} has no spans; they must partition its {int(lengths[b])} tokens"))
+    first = ms.sample_ptr[:-1].long().clamp(max=ms.num_spans - 1)
+    last = (ms.sample_ptr[1:].long() - 1).clamp(min=0)
+    late = (count > 0) & (ms.starts.long()[first] != 0)
+    checks.add(late.any(), lambda: refuse(
+        f"modality_spans: sample {(b := first_true(late)[0])} starts at position {int(ms.starts[first[b]])}; its first span must start at 0"))
+    short = (count > 0) & (ms.ends.long()[last] != lengths)
+    checks.add(short.any(), lambda: refuse(
+        f"modality_spans: sample {(b := first_true(short)[0])} ends at position {int(ms.ends[last[b]])} but has {int(lengths[b])} tokens; "
+        "the spans must cover every token"))
+    sample = ms.span_sample()
+    gap = (sample[1:] == sample[:-1]) & (ms.starts[1:] != ms.ends[:-1])
+
+    def not_adjacent():
+        i = first_true(gap)[0] + 1
+        kind = "overlaps" if int(ms.starts[i]) < int(ms.ends[i - 1]) else "leaves a gap after"
+        raise SchemaError(f"modality_spans: sample {int(sample[i])}, span {_span_name(ms, i)} {kind} span {_span_name(ms, i - 1)}; "
+              "modality spans must partition the sample")
+
+    checks.add(gap.any(), not_adjacent)
+    _check_media_spans(batch, checks, ms, sample, lengths)
+    cu = batch.cu_seqlens.long()
+    global_start = cu[sample] + ms.starts.long()
+    span_of_token = (torch.searchsorted(global_start, torch.arange(T, device=cu.device), right=True) - 1).clamp(0, ms.num_spans - 1)
+    return ms.modality[span_of_token]
 
 
-def _check_media(batch, lengths: Tensor) -> None:
-    ms = batch.modality_spans
+def _check_media_spans(batch, checks: DeviceChecks, ms: SpanTable, sample: Tensor, lengths: Tensor) -> None:
     M = len(batch.media_ids)
-    per_item = {
-        "media_cache_keys": len(batch.media_cache_keys),
-        "media_modality": None if batch.media_modality is None else batch.media_modality.numel(),
-        "media_sample": None if batch.media_sample is None else batch.media_sample.numel(),
-        "media_grid_thw": None if batch.media_grid_thw is None else batch.media_grid_thw.shape[0],
-        "vision_token_offsets": None if batch.vision_token_offsets is None else batch.vision_token_offsets.numel(),
-    }
-    for name, n in per_item.items():
-        if (n or 0) != M:
-            raise SchemaError(f"{name} has {n or 0} entries; media_ids has {M} (one per media item)")
-    media_spans = ms.modality != int(Modality.TEXT)
-    n_media_spans = int(media_spans.sum())
-    if n_media_spans != M:
-        raise SchemaError(f"modality_spans has {n_media_spans} media spans but the batch lists {M} media items; each item has exactly one span")
-    text_with_index = (~media_spans) & (ms.media_index >= 0)
-    if bool(text_with_index.any()):
-        i = int(torch.nonzero(text_with_index)[0])
-        raise SchemaError(f"modality_spans: text span {_span_name(ms, i)} of sample {int(ms.span_sample()[i])} carries a media index")
-    if M == 0:
+    is_media = ms.modality != int(Modality.TEXT)
+    checks.add(is_media.sum() != M, lambda: refuse(
+        f"modality_spans has {int(is_media.sum())} media spans but the batch lists {M} media items; each item has exactly one span"))
+    text_with_index = ~is_media & (ms.media_index >= 0)
+    checks.add(text_with_index.any(), lambda: refuse(
+        f"modality_spans: text span {_span_name(ms, (i := first_true(text_with_index)[0]))} of sample {int(sample[i])} carries a media index"))
+    if not M:
         return
-    idx = ms.media_index[media_spans].long()
-    if int(idx.min()) < 0 or int(idx.max()) >= M or torch.unique(idx).numel() != M:
-        raise SchemaError(f"modality_spans: media spans must reference each of the {M} media items exactly once, got indices {idx.tolist()[:16]}")
-    span_ids = torch.nonzero(media_spans).flatten()
-    sample = ms.span_sample()[span_ids]
-    wrong_sample = batch.media_sample.to(ms.device)[idx] != sample
-    wrong_mod = batch.media_modality.to(ms.device)[idx] != ms.modality[span_ids]
-    for bad, what in ((wrong_sample, "media_sample"), (wrong_mod, "media_modality")):
-        if bool(bad.any()):
-            k = int(torch.nonzero(bad)[0])
-            raise SchemaError(f"modality_spans: sample {int(sample[k])}, span {_span_name(ms, int(span_ids[k]))} disagrees with {what}[{int(idx[k])}]")
-    counts = media_token_counts(batch.media_grid_thw, batch.spatial_merge_size).to(ms.device)
-    span_len = ms.lengths()[span_ids].long()
-    mismatch = span_len != counts[idx]
-    if bool(mismatch.any()):
-        k = int(torch.nonzero(mismatch)[0])
-        g = int(idx[k])
-        grid = batch.media_grid_thw[g].tolist()
-        b = int(sample[k])
-        at_end = int(ms.ends[span_ids[k]]) == int(lengths[b])
-        hint = (
-            "; the media span was cut by truncation: raise the prompt length limit or lower max_pixels"
-            if at_end and int(span_len[k]) < int(counts[g])
-            else "; the placeholders and the grid come from different processing (another size or max_pixels?)"
-        )
-        raise SchemaError(
-            f"modality_spans: sample {b}, {_span_name(ms, int(span_ids[k]))} has {int(span_len[k])} placeholder tokens "
-            f"but grid_thw {grid} of media item {g} implies {int(counts[g])} (t*h*w/{batch.spatial_merge_size}²){hint}"
-        )
-    expected = vision_token_offsets(batch.media_grid_thw, batch.media_modality, batch.spatial_merge_size)
-    if not torch.equal(expected.cpu(), batch.vision_token_offsets.long().cpu()):
-        g = int(torch.nonzero(expected.cpu() != batch.vision_token_offsets.long().cpu())[0])
-        raise SchemaError(
-            f"vision_token_offsets[{g}] is {int(batch.vision_token_offsets[g])}, expected {int(expected[g])}: "
-            "the row offset of the item in its modality's vision-tower output (order of the grids)"
-        )
+    index = ms.media_index.long()
+    safe = index.clamp(0, M - 1)
+    uses = torch.zeros(M, dtype=torch.int64, device=index.device).index_add_(0, safe, is_media.long())
+    unmatched = (is_media & ((index < 0) | (index >= M))).any() | (uses != 1).any()
+    checks.add(unmatched, lambda: refuse(
+        f"modality_spans: media spans must reference each of the {M} media items exactly once, got indices {index[is_media].tolist()[:16]}"))
+    for what, owner, mine in (("media_sample", batch.media_sample, sample), ("media_modality", batch.media_modality, ms.modality)):
+        bad = is_media & (owner[safe] != mine)
+        checks.add(bad.any(), lambda what=what, bad=bad: refuse(
+            f"modality_spans: sample {int(sample[(i := first_true(bad)[0])])}, span {_span_name(ms, i)} disagrees with {what}[{int(index[i])}]"))
+    counts = token_counts(batch.media_grid_thw, batch.spatial_merge_size)
+    span_length = ms.lengths().long()
+    mismatch = is_media & (span_length != counts[safe])
+
+    def wrong_length():
+        i = first_true(mismatch)[0]
+        g, b = int(index[i]), int(sample[i])
+        cut = int(ms.ends[i]) == int(lengths[b]) and int(span_length[i]) < int(counts[g])
+        hint = ("the media span was cut by truncation: raise the prompt length limit or lower max_pixels" if cut
+                else "the placeholders and the grid come from different processing (another size or max_pixels?)")
+        raise SchemaError(f"modality_spans: sample {b}, {_span_name(ms, i)} has {int(span_length[i])} placeholder tokens but grid_thw "
+              f"{batch.media_grid_thw[g].tolist()} of media item {g} implies {int(counts[g])} (t*h*w/{batch.spatial_merge_size}²); {hint}")
+
+    checks.add(mismatch.any(), wrong_length)
+
+
+def _check_placeholders(batch, checks: DeviceChecks, token_modality: Tensor) -> None:
+    """A placeholder token lies in a media span of its modality, and a media span holds only placeholders."""
+    ids = batch.input_ids
+    for mod, token, label in ((Modality.IMAGE, batch.image_token_id, "<|image_pad|>"), (Modality.VIDEO, batch.video_token_id, "<|video_pad|>")):
+        if token is None:
+            continue
+        wrong = (ids == token) != (token_modality == int(mod))
+        checks.add(wrong.any(), lambda wrong=wrong, token=token, label=label: _fail_placeholder(batch, first_true(wrong)[0], token, label))
+
+
+def _fail_placeholder(batch, t: int, token: int, label: str):
+    cu = batch.cu_seqlens.long().cpu()
+    b = int(torch.searchsorted(cu, torch.tensor([t]), right=True)[0]) - 1
+    p = t - int(cu[b])
+    span = next(s for s in batch.modality_spans.spans_of(b) if p in s)
+    if int(batch.input_ids[t]) != token:
+        raise SchemaError(f"input_ids: sample {b}, position {p} is token {int(batch.input_ids[t])} inside media span {span}; a media span covers only {label} tokens")
+    if batch.prompt_lengths is not None and p >= int(batch.prompt_lengths[b]):
+        raise SchemaError(f"input_ids: sample {b}, position {p} holds the placeholder {label} in the response (span {span}); "
+              "the policy generated a media placeholder token: mask or reject this response")
+    raise SchemaError(f"input_ids: sample {b}, position {p} holds the placeholder {label} outside any media span (span {span}); "
+          "every placeholder must lie in its media item's span")
+
+
+def _check_loss_spans(batch, checks: DeviceChecks, lengths: Tensor, token_modality: Tensor) -> None:
+    """Loss spans: text spans, sorted and disjoint, from position 1 on, never over media, inside the response."""
+    ls = _table(batch, "loss_spans", batch.num_samples)
+    _check_span_bounds(checks, "loss_spans", ls, lengths)
+    if not ls.num_spans:
+        return
+    sample = ls.span_sample()
+    not_text = (ls.modality != int(Modality.TEXT)) | (ls.media_index != -1)
+    checks.add(not_text.any(), lambda: refuse(
+        f"loss_spans: sample {int(sample[(i := first_true(not_text)[0])])}, span {_span_name(ls, i)} is not a text span; "
+        "loss spans are text spans (modality text, media_index -1)"))
+    at_zero = ls.starts == 0
+    checks.add(at_zero.any(), lambda: refuse(
+        f"loss_spans: sample {int(sample[(i := first_true(at_zero)[0])])}, span {_span_name(ls, i)} starts at position 0; "
+        "target t is scored from position t-1, so a loss span starts at 1 or later"))
+    _check_sorted_disjoint(checks, "loss_spans", ls, sample)
+    T = batch.num_tokens
+    cu = batch.cu_seqlens.long()
+    media_before = torch.zeros(T + 1, dtype=torch.int64, device=cu.device)
+    media_before[1:] = torch.cumsum((token_modality != int(Modality.TEXT)).long(), 0)
+    start = (cu[sample] + ls.starts.long()).clamp(0, T)
+    end = (cu[sample] + ls.ends.long()).clamp(0, T)
+    over_media = media_before[end] > media_before[start]
+
+    def scores_media():
+        i = first_true(over_media)[0]
+        b = int(sample[i])
+        run = token_modality[start[i] : end[i]] != int(Modality.TEXT)
+        q = int(ls.starts[i]) + first_true(run)[0]
+        mspan = next(s for s in batch.modality_spans.spans_of(b) if q in s)
+        raise SchemaError(f"loss_spans: sample {b}, span {_span_name(ls, i)} intersects media span {mspan} at position {q}; "
+              "loss spans must not score media placeholder tokens")
+
+    checks.add(over_media.any(), scores_media)
+    if batch.prompt_lengths is not None:
+        early = ls.starts.long() < batch.prompt_lengths[sample]
+        checks.add(early.any(), lambda: refuse(
+            f"loss_spans: sample {(b := int(sample[(i := first_true(early)[0])]))}, span {_span_name(ls, i)} covers prompt position "
+            f"{int(ls.starts[i])} (the prompt has {int(batch.prompt_lengths[b])} tokens); loss spans lie inside the response"))
+
+
+def _check_sorted_disjoint(checks: DeviceChecks, name: str, table: SpanTable, sample: Tensor) -> None:
+    bad = (sample[1:] == sample[:-1]) & (table.starts[1:] < table.ends[:-1])
+    checks.add(bad.any(), lambda: refuse(
+        f"{name}: sample {int(sample[(i := first_true(bad)[0] + 1)])}, span {_span_name(table, i)} overlaps or precedes span "
+        f"{_span_name(table, i - 1)}; spans must be sorted and disjoint"))
+
+
+# ----------------------------------------------------------------------------- grounding
+def _check_grounding(batch, checks: DeviceChecks, lengths: Tensor) -> None:
+    B = batch.num_samples
+    for spans_name, values_name in (("region_spans", "region_rewards"), ("action_spans", "turn_rewards")):
+        table = _table(batch, spans_name, B)
+        if table is not None:
+            _check_span_bounds(checks, spans_name, table, lengths)
+        n = 0 if table is None else table.num_spans
+        values = _field(batch, values_name, (torch.float32,), (n,), f"one value per span of {spans_name}")
+        if values is not None:
+            bad = ~torch.isfinite(values)
+            checks.add(bad.any(), lambda name=values_name, values=values, bad=bad: refuse(
+                f"{name}[{(i := first_true(bad)[0])}] is {float(values[i])}; rewards must be finite"))
+    _check_targets(batch, checks, "bbox_targets", "bbox_sample", "(x0, y0, x1, y1)")
+    _check_targets(batch, checks, "point_targets", "point_sample", "(x, y)")
+    screen = _field(batch, "screen_size", (torch.int64,), (B, 2), "(width, height) per sample")
+    if screen is not None:
+        small = (screen < 1).any(1)
+        checks.add(small.any(), lambda: refuse(
+            f"screen_size[{(b := first_true(small)[0])}] is {screen[b].tolist()}; a screen's width and height are >= 1"))
+
+
+def _check_targets(batch, checks: DeviceChecks, name: str, owner_name: str, row: str) -> None:
+    """Boxes or points: finite rows (boxes with x0 <= x1, y0 <= y1), each of a sample of the
+    batch, in a named coordinate system."""
+    width = row.count(",") + 1
+    targets = _field(batch, name, (torch.float32,), (None, width), f"one {row} row each")
+    if targets is None:
+        return
+    if batch.coordinate_system is None:
+        raise SchemaError(f"{name} given without coordinate_system; say which system the coordinates are in")
+    if getattr(batch, owner_name) is None:
+        raise SchemaError(f"{name} needs {owner_name}: the sample of each row")
+    owner = _field(batch, owner_name, (torch.int64,), (targets.shape[0],), f"the sample of each row of {name}")
+    B = batch.num_samples
+    outside = (owner < 0) | (owner >= B)
+    checks.add(outside.any(), lambda: refuse(
+        f"{owner_name}[{(k := first_true(outside)[0])}] is {int(owner[k])}; the batch has samples 0..{B - 1}"))
+    rules = [(~torch.isfinite(targets).all(1), "coordinates must be finite")]
+    if width == 4:
+        rules.append(((targets[:, 0] > targets[:, 2]) | (targets[:, 1] > targets[:, 3]), "a box has x0 <= x1 and y0 <= y1"))
+    for bad, rule in rules:
+        checks.add(bad.any(), lambda bad=bad, rule=rule: refuse(
+            f"{name}[{(k := first_true(bad)[0])}] (sample {int(owner[k])}) is {[float(f'{v:.6g}') for v in targets[k].tolist()]}; {rule}"))

@@ -1,4 +1,4 @@
-"""RLBatch: the typed batch between a processor's output and the loss (DESIGN.md contract).
+"""RLBatch: the typed batch between a processor's output and the loss (docs/batch_contract.md).
 
 Tokens of all samples are stored unpadded and concatenated (``input_ids[T]``,
 ``cu_seqlens[B+1]``); spans are ``SpanTable``s (CSR by sample). This module holds the model
@@ -18,10 +18,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from . import io
-from ._assemble import assemble, sample_parts
+from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices
+from .choice import Choice
+from ._assemble import SAMPLE_FIELDS, assemble, present_fields, sample_parts
 from ._validate import check, schema_error
 from .io import BatchFileError
-from .media import media_token_counts
+from .media import token_counts
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
 from .verl import fields_from_verl
@@ -29,11 +31,29 @@ from .verl import fields_from_verl
 Tensor = torch.Tensor
 
 
+class PaddingSide(Choice):
+    """Where a padded row's real entries sit."""
+
+    LEFT = "left"  # at the end of the row
+    RIGHT = "right"  # at the start of the row
+
+
 def dense_group_index(group_ids: Sequence, device=None) -> Tensor:
-    """int64 [B]: group ids (strings or ints) as dense numbers 0..G-1 in first-appearance order."""
+    """int64 [B]: group ids as dense numbers 0..G-1 in first-appearance order.
+
+    ``group_ids``: str or int ids, as a list, a numpy array (verl's ``uid``) or a 1-D
+    integer tensor; None, floats and bools are refused (nan never equals itself, 1.0 and
+    True would silently join group 1)."""
     seen: dict = {}
-    dense = [seen.setdefault(g, len(seen)) for g in group_ids]
-    return torch.tensor(dense, dtype=torch.int64, device=device)
+    dense = [seen.setdefault(g, len(seen)) for g in group_id_list(group_ids)]
+    return torch.tensor(dense, dtype=torch.int64, device=None if device is None else device_arg(device))
+
+
+def batch_arg(name: str, value) -> "RLBatch":
+    """``value`` itself when it is an ``RLBatch`` (the check every function taking one makes first)."""
+    if not isinstance(value, RLBatch):
+        raise TypeError(f"{name} must be an RLBatch (rlk_mm.RLBatch, e.g. RLBatch.from_qwen_vl(...)), got {type(value).__name__}")
+    return value
 
 
 def _builder(fields_from):
@@ -53,9 +73,12 @@ def _builder(fields_from):
 
 
 class RLBatch(BaseModel):
-    """A batch of image/video-text RL samples with the meaning DESIGN.md gives each field."""
+    """A batch of image/video-text RL samples; docs/batch_contract.md gives each field's meaning.
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=False, extra="forbid")
+    Constructing one checks every invariant (one host sync, also for a batch on CUDA); no
+    field is coerced (``strict``: an id is an int, a media id a str, a list a list)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, validate_assignment=False, extra="forbid", strict=True)
 
     # tokens
     input_ids: Tensor  # int64 [T]
@@ -67,7 +90,7 @@ class RLBatch(BaseModel):
     image_token_id: Optional[int] = None
     video_token_id: Optional[int] = None
     spatial_merge_size: int = 2
-    prompt_lengths: Optional[Tensor] = None  # int64 [B]: tokens before the response
+    prompt_lengths: Optional[Tensor] = None  # int64 [B]: tokens before the response (multi-turn: before the first scored turn)
     # media, one entry per item; order: images (order of image_grid_thw), then videos
     media_ids: list[str] = []
     media_cache_keys: list[str] = []
@@ -130,20 +153,18 @@ class RLBatch(BaseModel):
         return torch.diff(self.cu_seqlens).long()
 
     def sample_tokens(self, b: int) -> Tensor:
-        self._check_sample_index(b)
+        b = sample_index(b, self.num_samples, "batch")
         return self.input_ids[int(self.cu_seqlens[b]) : int(self.cu_seqlens[b + 1])]
 
     def sample_positions(self, b: int) -> Tensor:
-        self._check_sample_index(b)
+        b = sample_index(b, self.num_samples, "batch")
         return self.position_ids[:, int(self.cu_seqlens[b]) : int(self.cu_seqlens[b + 1])]
 
     def modality_spans_of(self, b: int) -> list[Span]:
-        self._check_sample_index(b)
-        return self.modality_spans.spans_of(b)
+        return self.modality_spans.spans_of(sample_index(b, self.num_samples, "batch"))
 
     def loss_spans_of(self, b: int) -> list[Span]:
-        self._check_sample_index(b)
-        return self.loss_spans.spans_of(b)
+        return self.loss_spans.spans_of(sample_index(b, self.num_samples, "batch"))
 
     def token_modality(self) -> Tensor:
         """int8 [T]: the modality of every token (from the modality spans)."""
@@ -164,28 +185,35 @@ class RLBatch(BaseModel):
         edges.index_add_(0, offset + ls.ends.long(), -torch.ones_like(ls.ends))
         return torch.cumsum(edges[:-1], 0) > 0
 
-    def _check_sample_index(self, b: int) -> None:
-        if not 0 <= b < self.num_samples:
-            raise IndexError(f"sample {b} out of range for a batch of {self.num_samples}")
-
     # ------------------------------------------------------------------ loss tokens
-    def loss_token_index(self, padded_length: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    def loss_token_index(self, padded_length: Optional[int] = None, padding: Optional[str] = None) -> tuple[Tensor, Tensor]:
         """(rows, targets) int64 [n] in loss-span order.
 
         Target ``t`` of sample ``b`` is scored from the hidden state at ``t - 1``: rows index
         the packed ``[T, H]`` layout (``cu_seqlens[b] + t - 1``), or, with
-        ``padded_length=L``, a right-padded ``[B, L, H]`` viewed as ``[B*L, H]`` (``b*L + t - 1``).
-        """
+        ``padded_length=L`` and ``padding``, a padded ``[B, L, H]`` viewed as ``[B*L, H]``:
+        ``padding="right"`` (each sample's tokens start its row: ``b*L + t - 1``) or ``"left"``
+        (they end it). The padding side is never guessed. Checking ``L`` against the longest
+        sample reads it on the host (one sync on CUDA)."""
+        if (padded_length is None) != (padding is None):
+            raise ValueError(
+                "padded_length and padding go together: give both for a padded [B, L, H] layout "
+                "(padding='right' or 'left'), or neither for the packed [T, H] layout"
+            )
         sample, pos, _ = self.loss_spans.token_positions()
-        targets = self.input_ids[self.cu_seqlens.long()[sample] + pos]
+        starts = self.cu_seqlens.long()
+        targets = self.input_ids[starts[sample] + pos]
         if padded_length is None:
-            rows = self.cu_seqlens.long()[sample] + pos - 1
-        else:
-            longest = int(self.seq_lengths().max()) if self.num_samples else 0
-            if padded_length < longest:
-                raise ValueError(f"padded_length={padded_length} is shorter than the longest sample ({longest} tokens)")
-            rows = sample * padded_length + pos - 1
-        return rows, targets
+            return starts[sample] + pos - 1, targets
+        L = int_arg("padded_length", padded_length, min=0)
+        side = PaddingSide.parse(padding, "padding")
+        lengths = self.seq_lengths()
+        longest = int(lengths.max()) if self.num_samples else 0
+        if L < longest:
+            b = int(torch.argmax(lengths))
+            raise ValueError(f"a padded length of {L} is shorter than the longest sample (sample {b}, {longest} tokens)")
+        first = (L - lengths)[sample] if side is PaddingSide.LEFT else 0
+        return sample * L + first + pos - 1, targets
 
     def loss_token_sample(self) -> Tensor:
         """int64 [n]: the sample of each loss token, in loss-span order."""
@@ -213,7 +241,7 @@ class RLBatch(BaseModel):
         """int64 [M]: placeholder tokens (= vision-tower output rows) of each media item."""
         if self.media_grid_thw is None:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
-        return media_token_counts(self.media_grid_thw, self.spatial_merge_size)
+        return token_counts(self.media_grid_thw, self.spatial_merge_size)
 
     def media_pixel_rows(self) -> list[Optional[Tensor]]:
         """Vision-tower input rows of each media item (None where the batch keeps no pixels)."""
@@ -239,35 +267,45 @@ class RLBatch(BaseModel):
         )
 
     def select(self, indices: Sequence[int]) -> "RLBatch":
-        """A new batch of the given samples, in the given order (media re-indexed)."""
-        indices = [int(i) for i in (indices.tolist() if isinstance(indices, Tensor) else indices)]
-        for i in indices:
-            self._check_sample_index(i)
-        return RLBatch(**assemble([sample_parts(self, i) for i in indices], **self._common()))
+        """A new batch of the given samples, in the given order (media re-indexed), with
+        every field of this one (an optional field the samples leave empty stays, empty).
+        ``indices``: ints, a 1-D integer tensor or numpy array; never a bool mask."""
+        indices = sample_indices(indices, self.num_samples, "batch")
+        pixels = self.media_pixel_rows()
+        parts = [sample_parts(self, i, pixels) for i in indices]
+        return RLBatch(**assemble(parts, present=present_fields(self), device=self.device, **self._common()))
 
     @staticmethod
     def concat(batches: Sequence["RLBatch"]) -> "RLBatch":
-        """One batch of all samples of ``batches`` in order; their fingerprints must agree."""
+        """One batch of all samples of ``batches`` in order. They must be built the same way
+        (fingerprint, placeholder ids, merge size, coordinate system), lie on one device and
+        have the same optional fields: a field that some lack is refused, never dropped."""
+        if isinstance(batches, RLBatch) or isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
+            raise TypeError(f"batches must be a list of RLBatch, got {type(batches).__name__}")
+        batches = list(batches)
         if not batches:
             raise ValueError("RLBatch.concat needs at least one batch")
+        for i, batch in enumerate(batches):
+            if not isinstance(batch, RLBatch):
+                raise TypeError(f"batches[{i}] is {type(batch).__name__}; RLBatch.concat joins RLBatch objects")
+        _check_joinable(batches)
         first = batches[0]
-        for i, other in enumerate(batches[1:], start=1):
-            for key, value in first._common().items():
-                if other._common()[key] != value:
-                    raise SchemaError(
-                        f"RLBatch.concat: batch {i} has {key}={other._common()[key]!r}, batch 0 has {value!r}; "
-                        "only batches built the same way can be concatenated"
-                    )
-        parts = [sample_parts(b, i) for b in batches for i in range(b.num_samples)]
-        return RLBatch(**assemble(parts, **first._common()))
+        parts = []
+        for batch in batches:
+            pixels = batch.media_pixel_rows()
+            parts += [sample_parts(batch, i, pixels) for i in range(batch.num_samples)]
+        return RLBatch(**assemble(parts, present=present_fields(first), device=first.device, **first._common()))
 
     def to(self, device) -> "RLBatch":
-        """A copy with every tensor on ``device`` (spans included)."""
+        """A copy with every tensor on ``device`` (spans included); no re-check, no host sync."""
+        device = device_arg(device)
         values = {}
         for name in type(self).model_fields:
             v = getattr(self, name)
             if isinstance(v, (Tensor, SpanTable)):
                 v = v.to(device)
+            elif isinstance(v, list):
+                v = list(v)
             values[name] = v
         return RLBatch.model_construct(**values)
 
@@ -286,8 +324,10 @@ class RLBatch(BaseModel):
             raise BatchFileError(f"{path}: {e}") from None
 
     # ------------------------------------------------------------------ reading
-    def summary(self, decode=None, max_rows: int = 16) -> str:
-        """A per-sample layout table: tokens per modality, media, loss tokens, position range."""
+    def summary(self, max_rows: int = 16) -> str:
+        """A per-sample layout table: tokens per modality, media, loss tokens, position range
+        (the first ``max_rows`` samples). Reads the batch on the host."""
+        max_rows = int_arg("max_rows", max_rows, min=0)
         lengths = self.seq_lengths().tolist()
         mod_counts = torch.zeros(self.num_samples, 4, dtype=torch.int64)
         sample = self.modality_spans.span_sample().cpu()
@@ -305,7 +345,7 @@ class RLBatch(BaseModel):
             lo, hi = int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])
             pos = self.position_ids[:, lo:hi]
             prange = f"{int(pos.min())}..{int(pos.max())}" if hi > lo else "-"
-            group = "-" if self.group_ids is None else str(self.group_ids[b])[:10]
+            group = "-" if self.group_ids is None else _last(self.group_ids[b], 10)
             reward = "-" if self.rewards is None else f"{float(self.rewards[b]):.3f}"
             t, i, v = (int(x) for x in mod_counts[b, :3])
             lines.append(f"{b:>6} {group:>10} {lengths[b]:>7} {t:>6} {i:>6} {v:>6} {media_per[b]:>5} {loss[b]:>6} {prange:>12} {reward:>7}")
@@ -317,9 +357,39 @@ class RLBatch(BaseModel):
         return self.summary()
 
     def __repr__(self) -> str:
-        return f"RLBatch(samples={self.num_samples}, tokens={self.num_tokens}, media={self.num_media}, loss_tokens={self.loss_spans.lengths().sum().item()})"
+        loss = "?" if self.device.type == "meta" else int(self.loss_spans.lengths().sum())
+        return f"RLBatch(samples={self.num_samples}, tokens={self.num_tokens}, media={self.num_media}, loss_tokens={loss})"
 
     # ------------------------------------------------------------------ builders
     from_qwen_vl = _builder(fields_from_qwen_vl)
     from_token_lists = _builder(fields_from_token_lists)
     from_verl = _builder(fields_from_verl)
+
+
+def _last(text: str, width: int) -> str:
+    """``text``, or its last ``width - 1`` characters after "…" (ids differ at their ends)."""
+    return text if len(text) <= width else "…" + text[1 - width :]
+
+
+def _check_joinable(batches: list[RLBatch]) -> None:
+    """The batches of a concat were built alike, lie on one device and have the same fields."""
+    first = batches[0]
+    for i, other in enumerate(batches[1:], start=1):
+        for key, value in first._common().items():
+            if other._common()[key] != value:
+                raise SchemaError(
+                    f"RLBatch.concat: batch {i} has {key}={other._common()[key]!r}, batch 0 has {value!r}; "
+                    "only batches built the same way can be concatenated"
+                )
+        if other.device != first.device:
+            raise SchemaError(f"RLBatch.concat: batch {i} is on {other.device}, batch 0 on {first.device}: move them to one device first")
+    media_fields = (("pixel_values", Modality.IMAGE), ("pixel_values_videos", Modality.VIDEO), ("second_per_grid_ts", Modality.VIDEO))
+    for name in (*SAMPLE_FIELDS, *(name for name, _ in media_fields)):
+        modality = dict(media_fields).get(name)
+        holders = [(i, getattr(b, name) is not None) for i, b in enumerate(batches)
+                   if modality is None or (b.media_modality is not None and bool((b.media_modality == int(modality)).any()))]
+        differ = [(i, has) for i, has in holders if has != holders[0][1]]
+        if differ:
+            (i, has), j = differ[0], holders[0][0]
+            which = f"has {name} but batch {j} has none" if has else f"has no {name} but batch {j} has"
+            raise SchemaError(f"RLBatch.concat: batch {i} {which}: give every batch {name}, or none of them")

@@ -6,9 +6,12 @@ what to change. These helpers are the common part:
 
 - ``tensor_arg`` / ``int_arg`` / ``float_arg`` / ``bool_arg``: type, shape, dtype and range
   of one argument, read on the host (no device sync);
+- ``sequence_arg`` / ``sample_index`` / ``sample_indices`` / ``group_id_list`` /
+  ``device_arg``: lists, indices, group ids and devices, with no silent coercion;
 - ``DeviceChecks``: checks of tensor *values* (finiteness, ranges, order) gathered as
-  device flags and read with one host sync, so a call validates in one round trip; the
-  error message is built only when a check fails.
+  device flags and read with one host sync (together with any integer values the caller
+  needs, e.g. an output size), so a call validates in one round trip; the error message
+  is built only when a check fails.
 
 Nothing is coerced silently: a float tensor is not an id tensor, a bool is not an int,
 a string is not a sequence of ids.
@@ -20,6 +23,7 @@ import math
 import numbers
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -105,6 +109,83 @@ def bool_arg(name: str, value) -> bool:
     return value
 
 
+def sequence_arg(name: str, value, what: str) -> Sequence:
+    """``value`` as a list: a list, tuple, range or other iterable, but never a str, bytes,
+    dict or a single object that happens to iterate (``what`` names the expected items)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__}")
+    return list(value)
+
+
+def describe(value) -> str:
+    """A value for an error message: its type and repr ("None" for None)."""
+    return "None" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def group_id_list(value, name: str = "group_ids") -> list:
+    """Group ids (str or int) from a list, a numpy array (verl's ``uid``) or a 1-D integer
+    tensor. None, floats (nan never equals itself) and bools are refused."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        items = value.tolist()
+    else:
+        items = sequence_arg(name, value, "group ids (str or int) or a 1-D tensor/array")
+    for i, g in enumerate(items):
+        if isinstance(g, bool) or not isinstance(g, (str, numbers.Integral)):
+            raise TypeError(f"{name}[{i}] is {describe(g)}; a group id is a str or an int")
+    return items
+
+
+def sample_indices(value, count: int, owner: str) -> list[int]:
+    """Sample indices ``[0, count)`` from a list of ints, a 1-D integer tensor or numpy array.
+
+    A bool mask, floats or a str are refused (each would select other samples than meant);
+    ``owner`` ("batch" or "table") names what the indices select from."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        dtype = value.dtype
+        if dtype in (torch.bool, np.bool_):
+            raise TypeError("indices is a bool tensor (a mask): pass sample indices, e.g. torch.nonzero(mask).flatten()")
+        if value.ndim != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(value.shape)}")
+        if not (dtype in INTEGER_DTYPES or (isinstance(dtype, np.dtype) and np.issubdtype(dtype, np.integer))):
+            raise TypeError(f"indices must be integers, got dtype {dtype}")
+        items = value.tolist()
+    else:
+        items = sequence_arg("indices", value, "sample indices or a 1-D integer tensor")
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            raise TypeError(f"indices[{i}] is {describe(item)}; sample indices are ints")
+        if not 0 <= item < count:
+            raise IndexError(f"indices[{i}] is {item}; the {owner} has {count} samples (indices 0..{count - 1})")
+        out.append(int(item))
+    return out
+
+
+def sample_index(value, count: int, owner: str) -> int:
+    """One sample index in ``[0, count)`` (an int, never a bool or float)."""
+    b = value if type(value) is int else int_arg("sample", value)
+    if not 0 <= b < count:
+        raise IndexError(f"sample {b} is out of range for a {owner} of {count} samples")
+    return b
+
+
+def device_arg(value) -> torch.device:
+    """``value`` (a device, a string such as "cuda:0", or a CUDA index) as a ``torch.device``
+    that exists on this machine."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={value!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={value!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def _range_text(low, high, low_open: bool = False) -> str:
     if low is not None and high is not None:
         return f"{'>' if low_open else '>='} {low} and <= {high}"
@@ -118,8 +199,9 @@ class DeviceChecks:
 
     ``add(bad, fail)``: ``bad`` is a 0-d bool tensor (True means the check failed) and
     ``fail()`` raises the error, naming argument, sample and position (it may read the
-    device: it runs only on failure). ``run()`` reads every flag at once and calls the
-    ``fail`` of the first failed check. With no checks added, ``run()`` costs nothing."""
+    device: it runs only on failure). ``run(*values)`` reads every flag, and the 0-d
+    integer ``values`` the caller needs, at once; it calls the ``fail`` of the first failed
+    check, else returns the values as ints. With nothing to read, it costs nothing."""
 
     def __init__(self):
         self._flags: list[Tensor] = []
@@ -129,15 +211,16 @@ class DeviceChecks:
         self._flags.append(bad.reshape(()).to(torch.bool))
         self._fails.append(fail)
 
-    def run(self) -> None:
-        if not self._flags:
-            return
-        device = self._flags[0].device
-        flags = torch.stack([f.to(device) for f in self._flags]).tolist()  # the one sync
-        for bad, fail in zip(flags, self._fails):
+    def run(self, *values: Tensor) -> list[int]:
+        wanted = [f.long() for f in self._flags] + [v.reshape(()).long() for v in values]
+        if not wanted:
+            return []
+        read = torch.stack([w.to(wanted[0].device) for w in wanted]).tolist()  # the one sync
+        for bad, fail in zip(read, self._fails):
             if bad:
                 fail()
                 raise AssertionError("a DeviceChecks fail() returned instead of raising")  # a bug in rlk_mm
+        return read[len(self._flags):]
 
 
 def first_true(mask: Tensor) -> tuple[int, ...]:

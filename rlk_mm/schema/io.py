@@ -2,12 +2,15 @@
 
 Never pickle: a saved batch is tensors (spans as their CSR tensors) and a JSON metadata
 record with the format name and version. ``RLBatch.save`` / ``RLBatch.load`` call these;
-loading checks the invariants again.
+loading checks the invariants again. A saved file gets the permissions of any new file
+(the umask's), so other users on the machine can read it unless the umask says otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -24,9 +27,12 @@ class BatchFileError(SchemaError):
 
 
 def save(batch, path) -> Path:
-    """Write ``batch`` (an RLBatch) to one safetensors file."""
+    """Write ``batch`` (an RLBatch) to one safetensors file. Filesystem errors (a directory,
+    a missing folder, no permission) raise the ``OSError`` naming the path."""
     from safetensors.torch import save_file
 
+    if batch.device.type == "meta":
+        raise ValueError("a batch on the meta device holds no values to save: save it before .to('meta')")
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {}
     for name in type(batch).model_fields:
@@ -38,7 +44,11 @@ def save(batch, path) -> Path:
         else:
             meta[name] = v
     path = Path(path)
+    with open(path, "ab"):  # a new file gets the umask's mode; an existing one keeps its own
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    # safetensors writes a private (0600) temporary file and renames it over the path
     save_file(tensors, str(path), metadata={"format": FORMAT, "version": FORMAT_VERSION, "fields": json.dumps(meta)})
+    os.chmod(path, mode)
     return path
 
 
@@ -47,6 +57,8 @@ def load_fields(path, field_names: Iterable[str]) -> dict:
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise BatchFileError(f"{path} is a directory, not a batch file: pass the .safetensors file RLBatch.save wrote")
     if not path.is_file():
         raise BatchFileError(f"{path}: no such file")
     try:

@@ -2,7 +2,8 @@
 
 - ``MediaItem`` is one image or video of a sample, as a batch records it.
 - ``media_token_counts`` / ``vision_token_offsets``: an item's placeholder tokens and its
-  first row in the vision tower's output.
+  first row in the vision tower's output (``token_counts`` / ``offsets``: the same on
+  checked tensors, with no host sync, for the batch's own validation and views).
 - ``processor_fingerprint`` hashes everything that shapes the token layout, so two
   batches built by differently configured processors never compare equal.
 - ``media_cache_key`` hashes the vision-tower input of one item (its processed pixel
@@ -19,7 +20,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .spans import Modality
+from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
+from .spans import Modality, SchemaError, refuse
 
 
 @dataclass
@@ -39,21 +41,99 @@ class MediaItem:
     id: Optional[str] = None
 
 
+def grid_arg(name: str, grid) -> torch.Tensor:
+    """``grid`` (a tensor or nested list of ints) as int64 ``[N, 3]`` rows ``(t, h, w)``;
+    its shape and dtype only (``check_grid`` checks the values)."""
+    if not isinstance(grid, torch.Tensor):
+        try:
+            grid = torch.as_tensor(grid)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be an int tensor [N, 3] of (t, h, w) rows, got {type(grid).__name__}") from None
+    if grid.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be int (an int64 [N, 3] tensor of (t, h, w) rows), got {grid.dtype}")
+    if grid.ndim != 2 or grid.shape[1] != 3:
+        raise SchemaError(f"{name} must have shape [N, 3] (one (t, h, w) row per item), got {tuple(grid.shape)}")
+    return grid.long()
+
+
+def grid_row(name: str, grid) -> list[int]:
+    """One item's grid ``(t, h, w)``: 3 ints >= 1 (a list, tuple or ``[3]`` tensor)."""
+    values = grid.tolist() if isinstance(grid, torch.Tensor) else grid
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) != 3:
+        raise ValueError(f"{name} must be 3 ints (t, h, w), got {grid!r}")
+    return [int_arg(f"{name}[{i}]", g, min=1) for i, g in enumerate(values)]
+
+
+def add_grid_checks(checks: DeviceChecks, name: str, grid: torch.Tensor, merge_size: int) -> None:
+    """Adds to ``checks``: every (t, h, w) is >= 1 and h, w are multiples of ``merge_size``."""
+    for bad, rule in (
+        ((grid < 1).any(1), "t, h and w must be >= 1"),
+        ((grid[:, 1:] % merge_size != 0).any(1), f"h and w must be multiples of the merge size {merge_size}"),
+    ):
+        checks.add(bad.any(), lambda bad=bad, rule=rule: refuse(f"{name}[{(i := first_true(bad)[0])}] is {grid[i].tolist()}: {rule}"))
+
+
+def add_pixel_checks(checks: DeviceChecks, pixel_name: str, pixels: torch.Tensor, grid_name: str, grids: torch.Tensor,
+                     label: str, *, finite: bool = True) -> None:
+    """Adds to ``checks``: ``pixels`` has the rows ``grids`` need (the sum of t*h*w) and,
+    with ``finite``, all are finite (one pass over the pixels)."""
+    rows = grids.prod(1)
+    checks.add(rows.sum() != pixels.shape[0], lambda: refuse(
+        f"{pixel_name} has {pixels.shape[0]} rows; {grid_name} needs {int(rows.sum())} (the sum of t*h*w)"))
+    if not finite:
+        return
+
+    def not_finite():
+        r, c = first_true(~torch.isfinite(pixels))
+        item = int(torch.searchsorted(torch.cumsum(rows, 0), torch.tensor([r], device=rows.device), right=True)[0])
+        raise SchemaError(f"{pixel_name}: row {r}, column {c} is {float(pixels[r, c])} ({label} {item}); pixel values must be finite")
+
+    checks.add(~torch.isfinite(pixels).all(), not_finite)
+
+
+def token_counts(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """LLM tokens of each media item of a checked ``[N, 3]`` grid: t * h * w / merge_size²."""
+    return grid_thw.long().prod(dim=1) // (merge_size * merge_size)
+
+
 def media_token_counts(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
-    """LLM tokens of each media item: t * h * w / merge_size²."""
-    grid = grid_thw.long().reshape(-1, 3)
-    return grid.prod(dim=1) // (merge_size * merge_size)
+    """int64 [N]: LLM tokens of each media item, t * h * w / merge_size².
+
+    ``grid_thw`` is ``[N, 3]`` (or one ``[3]`` row); every entry >= 1, h and w multiples of
+    ``merge_size``. The check reads the grid on the host (one sync for a CUDA grid)."""
+    merge_size = int_arg("merge_size", merge_size, min=1)
+    if isinstance(grid_thw, torch.Tensor) and grid_thw.ndim == 1:
+        grid_thw = grid_thw[None]
+    grid = grid_arg("grid_thw", grid_thw)
+    checks = DeviceChecks()
+    add_grid_checks(checks, "grid_thw", grid, merge_size)
+    checks.run()
+    return token_counts(grid, merge_size)
+
+
+def offsets(counts: torch.Tensor, modality: torch.Tensor) -> torch.Tensor:
+    """Each item's first row in its modality's output: the exclusive running sum of
+    ``counts`` over the items of the same modality (no host sync)."""
+    out = torch.zeros_like(counts)
+    for mod in (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO):
+        same = modality == int(mod)
+        mine = torch.where(same, counts, 0)
+        out = torch.where(same, torch.cumsum(mine, 0) - mine, out)
+    return out
 
 
 def vision_token_offsets(grid_thw: torch.Tensor, modality: torch.Tensor, merge_size: int) -> torch.Tensor:
-    """Row offset of each item's first output row in its modality's vision-tower output."""
+    """int64 [N]: row offset of each item's first output row in its modality's vision-tower
+    output (items in grid order). ``modality`` is int [N]: 1 image, 2 video, 3 audio.
+    The checks read the grid and modality on the host (one sync for CUDA tensors)."""
     counts = media_token_counts(grid_thw, merge_size)
-    out = torch.zeros_like(counts)
-    for mod in torch.unique(modality).tolist():
-        sel = modality == mod
-        c = counts[sel]
-        out[sel] = torch.cumsum(c, 0) - c
-    return out
+    modality = tensor_arg("modality", modality, shape=(counts.numel(),), dtypes=INTEGER_DTYPES)
+    not_media = (modality < int(Modality.IMAGE)) | (modality > int(Modality.AUDIO))
+    if bool(not_media.any()):
+        i = first_true(not_media)[0]
+        raise ValueError(f"modality[{i}] is {int(modality[i])}; a media item is 1 (image), 2 (video) or 3 (audio)")
+    return offsets(counts, modality.to(counts.device))
+
 
 #: image-processor settings that change pixel values or the number of image tokens
 _IMAGE_PROCESSOR_KEYS = (
@@ -94,21 +174,39 @@ def _vision_settings(processor_part: Any) -> dict:
     return {k: _jsonable(getattr(processor_part, k)) for k in _IMAGE_PROCESSOR_KEYS if hasattr(processor_part, k)}
 
 
+def _vocabulary(tokenizer: Any) -> dict:
+    """The vocabulary part of the fingerprint (size, digest, special-token ids): hashing
+    151k entries takes ~0.3 s, so it is cached on the tokenizer while its length holds."""
+    cached = getattr(tokenizer, "_rlk_mm_vocabulary", None)
+    if cached is not None and cached[0] == len(tokenizer):
+        return cached[1]
+    vocab = tokenizer.get_vocab()
+    part = {
+        "vocab_size": len(vocab),
+        "vocab_sha256": _sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()),
+        "special_token_ids": {t: vocab.get(t) for t in _SPECIAL_TOKENS},
+    }
+    try:
+        tokenizer._rlk_mm_vocabulary = (len(tokenizer), part)
+    except AttributeError:
+        pass
+    return part
+
+
 def processor_fingerprint(processor: Any) -> str:
     """sha256 over processor/tokenizer classes, vocabulary, special-token ids, chat template
-    and image/video processor settings. Cached on the processor object."""
-    cached = getattr(processor, "_rlk_mm_fingerprint", None)
-    if cached is not None:
-        return cached
+    and image/video processor settings. Recomputed on every call (a changed setting changes
+    it); only the vocabulary's digest is cached, on the tokenizer."""
     tokenizer = getattr(processor, "tokenizer", processor)
-    vocab = tokenizer.get_vocab()
-    vocab_digest = _sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
+    if not callable(getattr(tokenizer, "get_vocab", None)):
+        raise TypeError(f"processor must be a Qwen-VL processor or tokenizer (with get_vocab()), got {type(processor).__name__}")
+    vocabulary = _vocabulary(tokenizer)
     description = {
         "processor_class": type(processor).__name__,
         "tokenizer_class": type(tokenizer).__name__,
-        "vocab_size": len(vocab),
-        "vocab_sha256": vocab_digest,
-        "special_token_ids": {t: vocab.get(t) for t in _SPECIAL_TOKENS},
+        "vocab_size": vocabulary["vocab_size"],
+        "vocab_sha256": vocabulary["vocab_sha256"],
+        "special_token_ids": vocabulary["special_token_ids"],
         "bos_token_id": getattr(tokenizer, "bos_token_id", None),
         "eos_token_id": getattr(tokenizer, "eos_token_id", None),
         "pad_token_id": getattr(tokenizer, "pad_token_id", None),
@@ -118,22 +216,37 @@ def processor_fingerprint(processor: Any) -> str:
         "video_processor_class": type(getattr(processor, "video_processor", None)).__name__,
         "video_processor": _vision_settings(getattr(processor, "video_processor", None)),
     }
-    fingerprint = _sha256(json.dumps(_jsonable(description), sort_keys=True).encode())
-    try:
-        processor._rlk_mm_fingerprint = fingerprint
-    except AttributeError:
-        pass
-    return fingerprint
+    return _sha256(json.dumps(_jsonable(description), sort_keys=True).encode())
+
+
+_MEDIA_LABELS = tuple(m.label for m in Modality if m is not Modality.TEXT)
 
 
 def media_cache_key(pixel_rows: torch.Tensor, grid_thw, modality: str, fingerprint: str) -> str:
-    """Content key of one media item: its vision-tower input rows, grid, modality and the
-    processor fingerprint. Equal key ⇒ identical vision-tower input."""
+    """Content key of one media item: its vision-tower input rows ``[t*h*w, D]`` (finite),
+    grid ``(t, h, w)``, modality ("image", "video", "audio") and the processor fingerprint.
+    Equal key ⇒ identical vision-tower input. Reads the rows on the host."""
+    rows = tensor_arg("pixel_rows", pixel_rows, ndim=2, dtypes=FLOAT_DTYPES).detach().cpu()
+    grid = grid_row("grid_thw", grid_thw)
+    if modality not in _MEDIA_LABELS:
+        raise ValueError(f"modality={modality!r}: expected one of {', '.join(_MEDIA_LABELS)}")
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise TypeError(f"fingerprint must be a str (processor_fingerprint(processor)), got {fingerprint!r}")
+    if rows.shape[0] != grid[0] * grid[1] * grid[2]:
+        raise ValueError(f"pixel_rows has {rows.shape[0]} rows; grid_thw {grid} needs {grid[0] * grid[1] * grid[2]} (t*h*w)")
+    bad = ~torch.isfinite(rows)
+    if bool(bad.any()):
+        r, c = first_true(bad)
+        raise ValueError(f"pixel_rows: row {r}, column {c} is {float(rows[r, c])}; pixel values must be finite")
+    return content_key(rows, grid, modality, fingerprint)
+
+
+def content_key(pixel_rows: torch.Tensor, grid: list[int], modality: str, fingerprint: str) -> str:
+    """``media_cache_key`` of checked arguments (the builders check pixel rows in bulk)."""
     rows = pixel_rows.detach().contiguous().cpu()
     if rows.dtype == torch.bfloat16:
         rows = rows.view(torch.int16)
-    grid = ",".join(str(int(g)) for g in grid_thw)
-    return _sha256(fingerprint.encode(), modality.encode(), grid.encode(), rows.numpy().tobytes())
+    return _sha256(fingerprint.encode(), modality.encode(), ",".join(map(str, grid)).encode(), rows.numpy().tobytes())
 
 
 def default_media_id(cache_key: str, modality: str) -> str:

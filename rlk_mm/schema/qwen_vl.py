@@ -2,6 +2,8 @@
 
 ``fields_from_qwen_vl`` and ``fields_from_token_lists`` return a batch's fields;
 ``RLBatch.from_qwen_vl`` / ``RLBatch.from_token_lists`` build (and validate) the batch.
+Every argument is checked before any work (``_inputs``); an error names the argument, the
+sample and the position.
 """
 
 from __future__ import annotations
@@ -10,7 +12,19 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._build import LayoutInfo, build, unpad, unpad_positions
+from ._build import LayoutInfo, build
+from ._inputs import (
+    check_response_unpadded,
+    check_unpadded,
+    check_vocabulary,
+    id_matrix,
+    mask_matrix,
+    padded_positions,
+    processor_outputs,
+    token_rows,
+    unpad,
+)
+from .checks import INTEGER_DTYPES, tensor_arg
 from .spans import SchemaError
 
 Tensor = torch.Tensor
@@ -32,39 +46,53 @@ def fields_from_qwen_vl(
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_qwen_vl``) from a Qwen2-VL / Qwen2.5-VL processor output.
 
-    - Padding (left or right) is stripped with ``attention_mask``.
-    - ``responses``: per-sample token sequences appended to the prompts (a list of 1-D
-      sequences, or a ``[B, R]`` tensor with ``response_mask``); they become the loss
+    - Padding (left or right) is stripped with ``attention_mask``. Without one, a row that
+      starts or ends with the pad token is refused (it is padded, and where is ambiguous);
+      so is a mask that marks a pad token at either end of a row as real.
+    - ``responses``: per-sample token sequences appended to the prompts (a list of lists of
+      int ids, or a ``[B, R]`` int tensor with ``response_mask``); they become the loss
       spans, EOS included, padding excluded.
-    - ``assistant_mask`` (``[B, L]`` like ``input_ids``): multi-turn; only the tokens it
-      marks are scored (the appended responses are scored too).
+    - ``assistant_mask`` (``[B, L]`` like ``input_ids``): multi-turn; the tokens it marks
+      are scored too (with ``responses`` the appended responses as well), and
+      ``prompt_lengths`` then end at the first scored token.
     - ``position_ids``: the positions a framework actually used, to record instead of
       computing them (e.g. a rollout that fell back to 1-D positions): ``(3, B, L)`` as
       transformers' ``get_rope_index`` returns, or ``(B, L)``.
+    - ``group_ids`` (str or int, one per sample: samples of one prompt share one),
+      ``rewards``/``costs`` (finite numbers, one per sample), ``media_ids`` (str, one per
+      media item, images first).
     """
     info = LayoutInfo.of(processor, tokens_per_second)
-    input_ids = torch.as_tensor(processor_output["input_ids"])
-    if input_ids.ndim != 2:
-        raise SchemaError(f"input_ids has shape {tuple(input_ids.shape)}; expected (batch, length) as the processor returns")
+    processor_output = processor_outputs(processor_output)
+    input_ids = id_matrix("input_ids", processor_output["input_ids"])
+    B, L = input_ids.shape
     attention = processor_output.get("attention_mask")
-    attention = torch.ones_like(input_ids) if attention is None else torch.as_tensor(attention)
-    B = input_ids.shape[0]
-    prompts = [unpad(input_ids[b], attention[b], "attention_mask", b) for b in range(B)]
+    attention = None if attention is None else mask_matrix("attention_mask", attention, (B, L))
+    check_vocabulary("input_ids", input_ids, info.vocab_size, real=attention)
+    prompts = []
+    for b in range(B):
+        if attention is None:
+            prompt = input_ids[b]
+            check_unpadded(prompt, b, info.pad_token_id, "input_ids",
+                           " but no attention_mask was given: pass the processor's attention_mask so that the padding is stripped")
+        else:
+            prompt = unpad(input_ids[b], attention[b], "attention_mask", b)
+            check_unpadded(prompt, b, info.pad_token_id, "input_ids", "", mask_start=int(torch.nonzero(attention[b])[0]))
+        prompts.append(prompt)
     resp = _responses(responses, response_mask, B, info)
     mm_types = processor_output.get("mm_token_type_ids")
     if mm_types is not None:
-        _check_mm_types(torch.as_tensor(mm_types), attention, prompts, info)
+        _check_mm_types(tensor_arg("mm_token_type_ids", mm_types, shape=(B, L), error=SchemaError), attention, prompts, info)
     loss_masks = None
     if assistant_mask is not None:
-        loss_masks = []
-        for b in range(B):
-            m = unpad(torch.as_tensor(assistant_mask)[b], attention[b], "attention_mask", b).bool()
-            r = resp[b]
-            loss_masks.append(torch.cat([m, torch.ones(0 if r is None else r.numel(), dtype=torch.bool)]))
+        marks = mask_matrix("assistant_mask", assistant_mask, (B, L))
+        loss_masks = [_assistant_loss_mask(marks, attention, prompts, resp, b, info) for b in range(B)]
     positions = None
     if position_ids is not None:
-        positions = [unpad_positions(torch.as_tensor(position_ids), b, attention[b], batch_first=False) for b in range(B)]
-        positions = [_extend_positions(p, resp[b]) for b, p in enumerate(positions)]
+        positions = padded_positions(position_ids, attention, (B, L), batch_first=False)
+        if B == 3 and positions.layout == (3, B, L):
+            _check_not_transposed(positions.per_sample, prompts, info)
+        positions = [_extend_positions(p, resp[b]) for b, p in enumerate(positions.per_sample)]
     return build(
         prompts,
         resp,
@@ -83,6 +111,41 @@ def fields_from_qwen_vl(
     )
 
 
+def _start(mask: Optional[Tensor], b: int) -> int:
+    """Where sample ``b``'s real tokens start in its padded row."""
+    return 0 if mask is None else int(torch.nonzero(mask[b])[0])
+
+
+def _assistant_loss_mask(marks: Tensor, attention: Optional[Tensor], prompts, resp, b: int, info: LayoutInfo) -> Tensor:
+    """The prompt tokens ``assistant_mask`` marks, then every appended response token."""
+    start = _start(attention, b)
+    m = marks[b, start : start + prompts[b].numel()]
+    media = m & ((prompts[b] == info.image_token_id) | (prompts[b] == info.video_token_id))
+    if bool(media.any()):
+        p = int(torch.nonzero(media)[0])
+        raise SchemaError(f"assistant_mask: sample {b} marks position {p}, a media placeholder: only text tokens are scored")
+    if bool(m[0]):
+        raise SchemaError(f"assistant_mask: sample {b} marks position 0: target t is scored from position t-1, so the first "
+                          "token cannot be scored")
+    r = resp[b]
+    return torch.cat([m, torch.ones(0 if r is None else r.numel(), dtype=torch.bool)])
+
+
+def _check_not_transposed(positions: list[Tensor], prompts: list[Tensor], info: LayoutInfo) -> None:
+    """With 3 samples, (3, B, L) and (B, 3, L) have one shape: read as the documented
+    (3, B, L), text tokens must have equal t, h and w, as in every real position layout."""
+    for b, (pos, prompt) in enumerate(zip(positions, prompts)):
+        text = (prompt != info.image_token_id) & (prompt != info.video_token_id)
+        unequal = text & ((pos[0] != pos[1]) | (pos[1] != pos[2]))
+        if bool(unequal.any()):
+            p = int(torch.nonzero(unequal)[0])
+            raise SchemaError(
+                f"position_ids: shape (3, 3, L) with 3 samples is read as (3, B, L), but then sample {b}, position {p} (a text "
+                f"token) has (t, h, w) = {tuple(pos[:, p].tolist())}, not all equal: if you passed (B, 3, L), pass "
+                "position_ids.transpose(0, 1)"
+            )
+
+
 def _extend_positions(pos: Tensor, response: Optional[Tensor]) -> Tensor:
     """Text positions for an appended response, continuing from the prompt's last + 1."""
     if response is None or response.numel() == 0:
@@ -94,28 +157,47 @@ def _extend_positions(pos: Tensor, response: Optional[Tensor]) -> Tensor:
 
 def _responses(responses, response_mask, B: int, info: LayoutInfo) -> list[Optional[Tensor]]:
     if responses is None:
+        if response_mask is not None:
+            raise SchemaError("response_mask given without responses: pass the padded [B, R] responses it masks")
         return [None] * B
     if isinstance(responses, Tensor):
-        if responses.ndim != 2 or responses.shape[0] != B:
-            raise SchemaError(f"responses has shape {tuple(responses.shape)}; expected ({B}, R)")
+        if responses.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"responses must be int (a [B, R] tensor of token ids), got {responses.dtype}")
+        tensor_arg("responses", responses, shape=(B, None), error=SchemaError)
         if response_mask is None:
             raise SchemaError(
                 "responses given as a padded [B, R] tensor need response_mask (1 for generated tokens, EOS included), "
                 "since padding and EOS can share an id"
             )
-        return [unpad(responses[b], response_mask[b], "response_mask", b) for b in range(B)]
+        mask = mask_matrix("response_mask", response_mask, tuple(responses.shape))
+        rows = []
+        for b in range(B):
+            row = unpad(responses[b].long().cpu(), mask[b], "response_mask", b) if bool(mask[b].any()) else responses.new_zeros(0).long().cpu()
+            check_vocabulary("responses", row, info.vocab_size, sample=b)
+            check_response_unpadded("responses", row, b, info.pad_token_id)
+            rows.append(row)
+        return rows
+    if response_mask is not None:
+        raise SchemaError("response_mask is for a padded [B, R] responses tensor; responses given as lists hold only "
+                          "generated tokens: drop response_mask")
+    if isinstance(responses, (str, bytes)) or not hasattr(responses, "__len__"):
+        raise TypeError(f"responses must be a list of token-id sequences or a [B, R] tensor, got {type(responses).__name__}")
     if len(responses) != B:
         raise SchemaError(f"responses has {len(responses)} entries; expected one per sample ({B})")
-    return [torch.as_tensor(r, dtype=torch.int64).flatten() for r in responses]
+    rows = token_rows("responses", responses, info.vocab_size)
+    for b, row in enumerate(rows):
+        check_response_unpadded("responses", row, b, info.pad_token_id)
+    return rows
 
 
-def _check_mm_types(mm_types: Tensor, attention: Tensor, prompts: Sequence[Tensor], info: LayoutInfo) -> None:
+def _check_mm_types(mm_types: Tensor, attention: Optional[Tensor], prompts: Sequence[Tensor], info: LayoutInfo) -> None:
     for b, ids in enumerate(prompts):
-        types = mm_types[b][attention[b].bool()]
+        start = _start(attention, b)
+        types = mm_types[b, start : start + ids.numel()].long().cpu()
         expected = torch.zeros_like(ids)
         expected[ids == info.image_token_id] = 1
         expected[ids == info.video_token_id] = 2
-        bad = torch.nonzero(types.long().cpu() != expected.cpu()).flatten()
+        bad = torch.nonzero(types != expected).flatten()
         if bad.numel():
             p = int(bad[0])
             raise SchemaError(
@@ -142,14 +224,24 @@ def fields_from_token_lists(
     tokens_per_second: Optional[float] = None,
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_token_lists``) from raw token lists as a rollout
-    engine returns them (prompt ids with placeholders already expanded, and generated ids). ``position_ids``: optional
-    per-sample (3, L) positions the engine used."""
+    engine returns them: unpadded prompt ids (placeholders expanded; at least one token each)
+    and generated ids (lists of int ids or 1-D int tensors). ``position_ids``: optional
+    per-sample (3, L) int positions the engine used. ``media_cache_keys``: keys to use instead
+    of hashing the pixels (one per media item; equal keys must name equal content)."""
     info = LayoutInfo.of(processor, tokens_per_second)
-    prompts = [torch.as_tensor(list(p), dtype=torch.int64) for p in prompt_token_ids]
+    prompts = token_rows("prompt_token_ids", prompt_token_ids, info.vocab_size)
+    for b, prompt in enumerate(prompts):
+        if not prompt.numel():
+            raise SchemaError(f"prompt_token_ids: sample {b} is empty; a prompt has at least one token")
+        check_unpadded(prompt, b, info.pad_token_id, "prompt_token_ids", ": prompts are unpadded token lists (strip the padding)")
     B = len(prompts)
-    if response_token_ids is not None and len(response_token_ids) != B:
-        raise SchemaError(f"response_token_ids has {len(response_token_ids)} entries; prompt_token_ids has {B}")
-    resp = [None] * B if response_token_ids is None else [torch.as_tensor(list(r), dtype=torch.int64) for r in response_token_ids]
+    resp = [None] * B
+    if response_token_ids is not None:
+        resp = token_rows("response_token_ids", response_token_ids, info.vocab_size)
+        if len(resp) != B:
+            raise SchemaError(f"response_token_ids has {len(resp)} entries; prompt_token_ids has {B}")
+        for b, row in enumerate(resp):
+            check_response_unpadded("response_token_ids", row, b, info.pad_token_id)
     return build(
         prompts, resp, info,
         image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,

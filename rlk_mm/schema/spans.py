@@ -8,15 +8,24 @@ Positions are 0-based token indices within one sequence, before padding.
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Iterable, Sequence
+from typing import Iterable, NoReturn, Sequence
 
 import torch
+
+from .checks import DeviceChecks, INTEGER_DTYPES, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
 
 
 class SchemaError(ValueError):
     """A batch violates the batch contract. The message names field, sample, span and positions."""
+
+
+def refuse(message: str) -> NoReturn:
+    """Raises ``SchemaError(message)``: the failure callback of a ``DeviceChecks`` check."""
+    raise SchemaError(message)
 
 
 class Modality(IntEnum):
@@ -30,9 +39,13 @@ class Modality(IntEnum):
         return self.name.lower()
 
 
+_MODALITY_CHOICES = "text (0), image (1), video (2), audio (3)"
+
+
 @dataclass(frozen=True, order=True)
 class Span:
-    """Tokens ``[start, end)`` of one sample; media spans carry the batch-wide media index."""
+    """Tokens ``[start, end)`` of one sample; media spans carry the batch-wide media index
+    (a text span carries -1)."""
 
     start: int
     end: int
@@ -40,9 +53,24 @@ class Span:
     media_index: int = -1
 
     def __post_init__(self):
-        if self.start < 0 or self.end < self.start:
-            raise SchemaError(f"span [{self.start}, {self.end}) is not a valid half-open range")
-        object.__setattr__(self, "modality", Modality(self.modality))
+        start, end, media_index = self.start, self.end, self.media_index
+        if type(start) is not int or type(end) is not int or type(media_index) is not int:  # plain ints: the fast path
+            start, end, media_index = (int_arg(f"Span.{name}", getattr(self, name)) for name in ("start", "end", "media_index"))
+        if start < 0 or end < start:
+            raise SchemaError(f"span [{start}, {end}) is not a valid half-open range: it needs 0 <= start <= end")
+        m = self.modality
+        if type(m) is not Modality:
+            if isinstance(m, bool) or not isinstance(m, numbers.Integral) or int(m) not in Modality._value2member_map_:
+                raise ValueError(f"Span.modality={m!r}: expected one of {_MODALITY_CHOICES}")
+            m = Modality(int(m))
+        if media_index < -1:
+            raise ValueError(f"Span.media_index={media_index} is out of range: it must be >= -1 (-1: no media item)")
+        if m is Modality.TEXT and media_index != -1:
+            raise ValueError(f"a text span has media_index -1, got {media_index}: only media spans carry an item index")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+        object.__setattr__(self, "modality", m)
+        object.__setattr__(self, "media_index", media_index)
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -56,8 +84,22 @@ class Span:
 
 
 # ----------------------------------------------------------------------------- algebra
-def normalize(spans: Iterable[Span]) -> list[Span]:
-    """Sorted union of the spans' positions as text spans: overlapping/touching ones merge, empty ones drop."""
+def _spans(name: str, spans) -> list[Span]:
+    """The argument ``name`` as a list of ``Span`` (any iterable of them, never a str or one Span)."""
+    items = sequence_arg(name, spans, "Span")
+    for i, s in enumerate(items):
+        if not isinstance(s, Span):
+            raise TypeError(f"{name}[{i}] is {type(s).__name__}; expected a Span")
+    return items
+
+
+def _within(spans: list[Span], length: int) -> None:
+    for s in spans:
+        if s.end > length:
+            raise SchemaError(f"span {s} ends past the sequence length {length}")
+
+
+def _merged(spans: list[Span]) -> list[Span]:
     merged: list[list[int]] = []
     for s in sorted(spans, key=lambda s: (s.start, s.end)):
         if len(s) == 0:
@@ -69,13 +111,34 @@ def normalize(spans: Iterable[Span]) -> list[Span]:
     return [Span(a, b) for a, b in merged]
 
 
+def _subtracted(a: list[Span], b: list[Span]) -> list[Span]:
+    out = []
+    b = _merged(b)
+    for s in _merged(a):
+        start = s.start
+        for cut in b:
+            if cut.end <= start or cut.start >= s.end:
+                continue
+            if cut.start > start:
+                out.append(Span(start, cut.start))
+            start = max(start, cut.end)
+        if start < s.end:
+            out.append(Span(start, s.end))
+    return out
+
+
+def normalize(spans: Iterable[Span]) -> list[Span]:
+    """Sorted union of the spans' positions as text spans: overlapping/touching ones merge, empty ones drop."""
+    return _merged(_spans("spans", spans))
+
+
 def union(a: Iterable[Span], b: Iterable[Span]) -> list[Span]:
-    return normalize([*a, *b])
+    return _merged([*_spans("a", a), *_spans("b", b)])
 
 
 def intersect(a: Iterable[Span], b: Iterable[Span]) -> list[Span]:
     """Positions in both ``a`` and ``b``, normalized."""
-    a, b = normalize(a), normalize(b)
+    a, b = _merged(_spans("a", a)), _merged(_spans("b", b))
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):
         lo, hi = max(a[i].start, b[j].start), min(a[i].end, b[j].end)
@@ -90,29 +153,35 @@ def intersect(a: Iterable[Span], b: Iterable[Span]) -> list[Span]:
 
 def subtract(a: Iterable[Span], b: Iterable[Span]) -> list[Span]:
     """Positions in ``a`` and not in ``b``, normalized."""
-    out = []
-    b = normalize(b)
-    for s in normalize(a):
-        start = s.start
-        for cut in b:
-            if cut.end <= start or cut.start >= s.end:
-                continue
-            if cut.start > start:
-                out.append(Span(start, cut.start))
-            start = max(start, cut.end)
-        if start < s.end:
-            out.append(Span(start, s.end))
-    return out
+    return _subtracted(_spans("a", a), _spans("b", b))
 
 
 def complement(spans: Iterable[Span], length: int) -> list[Span]:
-    """Positions of ``[0, length)`` not covered by ``spans``."""
-    return subtract([Span(0, length)], spans)
+    """Positions of ``[0, length)`` not covered by ``spans`` (which must lie inside it)."""
+    spans, length = _spans("spans", spans), int_arg("length", length, min=0)
+    _within(spans, length)
+    return _subtracted([Span(0, length)], spans)
 
 
 def spans_from_mask(mask: Sequence[bool] | torch.Tensor) -> list[Span]:
-    """Maximal runs of True in a 1-D mask, as text spans."""
-    m = torch.as_tensor(mask, dtype=torch.bool).flatten()
+    """Maximal runs of True in a 1-D mask (bools, or integers 0/1), as text spans."""
+    if not isinstance(mask, torch.Tensor):
+        if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
+            raise TypeError(f"mask must be a 1-D bool tensor or a list of bools, got {type(mask).__name__}")
+        try:
+            mask = torch.as_tensor(mask) if len(mask) else torch.zeros(0, dtype=torch.bool)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError("mask must be a 1-D bool tensor or a list of bools (0/1), got a list of other values") from None
+    if mask.dtype != torch.bool and mask.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"mask must be bool or integer (0/1), got {mask.dtype}")
+    if mask.ndim != 1:
+        raise ValueError(f"mask must be 1-D, got shape {tuple(mask.shape)}")
+    if mask.dtype != torch.bool:
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            (p,) = first_true(bad)
+            raise ValueError(f"mask[{p}] is {int(mask[p])}; expected 0 or 1 (or bools)")
+    m = mask.bool().cpu()
     if m.numel() == 0:
         return []
     padded = torch.cat([torch.zeros(1, dtype=torch.int8), m.to(torch.int8), torch.zeros(1, dtype=torch.int8)])
@@ -123,53 +192,106 @@ def spans_from_mask(mask: Sequence[bool] | torch.Tensor) -> list[Span]:
 
 
 def mask_from_spans(spans: Iterable[Span], length: int) -> torch.Tensor:
+    """bool [length]: True inside ``spans`` (which must lie inside ``[0, length)``)."""
+    spans, length = _spans("spans", spans), int_arg("length", length, min=0)
+    _within(spans, length)
     mask = torch.zeros(length, dtype=torch.bool)
     for s in spans:
-        if s.end > length:
-            raise SchemaError(f"span {s} ends past the sequence length {length}")
         mask[s.start : s.end] = True
     return mask
 
 
 # ----------------------------------------------------------------------------- tensors
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+def _column(name: str, value, device=None) -> torch.Tensor:
+    """One SpanTable column as a 1-D integer tensor (its own integer dtype, on ``device``)."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(f"SpanTable.{name} must be a 1-D integer tensor or a list of ints, got {type(value).__name__}")
+        try:
+            value = torch.as_tensor(value, device=device) if len(value) else torch.zeros(0, dtype=torch.int64, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"SpanTable.{name} must be a 1-D integer tensor or a list of ints") from None
+    if value.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"SpanTable.{name} must be int (int32/int64/...), got {value.dtype}")
+    if value.ndim != 1:
+        raise SchemaError(f"SpanTable.{name} must be 1-D, got shape {tuple(value.shape)}")
+    return value if device is None else value.to(device)
+
+
+def _check_table(starts, ends, ptr, modality, media_index) -> None:
+    """The CSR invariants of a SpanTable's columns, with one host sync (``DeviceChecks``)."""
+    n, B = starts.numel(), ptr.numel() - 1
+    checks = DeviceChecks()
+    checks.add((ptr[0] != 0) | (ptr[-1] != n), lambda: refuse(
+        f"SpanTable.sample_ptr must run from 0 to the span count {n}, got {int(ptr[0])}..{int(ptr[-1])}"))
+    falls = ptr[1:] < ptr[:-1]
+    checks.add(falls.any(), lambda: refuse(
+        f"SpanTable.sample_ptr must be non-decreasing: sample {first_true(falls)[0]} ends before it starts"))
+    for name, column, (low, high), expected in (
+        ("starts", starts, _INT32, "int32"), ("ends", ends, _INT32, "int32"), ("sample_ptr", ptr, _INT32, "int32"),
+        ("modality", modality, (0, 3), _MODALITY_CHOICES), ("media_index", media_index, (-1, _INT32[1]), "-1 (no media item) or an item index"),
+    ):
+        out = (column < low) | (column > high)
+        checks.add(out.any(), lambda name=name, column=column, out=out, expected=expected: refuse(
+            f"SpanTable.{name}[{first_true(out)[0]}] is {int(column[first_true(out)[0]])}; expected {expected}"))
+    if n:
+        sample = torch.searchsorted(ptr[1:].contiguous(), torch.arange(n, device=starts.device), right=True).clamp(max=max(B - 1, 0))
+
+        def where(i: int) -> tuple[int, int, str]:
+            """(sample, span index within it, the span as text) of span row ``i``."""
+            b = int(sample[i])
+            return b, i - int(ptr[b]), f"[{int(starts[i])}, {int(ends[i])})"
+
+        def invalid_span():
+            b, k, text = where(first_true(invalid)[0])
+            raise SchemaError(f"SpanTable: sample {b}, span {k} is {text}; spans are half-open ranges with 0 <= start <= end")
+
+        def unsorted_span():
+            i = first_true(unsorted)[0] + 1
+            (b, k, text), (_, _, before) = where(i), where(i - 1)
+            raise SchemaError(f"SpanTable: sample {b}, span {k} {text} starts before span {k - 1} {before}; each sample's spans are sorted by start")
+
+        invalid = (starts < 0) | (ends < starts)
+        checks.add(invalid.any(), invalid_span)
+        unsorted = (sample[1:] == sample[:-1]) & (starts[1:] < starts[:-1])
+        checks.add(unsorted.any(), unsorted_span)
+    checks.run()
+
+
 class SpanTable:
     """The spans of a batch, CSR by sample, as int32 tensors (int8 modality).
 
     ``starts``/``ends``/``modality``/``media_index`` have one entry per span; spans of
-    sample ``b`` are rows ``sample_ptr[b]:sample_ptr[b + 1]``, sorted by start.
+    sample ``b`` are rows ``sample_ptr[b]:sample_ptr[b + 1]``, sorted by start, each with
+    ``0 <= start <= end``. The constructor checks this with one host sync.
     """
 
     __slots__ = ("starts", "ends", "modality", "media_index", "sample_ptr")
 
     def __init__(self, starts, ends, sample_ptr, modality=None, media_index=None):
-        self.starts = torch.as_tensor(starts, dtype=torch.int32)
-        self.ends = torch.as_tensor(ends, dtype=torch.int32, device=self.starts.device)
-        self.sample_ptr = torch.as_tensor(sample_ptr, dtype=torch.int32, device=self.starts.device)
-        n = self.starts.numel()
-        self.modality = (
-            torch.zeros(n, dtype=torch.int8, device=self.starts.device)
-            if modality is None
-            else torch.as_tensor(modality, dtype=torch.int8, device=self.starts.device)
-        )
-        self.media_index = (
-            torch.full((n,), -1, dtype=torch.int32, device=self.starts.device)
-            if media_index is None
-            else torch.as_tensor(media_index, dtype=torch.int32, device=self.starts.device)
-        )
-        for name in ("ends", "modality", "media_index"):
-            if getattr(self, name).shape != (n,):
-                raise SchemaError(f"SpanTable.{name} has shape {tuple(getattr(self, name).shape)}, expected ({n},)")
-        if self.sample_ptr.ndim != 1 or self.sample_ptr.numel() < 1:
+        starts = _column("starts", starts)
+        device, n = starts.device, starts.numel()
+        ends, ptr = _column("ends", ends, device), _column("sample_ptr", sample_ptr, device)
+        modality = torch.zeros(n, dtype=torch.int8, device=device) if modality is None else _column("modality", modality, device)
+        media_index = torch.full((n,), -1, dtype=torch.int32, device=device) if media_index is None else _column("media_index", media_index, device)
+        for name, column in (("ends", ends), ("modality", modality), ("media_index", media_index)):
+            if column.shape != (n,):
+                raise SchemaError(f"SpanTable.{name} has shape {tuple(column.shape)}, expected ({n},) like starts")
+        if ptr.numel() < 1:
             raise SchemaError("SpanTable.sample_ptr must be a 1-D tensor of length num_samples + 1")
-        if int(self.sample_ptr[0]) != 0 or int(self.sample_ptr[-1]) != n:
-            raise SchemaError(f"SpanTable.sample_ptr must run from 0 to the span count {n}")
-        if bool((torch.diff(self.sample_ptr) < 0).any()):
-            raise SchemaError("SpanTable.sample_ptr must be non-decreasing")
+        _check_table(starts, ends, ptr, modality, media_index)
+        self.starts, self.ends, self.sample_ptr = starts.to(torch.int32), ends.to(torch.int32), ptr.to(torch.int32)
+        self.modality, self.media_index = modality.to(torch.int8), media_index.to(torch.int32)
 
     # construction ---------------------------------------------------------------
     @classmethod
     def from_lists(cls, per_sample: Sequence[Sequence[Span]]) -> "SpanTable":
-        rows = [sorted(spans, key=lambda s: (s.start, s.end)) for spans in per_sample]
+        """A table of the spans of each sample (each list sorted by start here)."""
+        per_sample = sequence_arg("per_sample", per_sample, "lists of Span")
+        rows = [sorted(_spans(f"per_sample[{b}]", spans), key=lambda s: (s.start, s.end)) for b, spans in enumerate(per_sample)]
         flat = [s for spans in rows for s in spans]
         ptr = [0]
         for spans in rows:
@@ -204,6 +326,7 @@ class SpanTable:
         return torch.repeat_interleave(torch.arange(self.num_samples, device=self.device), counts, output_size=self.num_spans)
 
     def spans_of(self, sample: int) -> list[Span]:
+        sample = sample_index(sample, self.num_samples, "table")
         lo, hi = int(self.sample_ptr[sample]), int(self.sample_ptr[sample + 1])
         s, e = self.starts[lo:hi].tolist(), self.ends[lo:hi].tolist()
         m, k = self.modality[lo:hi].tolist(), self.media_index[lo:hi].tolist()
@@ -231,10 +354,12 @@ class SpanTable:
         return out.index_add_(0, self.span_sample(), per_span)
 
     def select(self, indices: Sequence[int]) -> "SpanTable":
-        return SpanTable.from_lists([self.spans_of(int(i)) for i in indices])
+        """A table of the given samples' spans, in the given order."""
+        return SpanTable.from_lists([self.spans_of(i) for i in sample_indices(indices, self.num_samples, "table")])
 
     def to(self, device) -> "SpanTable":
         """The same spans on ``device`` (already validated: no re-check, no host sync)."""
+        device = device_arg(device)
         moved = object.__new__(SpanTable)
         for name in self.__slots__:
             setattr(moved, name, getattr(self, name).to(device))
@@ -242,6 +367,8 @@ class SpanTable:
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flat dict for safetensors; ``from_tensors`` reads it back."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str (the field name), got {type(prefix).__name__}")
         return {
             f"{prefix}.starts": self.starts.contiguous().cpu(),
             f"{prefix}.ends": self.ends.contiguous().cpu(),
@@ -252,6 +379,8 @@ class SpanTable:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "SpanTable":
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"tensors must be a dict of tensors (what SpanTable.tensors returned), got {type(tensors).__name__}")
         try:
             return cls(
                 tensors[f"{prefix}.starts"], tensors[f"{prefix}.ends"], tensors[f"{prefix}.sample_ptr"],

@@ -1,0 +1,212 @@
+"""The builders' arguments → checked CPU tensors and lists, before any work.
+
+Token ids are ints in the tokenizer's vocabulary (never floats, bools, None, strings or an
+ignore index such as -100); masks are 0/1 or bool of the right shape; padding is stripped
+only where a mask says where it is, and a row that still starts or ends with the pad token
+is refused (an ambiguous layout is never guessed). Errors name the argument, the sample
+and the position. Builders run on CPU data, so these checks read values freely.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .checks import INTEGER_DTYPES, describe, first_true, group_id_list, sequence_arg, tensor_arg
+from .spans import SchemaError
+
+Tensor = torch.Tensor
+
+
+def token_rows(name: str, rows, vocab_size: int) -> list[Tensor]:
+    """Per-sample token ids (lists of ints or 1-D integer tensors) as int64 CPU tensors."""
+    rows = sequence_arg(name, rows, "token-id sequences")
+    out = []
+    for b, row in enumerate(rows):
+        if isinstance(row, np.ndarray):
+            row = row.tolist()
+        if isinstance(row, Tensor):
+            if row.dtype not in INTEGER_DTYPES:
+                raise TypeError(f"{name}[{b}] must hold int token ids, got dtype {row.dtype}")
+            if row.ndim != 1:
+                raise TypeError(f"{name}[{b}] must be 1-D (one sample's token ids), got shape {tuple(row.shape)}")
+            ids = row.long().cpu()
+        else:
+            if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+                raise TypeError(f"{name}[{b}] is {describe(row)}; expected a sequence of token ids (ints)")
+            for p, t in enumerate(row):
+                if type(t) is not int and (isinstance(t, bool) or not isinstance(t, numbers.Integral)):
+                    raise TypeError(f"{name}[{b}][{p}] is {describe(t)}; token ids are ints")
+            ids = torch.tensor([int(t) for t in row], dtype=torch.int64)
+        check_vocabulary(name, ids, vocab_size, sample=b)
+        out.append(ids)
+    return out
+
+
+def check_vocabulary(name: str, ids: Tensor, vocab_size: int, *, sample: Optional[int] = None, real: Optional[Tensor] = None) -> None:
+    """Every id lies in ``[0, vocab_size)``: ``ids`` is sample ``sample``'s row, or a padded
+    ``[B, L]`` matrix whose tokens ``real`` marks (positions are then the padded row's)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if real is not None:
+        bad &= real
+    if bool(bad.any()):
+        b, p = (sample, *first_true(bad)) if sample is not None else first_true(bad)
+        value = int(ids[p] if sample is not None else ids[b, p])
+        hint = ("; an ignore index such as -100 is not a token: leave unscored tokens out of the loss instead"
+                if value < 0 else "")
+        raise SchemaError(f"{name}: sample {b}, position {p} is {value}; token ids lie in the tokenizer's "
+                          f"vocabulary of {vocab_size} ids{hint}")
+
+
+def id_matrix(name: str, value) -> Tensor:
+    """A padded ``[B, L]`` integer tensor of token ids (on the CPU)."""
+    value = tensor_arg(name, value)
+    if value.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be int (a [B, L] tensor of token ids), got {value.dtype}")
+    if value.ndim != 2:
+        raise SchemaError(f"{name} must be 2-D [batch, length] as the processor returns, got shape {tuple(value.shape)}")
+    return value.long().cpu()
+
+
+def mask_matrix(name: str, value, shape: tuple[int, int]) -> Tensor:
+    """A ``[B, L]`` mask of bools or 0/1 integers, as a bool CPU tensor."""
+    value = tensor_arg(name, value)
+    if value.dtype != torch.bool and value.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be bool/int 0-1 values, got {value.dtype}")
+    tensor_arg(name, value, shape=shape, error=SchemaError)
+    value = value.cpu()
+    if value.dtype != torch.bool:
+        bad = (value != 0) & (value != 1)
+        if bool(bad.any()):
+            b, p = first_true(bad)
+            raise SchemaError(f"{name}: sample {b}, position {p} is {int(value[b, p])}; expected 0 or 1")
+    return value.bool()
+
+
+def unpad(row: Tensor, mask: Tensor, name: str, b: int, offset: int = 0) -> Tensor:
+    """The entries of ``row`` where ``mask`` is set: one contiguous run (left or right padding)."""
+    kept = torch.nonzero(mask).flatten()
+    if not kept.numel():
+        raise SchemaError(f"{name}: sample {b} has no real tokens (the mask is 0 everywhere)")
+    first, last = int(kept[0]), int(kept[-1])
+    if last - first + 1 != kept.numel():
+        hole = first + first_true(~mask[first:last])[0]
+        raise SchemaError(f"{name}: sample {b} has holes: position {hole + offset} is 0 between real tokens; expected one "
+                          "contiguous run of real tokens (left or right padding)")
+    return row[first : last + 1]
+
+
+def check_unpadded(ids: Tensor, b: int, pad_token_id: Optional[int], name: str, fix: str, mask_start: Optional[int] = None) -> None:
+    """A prompt that still starts or ends with the pad token is padded. ``mask_start``: where
+    a mask cut the prompt from its padded row (the error then blames the mask); ``name`` and
+    ``fix`` make the message otherwise."""
+    if pad_token_id is None or not ids.numel():
+        return
+    for at, p in (("starts", 0), ("ends", ids.numel() - 1)):
+        if int(ids[p]) != pad_token_id:
+            continue
+        if mask_start is not None:
+            raise SchemaError(f"attention_mask: sample {b} marks position {mask_start + p}, the pad token {pad_token_id}, as a "
+                              "real token: the mask must be 0 at padding (pass the processor's own attention_mask)")
+        raise SchemaError(f"{name}: sample {b} {at} with the pad token {pad_token_id}{fix}")
+
+
+def check_response_unpadded(name: str, ids: Tensor, b: int, pad_token_id: Optional[int]) -> None:
+    """A response ending with two pad tokens still holds padding (generation stops at the
+    first end token, which may itself be the pad token)."""
+    n = ids.numel()
+    if pad_token_id is not None and n >= 2 and bool((ids[-2:] == pad_token_id).all()):
+        raise SchemaError(f"{name}: sample {b} ends with the pad token {pad_token_id} at response positions {n - 2} and {n - 1}: "
+                          "that is padding, not generated tokens; strip it (or mark it 0 in the mask)")
+
+
+@dataclass
+class PaddedPositions:
+    """What ``padded_positions`` read: the layout it took, and each sample's positions."""
+
+    layout: tuple  # the shape position_ids was read as, e.g. (3, B, L)
+    per_sample: list[Tensor]  # (3, L_b) positions of each sample's real tokens
+
+
+def padded_positions(position_ids, mask: Optional[Tensor], shape: tuple[int, int], *, batch_first: bool) -> PaddedPositions:
+    """Each sample's (3, L_b) positions from padded positions (``mask``: its real tokens,
+    None for all): ``(B, L)`` 1-D positions, or 3-D as ``(B, 4, L)`` (verl: row 0 text
+    positions, rows 1-3 M-RoPE) / ``(B, 3, L)`` when ``batch_first``, else ``(3, B, L)``
+    (transformers' ``get_rope_index``)."""
+    B, L = shape
+    value = tensor_arg("position_ids", position_ids)
+    if value.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"position_ids must be int (int64 positions), got {value.dtype}")
+    layouts = [(B, 4, L), (B, 3, L), (B, L)] if batch_first else [(3, B, L), (B, L)]
+    layout = tuple(value.shape)
+    if layout not in layouts:
+        raise SchemaError(f"position_ids must have shape {' or '.join(map(str, layouts))} (B = {B} samples, L = {L} "
+                          f"tokens), got {layout}")
+    value = value.long().cpu()
+    per_sample = []
+    for b in range(B):
+        keep = torch.ones(L, dtype=torch.bool) if mask is None else mask[b]
+        if value.ndim == 2:
+            per_sample.append(value[b][keep].unsqueeze(0).expand(3, -1).clone())
+        elif not batch_first:
+            per_sample.append(value[:, b][:, keep])
+        else:
+            per_sample.append(value[b, -3:][:, keep])
+    return PaddedPositions(layout, per_sample)
+
+
+def per_sample_values(name: str, values, B: int) -> Optional[list]:
+    """One value per sample: group ids as str (from str or int), rewards and costs as float
+    (from real numbers, never bools, None or strings); None when ``values`` is None."""
+    if values is None:
+        return None
+    if name == "group_ids":
+        items = [str(g) for g in group_id_list(values)]
+    else:
+        if isinstance(values, (Tensor, np.ndarray)):
+            if values.ndim != 1:
+                raise SchemaError(f"{name} must have shape [{B}] (one value per sample), got {tuple(values.shape)}")
+            values = values.tolist()
+        items = sequence_arg(name, values, "numbers, one per sample")
+        for b, v in enumerate(items):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name}[{b}] is {describe(v)}; {name} are numbers")
+        items = [float(v) for v in items]
+    if len(items) != B:
+        raise SchemaError(f"{name} has {len(items)} entries; expected one per sample ({B})")
+    return items
+
+
+def str_list(name: str, values) -> Optional[list[str]]:
+    """A list of str (media ids, media cache keys); None when ``values`` is None."""
+    if values is None:
+        return None
+    items = sequence_arg(name, values, "str")
+    for i, v in enumerate(items):
+        if not isinstance(v, str):
+            raise TypeError(f"{name}[{i}] is {describe(v)}; {name} are str")
+    return items
+
+
+def processor_outputs(processor_output) -> Mapping:
+    if not isinstance(processor_output, Mapping):
+        raise TypeError(f"processor_output must be a mapping (the processor's BatchFeature or a dict), got {type(processor_output).__name__}")
+    if "input_ids" not in processor_output:
+        raise SchemaError(f"processor_output has no 'input_ids' (keys: {sorted(processor_output)}): pass the processor's whole output")
+    return processor_output
+
+
+def multi_modal_inputs(value, B: int) -> list[dict]:
+    """verl's per-sample dicts of media inputs (None or {} for a text-only sample)."""
+    items = [] if value is None else sequence_arg("multi_modal_inputs", value, "per-sample dicts")
+    if items and len(items) != B:
+        raise SchemaError(f"multi_modal_inputs has {len(items)} entries; expected one per sample ({B})")
+    for b, item in enumerate(items):
+        if item is not None and not isinstance(item, Mapping):
+            raise TypeError(f"multi_modal_inputs[{b}] must be a dict (or None for a text-only sample), got {type(item).__name__}")
+    return [dict(item or {}) for item in items] or [{} for _ in range(B)]
