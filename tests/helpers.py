@@ -5,6 +5,7 @@
 - ``verl_installed()`` / ``skip_module_without_verl()``: skip only where verl is not
   installed; an installed verl that fails to import is an error, never a skip.
 - ``GPU_NEEDED``: the message of a ``gpu``-marked test run where CUDA is absent.
+- ``count_syncs(fn)``: the host-device syncs of a call (GPU tests of the one-sync rule).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import warnings
 
 import pytest
+import torch
 
 #: the backends ``RLK_MM_BACKEND`` can force
 BACKENDS = ("torch", "triton")
@@ -45,3 +48,15 @@ def skip_module_without_verl() -> None:
     """At the top of a test module that needs verl throughout, before importing it."""
     if not verl_installed():
         pytest.skip(VERL_MISSING, allow_module_level=True)
+
+
+def count_syncs(fn) -> int:
+    """Host-device syncs during ``fn()``, called on this thread (torch's sync debug mode warns at each)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)

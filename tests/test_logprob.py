@@ -1,6 +1,7 @@
 """selected_logprob on CPU: the torch backend and the Triton kernels (under
 TRITON_INTERPRET=1) against an fp64 oracle, within the numerical contract; batch
-invariance bitwise; the RLBatch path; bad input; empty selection; torch.compile."""
+invariance bitwise; the RLBatch path (packed, right and left padded); bad input; empty
+selection; torch.compile. tests/test_adversarial_ops.py holds the full table of bad inputs."""
 
 import pytest
 import torch
@@ -183,12 +184,17 @@ def test_batch_path_packed_and_padded(backend):
     packed, w, _ = _inputs(12, H, V, torch.float32, seed=9)
     padded = torch.zeros(2, 8, H)
     padded[0, :7], padded[1, :5] = packed[:7], packed[7:]
+    left = torch.zeros(2, 8, H)
+    left[0, 1:], left[1, 3:] = packed[:7], packed[7:]
     a = selected_logprob(packed, w, batch)
-    b = selected_logprob(padded, w, batch)
+    b = selected_logprob(padded, w, batch, padding="right")
     # target t of sample b scored from hidden row t-1 of that sample
     rows, targets = torch.tensor([2, 3, 5, 8, 9, 10]), batch.input_ids[[3, 4, 6, 9, 10, 11]]
     c = selected_logprob(packed, w, index=rows, targets=targets)
     assert torch.equal(a, c) and torch.equal(b, c)
+    assert torch.equal(selected_logprob(left, w, batch, padding="left"), c)
+    with pytest.raises(ValueError, match="padding side is ambiguous: pass padding='right'"):
+        selected_logprob(left, w, batch)  # [B, L, H] without a padding side: refused, never guessed
     with pytest.raises(ValueError, match="batch has 12 tokens"):
         selected_logprob(packed[:11], w, batch)
     with pytest.raises(ValueError, match="batch has 2 samples"):

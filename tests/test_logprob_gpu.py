@@ -2,7 +2,6 @@
 realistic hidden size, and its host syncs. Run on the GPU machine:
 ``pytest -m gpu tests/test_logprob_gpu.py``."""
 
-import warnings
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+from helpers import count_syncs
 
 pytestmark = pytest.mark.gpu  # without CUDA: fails at setup with a clear message (conftest.py)
 
@@ -79,33 +79,24 @@ def test_gradients_deterministic_gpu():
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def _syncs(fn) -> int:
-    """Host-device syncs during fn, called on this thread (torch's sync debug mode warns at each)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
-
-
-@pytest.mark.parametrize("every_row", [True, False])
-def test_host_syncs_gpu(every_row):
-    """One sync in the forward (index/target ranges and the all-rows test read together),
-    none in the backward: a sync there would idle the GPU while the host queues work."""
+@pytest.mark.parametrize("every_row,with_bias", [(True, False), (False, False), (False, True)])
+def test_host_syncs_gpu(every_row, with_bias):
+    """One sync in the forward (index/target ranges, the bias values and the all-rows test
+    read together), through the op and through selected_logprob; none in the backward: a
+    sync there would idle the GPU while the host queues work."""
     T = 1024
     h, w, tg = _inputs(T, 256, 5000, torch.bfloat16, seed=3)
+    bias = torch.randn(5000, device="cuda").to(torch.bfloat16) if with_bias else None
     rows = torch.arange(T, device="cuda") if every_row else torch.arange(0, T, 3, device="cuda")
     up = torch.randn(rows.numel(), device="cuda")
     out = {}
     forward = torch.ops.rlk_mm.selected_logprob
-    assert _syncs(lambda: out.setdefault("fwd", forward(h, w, rows, tg[rows], None, 0.9, True))) == 1
+    assert count_syncs(lambda: out.setdefault("fwd", forward(h, w, rows, tg[rows], bias, 0.9, True))) == 1
+    assert count_syncs(lambda: selected_logprob(h, w, index=rows, targets=tg[rows], bias=bias, temperature=0.9)) == 1
     _, entropy, lse, all_rows = out["fwd"]
     assert bool(all_rows) is every_row
     backward = torch.ops.rlk_mm.selected_logprob_backward
-    args = (up, up, h, w, rows, tg[rows], None, lse, entropy, all_rows, 0.9, True, True, False)
-    assert _syncs(lambda: out.setdefault("bwd", backward(*args))) == 0
+    args = (up, up, h, w, rows, tg[rows], bias, lse, entropy, all_rows, 0.9, True, True, with_bias)
+    assert count_syncs(lambda: out.setdefault("bwd", backward(*args))) == 0
     d_h, d_w, _ = out["bwd"]
     assert d_h.shape == h.shape and d_w.shape == w.shape and d_w.abs().sum() > 0

@@ -333,3 +333,42 @@ def test_triton_on_gpu_matches_verl_and_torch(core_algos, mode):
     with use_backend("torch"):  # as before: the loop's last backend
         compact, _ = policy_loss(flat, old[mask], adv[mask], sample_index=sample, num_samples=B, **kw)
         close(compact, policy_loss(logp, old, adv, mask, **kw)[0])
+
+
+@pytest.mark.gpu
+def test_host_syncs_gpu():
+    """policy_loss reads the device once a call (its value checks), its backward never;
+    group_advantages never reads it. (``count_syncs`` counts the syncs of calls on this thread.)"""
+    from rlk_mm.ops import group_advantages
+    from helpers import count_syncs
+
+    logp, old, adv, mask = (t.cuda() for t in inputs(16, B=8, R=300))
+    logp = logp.detach().requires_grad_()
+    sample = torch.arange(8, device="cuda")[:, None].expand(8, 300)[mask]
+    flat, flat_old, flat_adv = logp.detach()[mask].requires_grad_(), old[mask], adv[mask]
+    out = {}
+    assert count_syncs(lambda: out.setdefault("padded", policy_loss(logp, old, adv, mask))) == 1
+    compact = dict(sample_index=sample, num_samples=8)
+    assert count_syncs(lambda: out.setdefault("compact", policy_loss(flat, flat_old, flat_adv, **compact))) == 1
+    torch.cuda.set_sync_debug_mode("error")  # the backward runs on autograd's device thread: a sync there raises
+    try:
+        out["padded"][0].backward()
+        out["compact"][0].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert logp.grad.abs().sum() > 0 and flat.grad.abs().sum() > 0
+    scores, groups = torch.randn(64, device="cuda"), torch.arange(64, device="cuda") // 4
+    assert count_syncs(lambda: group_advantages(scores, groups)) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["triton", "torch"])
+def test_nan_log_prob_propagates_gpu(backend_name):
+    """Documented: a NaN log-prob where the mask is set gives a NaN loss on both backends
+    (compiled Triton's min/max drop a NaN unless told to keep it, as torch's do)."""
+    logp, old, adv, mask = (t.cuda() for t in inputs(17))
+    logp = logp.detach().clone()
+    logp[1, 0] = math.nan  # mask[1, 0] is set
+    with use_backend(backend_name):
+        assert policy_loss(logp, old, adv, mask)[0].isnan()
+        assert policy_loss(logp, old, adv, mask, ref_log_probs=old, kl_coef=0.1, ratio="gspo")[0].isnan()

@@ -14,24 +14,32 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
 import torch
 
 from ..ops import loss as _loss
+from ..ops._loss_args import dual_clip
 from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
 from ..ops.loss import AggMode, KLType, agg_loss, policy_loss
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
+from ..schema.checks import FLOAT_DTYPES, float_arg, tensor_arg
+from ._args import outcome_inputs, padded_inputs
 
 #: EasyR1 loss types this module fuses; ``cispo`` and ``sapo`` are not provided
 LOSS_TYPES = ("default", "gspo", "gspo_token")
 _KL = (KLType.KL, KLType.ABS, KLType.MSE, KLType.LOW_VAR_KL)  # EasyR1's kl_penalty names
 
 
+def _avg_mode(argument: str, mode) -> AggMode:
+    if mode not in (AggMode.TOKEN, AggMode.SEQ):
+        raise ValueError(f"{argument}={mode!r}: EasyR1 averages by 'token' or 'seq'")
+    return AggMode(mode)
+
+
 def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token", "seq"], eps: float = MEAN_EPS) -> torch.Tensor:
     """EasyR1's ``average_loss``: ``token`` = masked mean, ``seq`` = mean over rows of row masked means."""
-    if mode not in (AggMode.TOKEN, AggMode.SEQ):
-        raise ValueError(f"mode={mode!r}: EasyR1 averages by 'token' or 'seq'")
+    padded_inputs({"values": values, "mask": mask}, mask="mask")
+    mode = _avg_mode("mode", mode)
     if eps != MEAN_EPS:
         raise ValueError(f"eps={eps}: rlk_mm implements EasyR1's default eps {MEAN_EPS} only")
     return agg_loss(values, mask, mode)
@@ -44,6 +52,8 @@ def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_penalty:
             f"kl_penalty={kl_penalty!r}: expected one of {', '.join(_KL)} ('full' needs whole distributions, "
             "not the selected log-probs rlk_mm works on)"
         )
+    for name, t in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
+        tensor_arg(name, t, dtypes=FLOAT_DTYPES)
     return _loss.kl_penalty(log_probs.float(), ref_log_probs.float(), kl_penalty)
 
 
@@ -72,8 +82,13 @@ def compute_policy_loss(
             f"loss_type={loss_type!r}: rlk_mm fuses {', '.join(LOSS_TYPES)}; keep EasyR1's own "
             "compute_policy_loss for cispo and sapo"
         )
+    padded_inputs({"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages,
+                   "response_mask": response_mask}, mask="response_mask")
+    loss_avg_mode = _avg_mode("loss_avg_mode", loss_avg_mode)
+    clip_ratio_low = float_arg("clip_ratio_low", clip_ratio_low)
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
+    dual_clip("clip_ratio_dual", clip_ratio_dual)  # policy_loss checks it too, but names it clip_ratio_c
     loss, fused = policy_loss(
         log_probs, old_log_probs, advantages, response_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_dual,
@@ -83,17 +98,18 @@ def compute_policy_loss(
     with torch.no_grad():
         mask = response_mask.to(torch.float32)
         count = mask.sum() + MEAN_EPS
-        ppo_kl = agg_loss(old_log_probs.float() - log_probs.float(), mask, "token")
-        entropy = agg_loss(-log_probs.float(), mask, loss_avg_mode)
+        # policy_loss has checked the mask: a 0/1 integer mask as bool needs no second check (no more host syncs)
+        metric_mask = response_mask if response_mask.is_floating_point() else response_mask.bool()
+        ppo_kl = agg_loss(old_log_probs.float() - log_probs.float(), metric_mask, "token")
+        entropy = agg_loss(-log_probs.float(), metric_mask, loss_avg_mode)
         entropy = entropy * mask.sum() / count  # EasyR1 takes the masked mean of this scalar
         values = torch.stack([ppo_kl, entropy, fused["pg_clipfrac"], fused["pg_clipfrac_lower"]]).tolist()
     names = ("ppo_kl", "entropy_loss", "pg_clipfrac_higher", "pg_clipfrac_lower")
     return loss, dict(zip(names, values))
 
 
-def _groups(index, estimator: str) -> torch.Tensor:
+def _groups(ids: list, estimator: str) -> torch.Tensor:
     """EasyR1 group ids -> dense int64 group numbers; every group needs two samples or more."""
-    ids = np.asarray(index).reshape(-1).tolist()
     groups = dense_group_index(ids)
     single = torch.nonzero(torch.bincount(groups) < 2).flatten()
     if single.numel():
@@ -106,9 +122,11 @@ def _groups(index, estimator: str) -> torch.Tensor:
 
 
 def _outcome_advantage(token_level_rewards, response_mask, index, estimator, eps):
+    ids = outcome_inputs(token_level_rewards, response_mask, index)
+    eps = float_arg("eps", eps, min=0.0, min_open=True)
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        groups = _groups(index, estimator.upper()).to(scores.device)
+        groups = _groups(ids, estimator.upper()).to(scores.device)
         adv = group_advantages(scores, groups, estimator=estimator, eps=eps)
         returns = adv.unsqueeze(-1) * response_mask
     return returns, returns

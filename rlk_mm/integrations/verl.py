@@ -29,15 +29,28 @@ from verl.trainer.ppo import core_algos
 from ..ops.loss import policy_loss
 from ..ops.rewards import Estimator, group_advantages
 from ..schema import dense_group_index
+from ..schema.checks import bool_arg, float_arg
+from ._args import outcome_inputs, padded_inputs
 
 POLICY_LOSSES = ("rlk_mm", "rlk_mm_gspo")
 ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
 
 
-def _clip_ratios(config) -> tuple[float, float]:
-    low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
-    high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
-    return low, high
+def _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
+    """Checks types and shapes under verl's names (``policy_loss`` checks the values);
+    returns the clip ratios (low, high): ``clip_ratio_low``/``_high``, else ``clip_ratio``."""
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
+    padded_inputs({"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages,
+                   "rollout_is_weights": rollout_is_weights, "response_mask": response_mask}, mask="response_mask")
+    ratios = []
+    for side in ("low", "high"):
+        value = getattr(config, f"clip_ratio_{side}")
+        value = config.clip_ratio if value is None else value
+        if value is None:
+            raise ValueError(f"config.clip_ratio_{side} and config.clip_ratio are both None: set one of them")
+        ratios.append(value)
+    return tuple(ratios)
 
 
 def _metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -61,9 +74,7 @@ def compute_policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``compute_policy_loss_vanilla``, fused: same signature, loss, gradient and metrics."""
-    if config is None:
-        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
-    low, high = _clip_ratios(config)
+    low, high = _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
     clip_c = config.get("clip_ratio_c", 3.0)
     loss, metrics = policy_loss(
         log_prob, old_log_prob, advantages, response_mask,
@@ -83,9 +94,7 @@ def compute_policy_loss_gspo(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``compute_policy_loss_gspo``, fused: sequence ratio (log clamped at 10), no dual clip."""
-    if config is None:
-        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
-    low, high = _clip_ratios(config)
+    low, high = _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
     loss, metrics = policy_loss(
         log_prob, old_log_prob, advantages, response_mask,
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=None,
@@ -95,9 +104,15 @@ def compute_policy_loss_gspo(
     return loss, _metrics(metrics)
 
 
-def _group_index(index, device) -> torch.Tensor:
-    """verl's ``uid`` array (strings or ints) -> int64 group numbers on ``device``."""
-    return dense_group_index(np.asarray(index).reshape(-1).tolist()).to(device)
+def _outcome_advantage(token_level_rewards, response_mask, index, estimator, epsilon):
+    """(advantages, returns) of verl's outcome estimators: ``score_adv[:, None] * response_mask``."""
+    groups = dense_group_index(outcome_inputs(token_level_rewards, response_mask, index))
+    epsilon = float_arg("epsilon", epsilon, min=0.0, min_open=True)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(dim=-1)
+        adv = group_advantages(scores, groups.to(scores.device), estimator=estimator, eps=epsilon)
+        adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
 
 
 def compute_grpo_outcome_advantage(
@@ -113,14 +128,9 @@ def compute_grpo_outcome_advantage(
     vectorized: returns (advantages, returns), both ``score_adv[:, None] * response_mask``."""
     if config is not None:
         norm_adv_by_std_in_grpo = config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        adv = group_advantages(
-            scores, _group_index(index, scores.device),
-            estimator=Estimator.GRPO if norm_adv_by_std_in_grpo else Estimator.DR_GRPO, eps=epsilon,
-        )
-        adv = adv.unsqueeze(-1) * response_mask
-    return adv, adv
+    norm = bool_arg("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
+    estimator = Estimator.GRPO if norm else Estimator.DR_GRPO
+    return _outcome_advantage(token_level_rewards, response_mask, index, estimator, epsilon)
 
 
 def compute_rloo_outcome_advantage(
@@ -132,11 +142,7 @@ def compute_rloo_outcome_advantage(
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's RLOO, vectorized: the score minus the mean of the group's other scores."""
-    with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        adv = group_advantages(scores, _group_index(index, scores.device), estimator=Estimator.RLOO, eps=epsilon)
-        adv = adv.unsqueeze(-1) * response_mask
-    return adv, adv
+    return _outcome_advantage(token_level_rewards, response_mask, index, Estimator.RLOO, epsilon)
 
 
 def register() -> None:

@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..ops.logprob import selected_logprob
+from ..ops.logprob import TargetError, selected_logprob
+from ..schema.checks import INTEGER_DTYPES, bool_arg, int_arg, tensor_arg
 
 Tensor = torch.Tensor
 
@@ -68,6 +69,8 @@ _SCORING: contextvars.ContextVar[Optional[_Scoring]] = contextvars.ContextVar("r
 def scoring(rows: Tensor, cu_seqlens: Tensor):
     """Within the block, ``FusedLinearForPPO`` scores only packed positions ``rows`` of the
     samples laid out by ``cu_seqlens`` (packed or padded inputs), and returns zeros elsewhere."""
+    tensor_arg("rows", rows, ndim=1, dtypes=INTEGER_DTYPES)
+    tensor_arg("cu_seqlens", cu_seqlens, ndim=1, dtypes=INTEGER_DTYPES)
     token = _SCORING.set(_Scoring(rows, cu_seqlens))
     try:
         yield
@@ -105,19 +108,25 @@ class FusedLinearForPPO(torch.nn.Module):
     temperature)`` returns ``(log_probs fp32, entropy in hidden_states' dtype)`` shaped like
     ``input_ids``, as verl's does, with gradients through both. Logits are formed in
     autocast's dtype when autocast is on (as verl's matmul would be). ``chunk_size`` and ``impl_backend`` are
-    accepted for compatibility (rlk_mm tiles the vocabulary itself).
+    accepted for compatibility (rlk_mm tiles the vocabulary itself). A token id outside the
+    vocabulary raises, naming its place in ``input_ids``.
     """
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
         if impl_backend not in ("torch", "liger"):
             raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'.")
-        self.chunk_size = chunk_size
+        self.chunk_size = int_arg("chunk_size", chunk_size, min=1)
         self.impl_backend = impl_backend
 
     def forward(self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor, temperature: float = 1.0):
+        tensor_arg("hidden_states", hidden_states)
+        tensor_arg("vocab_weights", vocab_weights)
+        tensor_arg("input_ids", input_ids)
         if hidden_states.dim() not in (2, 3):
             raise ValueError(f"hidden_states must be 2D or 3D, got shape {tuple(hidden_states.shape)}")
+        if input_ids.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
         if tuple(input_ids.shape) != tuple(hidden_states.shape[:-1]):
             raise ValueError(
                 f"input_ids shape {tuple(input_ids.shape)} must match hidden_states shape {tuple(hidden_states.shape[:-1])}"
@@ -128,14 +137,16 @@ class FusedLinearForPPO(torch.nn.Module):
         ids = input_ids.reshape(-1).to(torch.int64)
         plan = _SCORING.get()
         rows = None if plan is None else plan.rows_for(input_ids.shape, ids.device)
-        if rows is None:  # score every row
-            logp, ent = selected_logprob(hidden, weight, index=torch.arange(ids.numel(), device=ids.device),
-                                         targets=ids, temperature=float(temperature), return_entropy=True)
-        else:
-            sel_logp, sel_ent = selected_logprob(hidden, weight, index=rows, targets=ids[rows],
-                                                 temperature=float(temperature), return_entropy=True)
-            logp = sel_logp.new_zeros(ids.numel()).index_copy(0, rows, sel_logp)
-            ent = sel_ent.new_zeros(ids.numel()).index_copy(0, rows, sel_ent)
+        scored, targets = (torch.arange(ids.numel(), device=ids.device), ids) if rows is None else (rows, ids[rows])
+        try:
+            logp, ent = selected_logprob(hidden, weight, index=scored, targets=targets, temperature=temperature,
+                                         return_entropy=True)
+        except TargetError as e:
+            place = ", ".join(str(int(i)) for i in torch.unravel_index(scored[e.at].cpu(), tuple(input_ids.shape)))
+            raise ValueError(f"input_ids[{place}] = {e.token} {e.problem}") from None
+        if rows is not None:  # zeros where nothing is read
+            logp = logp.new_zeros(ids.numel()).index_copy(0, rows, logp)
+            ent = ent.new_zeros(ids.numel()).index_copy(0, rows, ent)
         return logp.view(input_ids.shape), ent.to(hidden_states.dtype).view(input_ids.shape)
 
 
@@ -189,6 +200,7 @@ def enable(*, response_only: bool = True) -> None:
     """
     import importlib
 
+    response_only = bool_arg("response_only", response_only)
     if _REPLACED:
         return
     module = importlib.import_module(_TORCH_FUNCTIONAL)

@@ -1,107 +1,180 @@
 """Span-masked selected log-prob: ``log_softmax((h·Wᵀ + bias) / T)[target]`` for scored
-tokens only, never writing ``[n, V]`` logits (DESIGN.md, "Ops").
+tokens only, never writing ``[n, V]`` logits.
 
-``selected_logprob`` resolves which hidden rows are scored (from an ``RLBatch``'s loss
-spans, or from ``index``/``targets``) and calls the custom op ``rlk_mm::selected_logprob``
-(Triton on CUDA, the chunked plain-torch backend elsewhere; both validate their inputs
-before any work). Its autograd recomputes logits in the backward instead of storing them.
-Eager calls run the op's own forward and backward through a ``torch.autograd.Function``,
-skipping the custom-op dispatcher's per-call cost (bench/results/README.md);
-``torch.compile`` traces the registered ops.
+``selected_logprob`` checks its arguments, resolves which hidden rows are scored (from an
+``RLBatch``'s loss spans, or from ``index``/``targets``) and calls the custom op
+``rlk_mm::selected_logprob`` (Triton on CUDA, the chunked plain-torch backend elsewhere;
+the op checks shapes and values before any work). Its autograd recomputes logits in the
+backward instead of storing them. Eager calls run the op's own forward and backward through
+a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost
+(bench/results/README.md); ``torch.compile`` traces the registered ops.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Optional
 
 import torch
 
+from ..schema import RLBatch
+from ..schema.checks import INTEGER_DTYPES, bool_arg, first_true, tensor_arg
 from ._backend import use_triton
 from ._torch import logprob as _ref
 
 Tensor = torch.Tensor
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
+#: below it samplers decode greedily (vLLM), and logits / temperature can overflow float32
+MIN_TEMPERATURE = 1e-5
 
 
 def selected_logprob(
     hidden: Tensor,
     weight: Tensor,
-    batch=None,
+    batch: Optional[RLBatch] = None,
     *,
     index: Optional[Tensor] = None,
     targets: Optional[Tensor] = None,
+    padding: Optional[str] = None,
     temperature: float = 1.0,
     bias: Optional[Tensor] = None,
     return_entropy: bool = False,
 ):
     """fp32 log-probs ``[n]`` of the scored tokens (and their entropies with ``return_entropy``).
 
-    ``hidden`` is ``[T, H]`` (packed) or ``[B, L, H]`` (right-padded); ``weight`` is the LM
-    head ``[V, H]``, ``bias`` an optional ``[V]``. The logits are ``(h·Wᵀ + bias) / temperature``.
-    Give either ``batch`` (an ``RLBatch``: rows and targets from its loss spans, target ``t``
-    scored from the hidden state at ``t - 1``, in loss-span order) or ``index`` (rows of the
-    flattened hidden states) with ``targets`` (token ids). Gradients flow to ``hidden`` (only
-    the scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
+    ``hidden`` is ``[T, H]`` (packed) or ``[B, L, H]`` (padded); ``weight`` is the LM head
+    ``[V, H]``, ``bias`` an optional ``[V]`` (finite, or -inf to mask an entry that is never
+    a target). The logits are ``(h·Wᵀ + bias) / temperature``, ``temperature >=
+    MIN_TEMPERATURE``. Give either ``batch`` (an ``RLBatch``: rows and targets from its loss
+    spans, target ``t`` scored from the hidden state at ``t - 1``, in loss-span order; with
+    ``[B, L, H]`` hidden states also ``padding="right"`` or ``"left"``, where each sample's
+    tokens sit in its row: never guessed) or ``index`` (rows of the flattened hidden states)
+    with ``targets`` (token ids, in ``[0, V)``). Gradients flow to ``hidden`` (only the
+    scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
+
+    Every argument is checked before any work. One host sync per call, in the forward: the
+    index and target ranges, the bias values and whether every row is scored in order are
+    read together; the backward never syncs. The batch path also reads the batch's span
+    sizes (free for a batch on the CPU, one more sync for a batch on the GPU). ``hidden``
+    and ``weight`` are not read for checks: a non-finite value there propagates (a NaN
+    hidden row gives NaN for that row).
     """
+    tensor_arg("hidden", hidden)
     if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [T, H] or [B, L, H]; got shape {tuple(hidden.shape)}")
+        raise ValueError(f"hidden must be [T, H] (packed) or [B, L, H] (padded); got shape {tuple(hidden.shape)}")
+    return_entropy = bool_arg("return_entropy", return_entropy)
+    temperature = _temperature(temperature)
     if batch is not None:
         if index is not None or targets is not None:
             raise ValueError("give either batch or index/targets, not both")
-        rows, tgts = _rows_from_batch(batch, hidden, weight)
+        if not isinstance(batch, RLBatch):
+            raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__} (or pass index= and targets=)")
+        rows, tgts = _rows_from_batch(batch, hidden, padding)
     else:
         if index is None or targets is None:
             raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
+        if padding is not None:
+            _refuse_padding(padding)
         rows, tgts = _as_index("index", index), _as_index("targets", targets)
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
     op = torch.ops.rlk_mm.selected_logprob if torch.compiler.is_compiling() else _EagerSelectedLogprob.apply
-    logp, entropy, _, _ = op(hidden2d, weight, rows, tgts, bias, float(temperature), bool(return_entropy))
+    try:
+        logp, entropy, _, _ = op(hidden.flatten(0, -2), weight, rows, tgts, bias, temperature, return_entropy)
+    except TargetError as e:
+        if batch is None:
+            raise
+        sample, pos, _ = batch.loss_spans.token_positions()
+        where = f"sample {int(sample[e.at])}, position {int(pos[e.at])}"
+        raise ValueError(f"batch input_ids: {where} holds token {e.token}, which {e.problem}") from None
     return (logp, entropy) if return_entropy else logp
 
 
-def _as_index(name: str, t: Tensor) -> Tensor:
-    if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise TypeError(f"{name} must be an integer tensor; got {type(t).__name__} {getattr(t, 'dtype', '')}")
+class TargetError(ValueError):
+    """A target outside the vocabulary or masked by the bias. ``at`` is its place in
+    ``targets``: a caller that knows where the token came from re-raises naming that place."""
+
+    def __init__(self, at: int, token: int, problem: str):
+        super().__init__(f"targets[{at}] = {token} {problem}")
+        self.at, self.token, self.problem = at, token, problem
+
+
+def _temperature(value) -> float:
+    """``value`` (a number or a 0-d float tensor; never a bool or a string) as a float > 0."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    _check_temperature(value)
+    return value
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be a finite number >= {MIN_TEMPERATURE}; got {temperature} (the rollout's sampling "
+            "temperature: logits are divided by it; 1.0 leaves them as they are)"
+        )
+
+
+def _as_index(name: str, t) -> Tensor:
+    tensor_arg(name, t)
+    if t.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (int64 or int32); got {t.dtype}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D [n]; got shape {tuple(t.shape)}")
     return t.to(torch.int64).contiguous()
 
 
-def _rows_from_batch(batch, hidden: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(rows, targets) on hidden's device from the batch's loss spans, checked against shapes."""
+def _refuse_padding(padding) -> None:
+    raise ValueError(
+        f"padding={padding!r} applies only to [B, L, H] hidden states with a batch; packed hidden states and "
+        "index= rows (rows of the flattened hidden states) have no padding side: leave padding out"
+    )
+
+
+def _rows_from_batch(batch: RLBatch, hidden: Tensor, padding) -> tuple[Tensor, Tensor]:
+    """(rows, targets) on hidden's device from the batch's loss spans, checked against hidden's layout."""
     if hidden.dim() == 2:
+        if padding is not None:
+            _refuse_padding(padding)
         if hidden.shape[0] != batch.num_tokens:
             raise ValueError(
-                f"hidden is packed [T={hidden.shape[0]}, H] but the batch has {batch.num_tokens} tokens"
+                f"hidden is packed [T={hidden.shape[0]}, H] but the batch has {batch.num_tokens} tokens: "
+                "pass one hidden state per packed token of the batch"
             )
-        rows, tgts = batch.loss_token_index()
-    else:
-        if hidden.shape[0] != batch.num_samples:
-            raise ValueError(
-                f"hidden is padded [B={hidden.shape[0]}, L, H] but the batch has {batch.num_samples} samples"
-            )
-        rows, tgts = batch.loss_token_index(padded_length=hidden.shape[1])
-    bad = torch.nonzero((tgts < 0) | (tgts >= weight.shape[0])).flatten()
-    if bad.numel():
-        i = int(bad[0])
-        sample, pos, _ = batch.loss_spans.token_positions()
+        rows, targets = batch.loss_token_index()
+        return rows.to(hidden.device), targets.to(hidden.device)
+    B, L = hidden.shape[:2]
+    if B != batch.num_samples:
+        raise ValueError(f"hidden is padded [B={B}, L, H] but the batch has {batch.num_samples} samples")
+    if padding is None:
         raise ValueError(
-            f"batch input_ids: sample {int(sample[i])}, position {int(pos[i])} holds token "
-            f"{int(tgts[i])}, outside the LM head's vocabulary of {weight.shape[0]}"
+            f"hidden is padded [B={B}, L={L}, H] and its padding side is ambiguous: pass padding='right' "
+            "(each sample's tokens start its row) or padding='left' (they end it)"
         )
-    return rows.to(hidden.device), tgts.to(hidden.device)
+    try:
+        rows, targets = batch.loss_token_index(padded_length=L, padding=padding)
+    except ValueError as error:  # name the argument the caller gave
+        raise ValueError(f"hidden is padded [B={B}, L={L}, H]: {error}") from None
+    return rows.to(hidden.device), targets.to(hidden.device)
 
 
 # ------------------------------------------------------------------ checks (all backends)
 def _check(hidden, weight, rows, targets, bias, temperature) -> None:
-    """Shapes, dtypes, devices and temperature; raised before any kernel runs."""
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be [T, H] and weight [V, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    """Types, shapes, dtypes, devices and temperature, read on the host; raised before any kernel runs."""
+    tensor_arg("weight", weight)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H]; got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (the LM head); got shape {tuple(weight.shape)}")
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden size mismatch: hidden is [T, {hidden.shape[1]}] but weight is [V, {weight.shape[1]}]")
+    if hidden.shape[1] == 0:
+        raise ValueError("hidden and weight have hidden size H = 0: pass the model's hidden states and its LM head")
     if weight.shape[0] == 0:
         raise ValueError("weight has an empty vocabulary (V = 0)")
     if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
@@ -109,6 +182,7 @@ def _check(hidden, weight, rows, targets, bias, temperature) -> None:
             f"hidden and weight must share one of float32/bfloat16/float16; got {hidden.dtype} and {weight.dtype}"
         )
     if bias is not None:
+        tensor_arg("bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must be [V={weight.shape[0]}]; got shape {tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
@@ -122,27 +196,51 @@ def _check(hidden, weight, rows, targets, bias, temperature) -> None:
     for name, t in named:
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if not (isinstance(temperature, float) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0; got {temperature}")
+    _check_temperature(temperature)
 
 
-def _check_values(T: int, V: int, rows: Tensor, targets: Tensor) -> bool:
-    """Every row in [0, T) and every target in [0, V) (the error names the first offender).
-    Returns whether the rows are exactly 0, 1, ..., T - 1, read in the same host sync."""
-    if rows.numel() == 0:
-        return False
-    stats = [*torch.aminmax(rows), *torch.aminmax(targets)]
-    if rows.numel() == T:
+def _check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[Tensor]) -> bool:
+    """Every row in [0, T); every target in [0, V) and not masked by the bias; every bias
+    entry finite or -inf, not all -inf. The error names the first offender. Returns whether
+    the rows are exactly 0, 1, ..., T - 1. All of it is read in one host sync."""
+    n = rows.numel()
+    stats = [*torch.aminmax(rows), *torch.aminmax(targets)] if n else []
+    if n and n == T:
         stats.append((rows == torch.arange(T, device=rows.device)).all().to(rows.dtype))
-    lo_r, hi_r, lo_t, hi_t, *in_order = torch.stack(stats).tolist()  # the one sync
-    for name, t, lo, hi, limit, what in (
-        ("index", rows, lo_r, hi_r, T, "rows of hidden"),
-        ("targets", targets, lo_t, hi_t, V, "vocabulary entries"),
-    ):
-        if lo < 0 or hi >= limit:
-            i = int(torch.nonzero((t < 0) | (t >= limit))[0, 0])
-            raise ValueError(f"{name}[{i}] = {int(t[i])} is out of range: there are {limit} {what}")
-    return bool(in_order and in_order[0])
+    if bias is not None:  # max: nan or +inf if any, -inf if all masked; min at the targets: -inf if one is masked
+        at_targets = bias[targets.clamp(0, V - 1)].amin() if n else bias.new_zeros(())
+        stats = [s.double() for s in (*stats, bias.amax(), at_targets)]
+    values = torch.stack(stats).tolist() if stats else []  # the one sync
+    if n:
+        _check_ranges(T, V, rows, targets, *values[:4])
+    if bias is not None:
+        _check_bias(bias, targets, *values[-2:])
+    return n == T and n > 0 and bool(values[4])
+
+
+def _check_ranges(T: int, V: int, rows: Tensor, targets: Tensor, lo_r, hi_r, lo_t, hi_t) -> None:
+    if lo_r < 0 or hi_r >= T:
+        i = first_true((rows < 0) | (rows >= T))[0]
+        raise ValueError(f"index[{i}] = {int(rows[i])} is out of range: there are {T} rows of hidden")
+    if lo_t < 0 or hi_t >= V:
+        i = first_true((targets < 0) | (targets >= V))[0]
+        token = int(targets[i])
+        hint = ""
+        if token == _IGNORE_INDEX:
+            hint = f"; {token} is an ignore index: leave such positions out of index and targets"
+        raise TargetError(i, token, f"is out of range: there are {V} vocabulary entries (rows of weight){hint}")
+
+
+def _check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
+    if not top < math.inf:
+        i = first_true(torch.isnan(bias) | (bias == math.inf))[0]
+        raise ValueError(f"bias[{i}] = {float(bias[i])}: a bias entry must be finite, or -inf to mask its token")
+    if top == -math.inf:
+        raise ValueError("bias is -inf at every vocabulary entry: no token can be scored; keep some entries finite")
+    if target_low == -math.inf:
+        i = first_true(bias[targets] == -math.inf)[0]
+        token = int(targets[i])
+        raise TargetError(i, token, f"is masked: bias[{token}] = -inf (probability 0); score only tokens it can give")
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
@@ -158,7 +256,7 @@ def _forward(
     ``all_rows``: a CPU bool, whether the rows are every row of hidden in order (read
     once here, so that the backward decides how to read hidden without a device sync)."""
     _check(hidden, weight, rows, targets, bias, temperature)
-    all_rows = _check_values(hidden.shape[0], weight.shape[0], rows, targets)
+    all_rows = _check_values(hidden.shape[0], weight.shape[0], rows, targets, bias)
     hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
     if use_triton(hidden, weight):
         from ._triton import logprob as _tri

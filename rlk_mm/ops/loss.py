@@ -18,160 +18,42 @@ order, so results are deterministic.
 constants (no gradient flows to them), as in PPO.
 
 Deliberate differences from verl: a fully masked batch gives loss 0 (verl divides 0 by 0);
-masked positions never leak NaN/inf into a sum (verl's seq-mean modes multiply by the mask).
+masked positions never leak NaN/inf into a sum (verl's seq-mean modes multiply by the mask);
+arguments are checked (nonsense knobs, masks, non-finite data raise an error naming the
+argument, sample and position; see ``policy_loss``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..schema import Choice
+from ..schema.checks import FLOAT_DTYPES, DeviceChecks, float_arg, tensor_arg
 from . import _loss_terms as terms
 from ._backend import use_triton
+from ._loss_args import (  # noqa: F401  (KLType: public here)
+    Agg, AggMode, KLType, Layout, RatioMode, agg_args, check_data, checked_mask, dual_clip, f32_arg, kl_estimator,
+    layout_of, like, log_ratio_bounds,
+)
 from ._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, LOG_RATIO_LIMIT, MEAN_EPS, KLEstimator, Partial
 from ._torch import loss as _torch_loss
 
 
-class AggMode(Choice):
-    """How per-token losses become a scalar (``loss_agg_mode``): verl 0.9.1's modes and EasyR1's."""
-
-    TOKEN_MEAN = "token-mean"
-    TOKEN_SUM = "token-sum"
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
-    TOKEN = "token"  # EasyR1: masked mean
-    SEQ = "seq"  # EasyR1: mean of per-sequence masked means
-
-
-class KLType(Choice):
-    """KL estimators by verl's and EasyR1's names (a trailing ``+``, e.g. ``"k3+"``, takes k2's gradient)."""
-
-    KL = "kl"
-    K1 = "k1"
-    ABS = "abs"
-    MSE = "mse"
-    K2 = "k2"
-    LOW_VAR_KL = "low_var_kl"
-    K3 = "k3"
-
-    @property
-    def estimator(self) -> KLEstimator:
-        return _KL_ESTIMATORS[self]
-
-
-_KL_ESTIMATORS = {
-    KLType.KL: KLEstimator.K1, KLType.K1: KLEstimator.K1, KLType.ABS: KLEstimator.ABS, KLType.MSE: KLEstimator.K2,
-    KLType.K2: KLEstimator.K2, KLType.LOW_VAR_KL: KLEstimator.K3, KLType.K3: KLEstimator.K3,
-}
-
-
-class RatioMode(Choice):
-    """The importance ratio of ``policy_loss``."""
-
-    TOKEN = "token"  # PPO: per token
-    GSPO_TOKEN = "gspo_token"  # GSPO's sequence ratio with each token's own gradient (verl's "gspo", EasyR1's "gspo_token")
-    GSPO = "gspo"  # GSPO with the gradient through the sequence mean (EasyR1's "gspo")
-
-
-# ----------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class _Layout:
-    """Where each token's sequence is: row of a padded [B, R] tensor, or sample_index[t]."""
-
-    shape: torch.Size
-    device: torch.device
-    num_seqs: int
-    row_length: int  # R for padded tensors, 0 for compact ones
-    sample_index: Optional[Tensor]
-
-    @property
-    def padded(self) -> bool:
-        return self.row_length > 0
-
-    def token_seq(self) -> Tensor:
-        """int64 [N]: the sequence of each token."""
-        if self.padded:
-            return torch.arange(self.num_seqs * self.row_length, device=self.device) // self.row_length
-        return self.sample_index
-
-    def seq_sum(self, values: Tensor) -> Tensor:
-        """Per-sequence sums of a flat per-token tensor, deterministic (no atomics)."""
-        if self.padded:
-            return values.reshape(self.num_seqs, self.row_length).sum(-1)
-        offsets = torch.searchsorted(self.sample_index, torch.arange(self.num_seqs + 1, device=values.device))
-        return torch.segment_reduce(values, "sum", offsets=offsets, unsafe=True)
-
-
-def _layout(name: str, ref: Tensor, sample_index: Optional[Tensor], num_samples: Optional[int]) -> _Layout:
-    if sample_index is None:
-        if ref.ndim != 2:
-            raise ValueError(
-                f"{name} has shape {tuple(ref.shape)}: padded inputs are [B, R]; for compact [n] inputs pass "
-                "sample_index (RLBatch.loss_token_sample()) and num_samples"
-            )
-        return _Layout(ref.shape, ref.device, ref.shape[0], ref.shape[1], None)
-    if ref.ndim != 1:
-        raise ValueError(f"{name} has shape {tuple(ref.shape)}: with sample_index, inputs are compact [n]")
-    if num_samples is None:
-        raise ValueError("num_samples is required with sample_index (the batch size B)")
-    if sample_index.dtype not in (torch.int64, torch.int32) or sample_index.shape != ref.shape:
-        raise ValueError(
-            f"sample_index must be an int64 (or int32) tensor of shape {tuple(ref.shape)} (one sample per token), "
-            f"got {sample_index.dtype} {tuple(sample_index.shape)}"
-        )
-    if sample_index.device != ref.device:
-        raise ValueError(f"sample_index is on {sample_index.device}, {name} on {ref.device}")
-    idx = sample_index.long()
-    if idx.numel():
-        # one host read validates order and range together
-        bad = (idx[1:] < idx[:-1]).any() | (idx[0] < 0) | (idx[-1] >= num_samples)
-        if bool(bad):
-            down = torch.nonzero(idx[1:] < idx[:-1])
-            if down.numel():
-                t = int(down[0]) + 1
-                raise ValueError(
-                    f"sample_index[{t}] = {int(idx[t])} follows {int(idx[t - 1])}: loss tokens must be grouped by "
-                    "sample in non-decreasing order (loss-span order, as RLBatch.loss_token_sample() returns)"
-                )
-            t = 0 if int(idx[0]) < 0 else idx.numel() - 1
-            raise ValueError(f"sample_index[{t}] = {int(idx[t])} is outside [0, num_samples={num_samples})")
-    return _Layout(ref.shape, ref.device, int(num_samples), 0, idx)
-
-
-def _check_like(layout: _Layout, **tensors: Optional[Tensor]) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.shape != layout.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(layout.shape)} like log_probs")
-
-
-def _mask_f32(mask: Optional[Tensor], n: int, device) -> Tensor:
-    return torch.ones(n, device=device) if mask is None else mask.reshape(-1).to(torch.float32)
-
-
 # ----------------------------------------------------------------------------- aggregation
-def _aggregation(
-    layout: _Layout, mask: Optional[Tensor], mode: str, *, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-    loss_scale_factor=None,
-):
-    """How ``mode`` aggregates: ``(coef, scale)`` with ``loss = scale(mask_sum) * sum_t mask_t * coef[seq(t)] * loss_t``.
+def _aggregation(layout: Layout, mask: Optional[Tensor], agg: Agg):
+    """How ``agg`` aggregates: ``(coef, scale)`` with ``loss = scale(mask_sum) * sum_t mask_t * coef[seq(t)] * loss_t``.
 
     ``coef`` is float32 ``[S]``, or None for the token modes (weight = mask); ``scale`` maps the
     batch's total mask sum (a 0-d tensor, known only after the token pass) to the outer factor.
     Divisions by a zero count give 0, not NaN.
     """
-    mode = AggMode.parse(mode, "loss_agg_mode")
+    mode, dp_size = agg.mode, agg.dp_size
     if mode is AggMode.TOKEN_MEAN:
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
+        if agg.batch_num_tokens is None:
             return None, lambda total: _safe_div(dp_size, total)
-        return None, lambda total: _safe_div(dp_size, batch_num_tokens)
+        return None, lambda total: _safe_div(dp_size, agg.batch_num_tokens)
     if mode is AggMode.TOKEN_SUM:
         return None, lambda total: dp_size
     if mode is AggMode.TOKEN:
@@ -179,24 +61,15 @@ def _aggregation(
     S = layout.num_seqs
     counts = layout.seq_sum(_mask_f32(mask, layout.shape.numel(), layout.device))
     if mode is AggMode.SEQ:
-        return 1.0 / (counts + MEAN_EPS), lambda total: 1.0 / S
+        return 1.0 / (counts + MEAN_EPS), lambda total: _safe_div(1.0, S)
     present = (counts > 0).to(torch.float32)
-    if global_batch_size is None:
-        if dp_size > 1:
-            raise ValueError("global_batch_size is required when dp_size > 1")
-        global_batch_size = present.sum()
-    norm = 1.0
-    if mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM:
-        if loss_scale_factor is None:
-            if not layout.padded:
-                raise ValueError(
-                    "loss_scale_factor is required for seq-mean-token-sum-norm on compact inputs "
-                    "(verl's default is the padded response length)"
-                )
-            loss_scale_factor = layout.row_length
-        norm = loss_scale_factor
+    global_batch_size = present.sum() if agg.global_batch_size is None else agg.global_batch_size
     coef = present / (counts + MEAN_EPS) if mode is AggMode.SEQ_MEAN_TOKEN_MEAN else present
-    return coef, lambda total: _safe_div(dp_size, global_batch_size) / norm
+    return coef, lambda total: _safe_div(_safe_div(dp_size, global_batch_size), agg.norm)
+
+
+def _mask_f32(mask: Optional[Tensor], n: int, device) -> Tensor:
+    return torch.ones(n, device=device) if mask is None else mask.reshape(-1).to(torch.float32)
 
 
 def _safe_div(num, den):
@@ -227,13 +100,17 @@ def agg_loss(
     per-sequence token means. Sequences with no token are left out of the default
     global_batch_size. EasyR1 ``token``: masked mean (eps ``MEAN_EPS``); ``seq``: mean over all rows
     of per-row masked means.
+
+    Checks as ``policy_loss`` does (one host sync for a non-bool mask, ``sample_index`` or a
+    tensor count; none otherwise). A non-finite ``loss_mat`` entry propagates where the mask is
+    set and is ignored where it is not.
     """
-    layout = _layout("loss_mat", loss_mat, sample_index, num_samples)
-    _check_like(layout, mask=mask)
-    coef, scale = _aggregation(
-        layout, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
-    )
+    checks = DeviceChecks()
+    layout = layout_of("loss_mat", loss_mat, sample_index, num_samples, checks)
+    checked_mask(layout, checks, mask)
+    agg = agg_args(layout, checks, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    checks.run()
+    coef, scale = _aggregation(layout, mask, agg)
     m = _mask_f32(mask, loss_mat.numel(), loss_mat.device)
     w = m if coef is None else m * coef[layout.token_seq()]
     values = loss_mat.reshape(-1)
@@ -242,24 +119,18 @@ def agg_loss(
 
 
 # ----------------------------------------------------------------------------- KL
-def _kl_estimator(kind) -> tuple[KLEstimator, bool]:
-    """(estimator, straight-through) of a ``KLType`` name, optionally with a trailing ``+``."""
-    straight = isinstance(kind, str) and kind.endswith("+")
-    try:
-        estimator = KLType(kind[:-1] if straight else kind).estimator
-    except ValueError:
-        raise ValueError(f"kl type {kind!r}: expected one of {', '.join(KLType)} (optionally with a trailing '+')") from None
-    return estimator, straight and estimator != KLEstimator.K2
-
-
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
     """Per-token KL estimate of the policy to a reference (verl's ``kl_penalty``; EasyR1's ``compute_kl``).
 
     ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2;
     ``k3``/``low_var_kl``: exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT.
     A trailing ``+`` (e.g. ``k3+``) keeps the value and takes k2's gradient (straight-through).
+    Both inputs: float tensors of one shape (no broadcasting) and device; no host sync.
+    Non-finite values propagate, except through k3's clamps.
     """
-    estimator, straight_through = _kl_estimator(kind)
+    tensor_arg("log_probs", log_probs, dtypes=FLOAT_DTYPES)
+    tensor_arg("ref_log_probs", ref_log_probs, shape=log_probs.shape, dtypes=FLOAT_DTYPES, device=log_probs.device)
+    estimator, straight_through = kl_estimator(kind, "kind")
     x = log_probs - ref_log_probs
     if estimator == KLEstimator.K1:
         value = x
@@ -364,7 +235,7 @@ def _backward(ctx, grad_partials):
 def _spread_over_sequence(grad_logp: Tensor, args: dict) -> Tensor:
     """GSPO's gradient through the sequence mean: each token gets mask_u / |y| of its sequence's sum."""
     n, R = grad_logp.numel(), args["row_length"]
-    layout = _Layout(grad_logp.shape, grad_logp.device, args["num_seqs"], R, None if R > 0 else args["sample_index"])
+    layout = Layout(grad_logp.shape, grad_logp.device, args["num_seqs"], R, args["sample_index"])
     m = _mask_f32(args["mask"], n, grad_logp.device)
     total = layout.seq_sum(grad_logp.float())
     counts = layout.seq_sum(m).clamp(min=1.0)
@@ -412,34 +283,46 @@ def policy_loss(
 
     Returns ``(loss, metrics)``: a float32 scalar, and 0-d float32 tensors named as verl
     names them — ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (mask means),
-    plus ``kl_loss`` / ``entropy_loss`` when those inputs are given. No host synchronisation
-    except one read validating ``sample_index`` (compact inputs).
+    plus ``kl_loss`` / ``entropy_loss`` when those inputs are given.
+
+    Every argument is checked before any work, and the values in one host sync per call:
+    ``sample_index`` (order, range), the mask (bool; integer 0 or 1; float weights finite and
+    >= 0), ``old_log_probs``, ``advantages``, ``ref_log_probs`` (finite) and
+    ``rollout_is_weights`` (finite, >= 0) where the mask is set, tensor counts (>= 0). The
+    model's outputs are not checked: a non-finite ``log_probs`` or ``entropy`` value
+    propagates to the loss where the mask is set (verl skips such steps by the gradient norm)
+    and is ignored where it is not. Knobs: ``0 <= clip_ratio_low <= 1``,
+    ``clip_ratio_high >= 0``, ``clip_ratio_c > 1`` or None, ``kl_coef >= 0``,
+    ``entropy_coeff >= 0`` (a bonus), ``dp_size >= 1``.
     """
-    layout = _layout("log_probs", log_probs, sample_index, num_samples)
-    _check_like(
-        layout, old_log_probs=old_log_probs, advantages=advantages, mask=mask,
-        rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs, entropy=entropy,
-    )
-    if not log_probs.is_floating_point():
-        raise ValueError(f"log_probs must be floating point, got {log_probs.dtype}")
+    checks = DeviceChecks()
+    layout = layout_of("log_probs", log_probs, sample_index, num_samples, checks)
+    scored = checked_mask(layout, checks, mask)
+    for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages), ("ref_log_probs", ref_log_probs)):
+        check_data(layout, checks, scored, name, t)
+    check_data(layout, checks, scored, "rollout_is_weights", rollout_is_weights, weights=True)
+    if entropy is not None:
+        like(layout, "entropy", entropy)
     ratio = RatioMode.parse(ratio, "ratio")
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c}: the dual-clip bound must be > 1 (or None to turn it off)")
-    if (kl_coef != 0.0) and ref_log_probs is None:
+    clip_ratio_low = float_arg("clip_ratio_low", clip_ratio_low, min=0.0, max=1.0)
+    clip_ratio_high = f32_arg("clip_ratio_high", clip_ratio_high, min=0.0, inf_ok=True)
+    clip_c = dual_clip("clip_ratio_c", clip_ratio_c)
+    lo, hi = log_ratio_bounds(log_ratio_clamp)
+    kl_coef = f32_arg("kl_coef", kl_coef, min=0.0)
+    entropy_coeff = f32_arg("entropy_coeff", entropy_coeff, min=0.0)
+    kl_kind, kl_st = kl_estimator(kl_type, "kl_type")
+    if kl_coef != 0.0 and ref_log_probs is None:
         raise ValueError("kl_coef is set but ref_log_probs is None")
-    if (entropy_coeff != 0.0) and entropy is None:
+    if entropy_coeff != 0.0 and entropy is None:
         raise ValueError("entropy_coeff is set but entropy is None")
-    kl_kind, kl_st = _kl_estimator(kl_type) if ref_log_probs is not None else (KLEstimator.NONE, False)
-    lo, hi = log_ratio_clamp
-    lo = -math.inf if lo is None else float(lo)
-    hi = math.inf if hi is None else float(hi)
+    if ref_log_probs is None:
+        kl_kind, kl_st = KLEstimator.NONE, False
+    agg = agg_args(layout, checks, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+    checks.run()  # the one host sync
 
     device = log_probs.device
     flat = lambda t: None if t is None else t.detach().reshape(-1).contiguous()  # noqa: E731
-    coef, scale = _aggregation(
-        layout, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
-    )
+    coef, scale = _aggregation(layout, mask, agg)
     seq_lr = None
     if ratio is not RatioMode.TOKEN:
         m = _mask_f32(mask, log_probs.numel(), device)
@@ -452,8 +335,7 @@ def policy_loss(
         None if entropy is None else entropy.reshape(-1).contiguous(),
         [flat(old_log_probs), flat(advantages), None if coef is None else coef.contiguous(), flat(mask),
          layout.sample_index, seq_lr, flat(rollout_is_weights), flat(ref_log_probs)],  # _OP_TENSORS
-        [float(clip_ratio_low), float(clip_ratio_high), math.inf if clip_ratio_c is None else float(clip_ratio_c),
-         lo, hi],  # _OP_FLOATS
+        [clip_ratio_low, clip_ratio_high, clip_c, lo, hi],  # _OP_FLOATS
         [layout.num_seqs, layout.row_length, int(kl_kind), int(kl_st), int(ratio is RatioMode.GSPO)],  # _OP_INTS
     )
     sums = partials.sum(-1)

@@ -11,8 +11,8 @@ each on its own.
 
 Both ops are vectorized and deterministic: sorting, searchsorted and segmented sums
 (``torch.segment_reduce``), no atomics. ``group_advantages`` never reads the device from
-the host; ``scatter_rewards`` reads once (the token count, which sizes its output, and its
-input checks), none at all with ``num_tokens=`` and ``check=False``.
+the host; ``scatter_rewards`` reads once (the token count, which sizes its output, with its
+value checks), none at all with ``num_tokens=`` and ``check=False``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import torch
 from torch import Tensor
 
 from ..schema import Choice, RLBatch, SchemaError, SpanTable
+from ..schema.checks import (
+    FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg,
+)
 
 _KEY_SHIFT = 32  # token key = sample << 32 | position: sorts like (sample, position)
 
@@ -50,7 +53,8 @@ class SpanReward:
 
     ``mode="last"``: on the span's last loss token (a turn's reward at the end of its action);
     ``"spread"``: split evenly over the span's loss tokens (a region's reward on its tokens).
-    Spans of one table must not overlap within a sample.
+    Spans of one table must not overlap within a sample. Checked when built (``values``: a
+    float tensor, one value per span; ``name`` names it in errors).
     """
 
     spans: SpanTable
@@ -58,13 +62,41 @@ class SpanReward:
     mode: str = "spread"
     name: str = "span rewards"
 
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"SpanReward name must be a str, got {type(self.name).__name__}")
+        if not isinstance(self.spans, SpanTable):
+            raise TypeError(f"SpanReward spans must be a SpanTable, got {type(self.spans).__name__}")
+        _values(f"{self.name}: values", self.values, self.spans.num_spans)
+        RewardPlacement.parse(self.mode, f"{self.name}: mode")
+
 
 # ----------------------------------------------------------------------------- scatter
 def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
-    """DAPO's soft overlong penalty: 0 up to ``max_length - buffer`` tokens, then linear to -1
-    at ``max_length``, and -1 beyond."""
+    """DAPO's soft overlong penalty of token counts ``lengths`` (an integer tensor, >= 0):
+    0 up to ``max_length - buffer`` tokens, then linear to -1 at ``max_length``, and -1
+    beyond. One host read (the check that no length is negative)."""
+    tensor_arg("lengths", lengths, dtypes=INTEGER_DTYPES)
+    max_length, buffer = _penalty_args(max_length, buffer)
+    checks = DeviceChecks()
+
+    def fail():
+        i = first_true(lengths.reshape(-1) < 0)[0]
+        raise ValueError(f"lengths[{i}] = {int(lengths.reshape(-1)[i])} is negative: lengths are token counts")
+
+    checks.add((lengths < 0).any(), fail)
+    checks.run()
+    return _overlong(lengths, max_length, buffer)
+
+
+def _penalty_args(max_length, buffer) -> tuple[int, int]:
+    max_length, buffer = int_arg("max_length", max_length), int_arg("buffer", buffer)
     if not 0 < buffer <= max_length:
-        raise ValueError(f"length_penalty=(max_length={max_length}, buffer={buffer}): need 0 < buffer <= max_length")
+        raise ValueError(f"buffer={buffer} is out of range: it must be > 0 and <= max_length={max_length}")
+    return max_length, buffer
+
+
+def _overlong(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
     return torch.clamp(((max_length - buffer) - lengths.to(torch.float32)) / buffer, min=-1.0, max=0.0)
 
 
@@ -84,105 +116,141 @@ def scatter_rewards(
     defaults to ``batch.rewards`` and ``spans`` to its region rewards, spread, and turn
     rewards, on each action's last token). ``rewards``: ``[B]`` sequence rewards, placed by
     ``mode`` (``"last"``: verl's last-token convention; ``"spread"``: r / n_b on each of the
-    sample's n_b loss tokens, so sums are kept). ``length_penalty=(max_length, buffer)``
-    adds ``overlong_penalty`` of each sample's loss-token count to its sequence reward.
+    sample's n_b loss tokens, so sums are kept). ``spans``: a list of ``SpanReward``.
+    ``length_penalty=(max_length, buffer)`` adds ``overlong_penalty`` of each sample's
+    loss-token count to its sequence reward.
 
-    ``check=True`` validates in one host read: finite values, spans that do not overlap,
-    and no non-zero reward on a sample or span without loss tokens (it would be lost).
+    ``check=True`` validates in the one host read that also counts the loss tokens: finite
+    values, spans that do not overlap, no non-zero reward on a sample or span without loss
+    tokens (it would be lost), and ``num_tokens`` (if given) equal to the count. With
+    ``num_tokens=`` and ``check=False`` nothing is read, and ``num_tokens`` is trusted.
     """
     table, rewards, spans = _resolve_target(loss_spans, rewards, spans)
     mode = RewardPlacement.parse(mode, "mode")
+    check = bool_arg("check", check)
+    if num_tokens is not None:
+        num_tokens = int_arg("num_tokens", num_tokens, min=0)
     B, dev = table.num_samples, table.device
+    if rewards is not None:
+        rewards = _values("rewards", rewards, B).to(device=dev, dtype=torch.float32)
+    if length_penalty is not None:
+        if not isinstance(length_penalty, (tuple, list)) or len(length_penalty) != 2:
+            raise TypeError(f"length_penalty must be a pair (max_length, buffer), got {length_penalty!r}")
+        length_penalty = _penalty_args(*length_penalty)
+    for sr in spans:
+        if sr.spans.num_samples != B:
+            raise SchemaError(f"{sr.name}: its span table covers {sr.spans.num_samples} samples; the loss spans {B}")
+
     lengths = table.lengths().long()
     cum = torch.cumsum(lengths, 0)
-    if num_tokens is None:
-        num_tokens = int(cum[-1]) if lengths.numel() else 0
-    n = num_tokens
-    span_first = cum - lengths
+    seq = None
+    if rewards is not None or length_penalty is not None:
+        seq = torch.zeros(B, dtype=torch.float32, device=dev) if rewards is None else rewards
+        if length_penalty is not None:
+            seq = seq + _overlong(table.token_counts(), *length_penalty)
+    span_rewards = [(sr, sr.spans.to(dev), sr.values.to(device=dev, dtype=torch.float32)) for sr in spans]
+    if check or num_tokens is None:
+        n = _read_count_and_check(table, lengths, cum, seq, span_rewards, num_tokens, check)
+    else:
+        n = num_tokens
+
     span_id = torch.repeat_interleave(torch.arange(table.num_spans, device=dev), lengths, output_size=n)
     sample = table.span_sample()[span_id]
-    position = torch.arange(n, device=dev) - span_first[span_id] + table.starts.long()[span_id]
+    position = torch.arange(n, device=dev) - (cum - lengths)[span_id] + table.starts.long()[span_id]
     keys = (sample << _KEY_SHIFT) | position
-
     out = torch.zeros(n, dtype=torch.float32, device=dev)
-    problems = []  # (what, bad flags [k], sample [k], values [k]) for the check
-    if rewards is not None or length_penalty is not None:
-        seq = torch.zeros(B, dtype=torch.float32, device=dev) if rewards is None else _values("rewards", rewards, B, dev)
-        if length_penalty is not None:
-            counts = torch.searchsorted(keys, torch.arange(1, B + 1, device=dev) << _KEY_SHIFT) - torch.searchsorted(
-                keys, torch.arange(B, device=dev) << _KEY_SHIFT
-            )
-            seq = seq + overlong_penalty(counts, *length_penalty)
+    if seq is not None:
         whole = torch.arange(B, device=dev)
-        contrib, empty = _place(keys, whole, torch.zeros(B, dtype=torch.long, device=dev),
-                                torch.full((B,), (1 << _KEY_SHIFT) - 1, dtype=torch.long, device=dev), seq, mode)
-        out = out + contrib
-        if check:
-            problems.append(("rewards", (empty & (seq != 0)) | ~torch.isfinite(seq), whole, seq))
-    for sr in spans:
-        placement = RewardPlacement.parse(sr.mode, f"{sr.name}: mode")
-        t = sr.spans.to(dev)
-        if t.num_samples != B:
-            raise SchemaError(f"{sr.name}: its span table covers {t.num_samples} samples; the loss spans cover {B}")
-        values = _values(sr.name, sr.values, t.num_spans, dev)
-        s_sample = t.span_sample()
-        contrib, empty = _place(keys, s_sample, t.starts.long(), t.ends.long(), values, placement)
-        out = out + contrib
-        if check:
-            overlap = torch.zeros(t.num_spans, dtype=torch.bool, device=dev)
-            if t.num_spans > 1:
-                overlap[1:] = (s_sample[1:] == s_sample[:-1]) & (t.starts[1:] < t.ends[:-1])
-            problems.append((sr.name, (empty & (values != 0)) | ~torch.isfinite(values) | overlap, s_sample, values))
-    if check and problems:
-        flags = torch.stack([p[1].any() for p in problems]).tolist()
-        for (what, bad, owner, values), hit in zip(problems, flags):
-            if hit:
-                _raise_problem(what, bad, owner, table, spans, values)
+        out = out + _place(keys, whole, torch.zeros(B, dtype=torch.long, device=dev),
+                           torch.full((B,), (1 << _KEY_SHIFT) - 1, dtype=torch.long, device=dev), seq, mode)
+    for sr, t, values in span_rewards:
+        placement = RewardPlacement.parse(sr.mode, "mode")
+        out = out + _place(keys, t.span_sample(), t.starts.long(), t.ends.long(), values, placement)
     return out
 
 
 def _resolve_target(target, rewards, spans):
-    if isinstance(target, SpanTable):
-        return target, rewards, list(spans)
-    if not isinstance(target, RLBatch):
-        raise TypeError(f"scatter_rewards takes a loss SpanTable or an RLBatch, got {type(target).__name__}")
-    batch = target
-    if rewards is None:
-        rewards = batch.rewards
-    spans = list(spans)
-    if not spans:
-        if batch.region_spans is not None and batch.region_rewards is not None:
-            spans.append(SpanReward(batch.region_spans, batch.region_rewards, "spread", "region_rewards"))
-        if batch.action_spans is not None and batch.turn_rewards is not None:
-            spans.append(SpanReward(batch.action_spans, batch.turn_rewards, "last", "turn_rewards"))
-    return batch.loss_spans, rewards, spans
+    if isinstance(target, RLBatch):
+        if rewards is None:
+            rewards = target.rewards
+        if not spans:
+            spans = []
+            if target.region_spans is not None and target.region_rewards is not None:
+                spans.append(SpanReward(target.region_spans, target.region_rewards, "spread", "region_rewards"))
+            if target.action_spans is not None and target.turn_rewards is not None:
+                spans.append(SpanReward(target.action_spans, target.turn_rewards, "last", "turn_rewards"))
+        target = target.loss_spans
+    if not isinstance(target, SpanTable):
+        raise TypeError(f"loss_spans must be a SpanTable or an RLBatch, got {type(target).__name__}")
+    if not isinstance(spans, (list, tuple)):
+        raise TypeError(f"spans must be a list or tuple of SpanReward, got {type(spans).__name__}")
+    for k, sr in enumerate(spans):
+        if not isinstance(sr, SpanReward):
+            raise TypeError(f"spans[{k}] must be a SpanReward, got {type(sr).__name__}")
+    return target, rewards, list(spans)
 
 
-def _values(name: str, values: Tensor, count: int, device) -> Tensor:
-    values = torch.as_tensor(values)
+def _values(name: str, values, count: int) -> Tensor:
+    tensor_arg(name, values)
     if values.shape != (count,):
         raise SchemaError(f"{name} has shape {tuple(values.shape)}; expected ({count},), one value per entry")
-    if not values.is_floating_point():
+    if values.dtype not in FLOAT_DTYPES:
         raise SchemaError(f"{name} must be floating point, got {values.dtype}")
-    return values.to(device=device, dtype=torch.float32)
+    return values
 
 
-def _place(keys: Tensor, sample: Tensor, start: Tensor, end: Tensor, values: Tensor, mode: str):
-    """Contribution of ``values`` on spans (sample, [start, end)) to the tokens with sorted ``keys``.
+def _loss_tokens_in(table: SpanTable, lengths: Tensor, cum: Tensor, sample: Tensor, start: Tensor, end: Tensor):
+    """int64: the loss tokens of ``table`` inside each span (sample, [start, end)), counted from
+    the loss spans' bounds (without listing the tokens)."""
+    if table.num_spans == 0:
+        return torch.zeros_like(sample)
+    lo = (table.span_sample() << _KEY_SHIFT) | table.starts.long()
+
+    def before(keys: Tensor) -> Tensor:  # loss tokens at keys below each key
+        j = torch.searchsorted(lo, keys, right=True) - 1  # the last loss span starting at or before the key
+        jc = j.clamp(min=0)
+        inside = (keys - lo[jc]).clamp(min=0).minimum(lengths[jc])  # a span of an earlier sample counts whole
+        return torch.where(j >= 0, cum[jc] - lengths[jc] + inside, 0)
+
+    return before((sample << _KEY_SHIFT) | end) - before((sample << _KEY_SHIFT) | start)
+
+
+def _read_count_and_check(table, lengths, cum, seq, span_rewards, num_tokens, check) -> int:
+    """The loss-token count, read with the value checks in one host sync; raises on a problem."""
+    problems = []  # (what, bad flags [k], owner sample [k], values [k])
+    if check:
+        if seq is not None:
+            problems.append(("rewards", (table.token_counts() == 0) & (seq != 0) | ~torch.isfinite(seq), None, seq))
+        for sr, t, values in span_rewards:
+            s_sample = t.span_sample()
+            empty = _loss_tokens_in(table, lengths, cum, s_sample, t.starts.long(), t.ends.long()) == 0
+            overlap = torch.zeros(t.num_spans, dtype=torch.bool, device=values.device)
+            if t.num_spans > 1:
+                overlap[1:] = (s_sample[1:] == s_sample[:-1]) & (t.starts[1:] < t.ends[:-1])
+            problems.append((sr, (empty & (values != 0)) | ~torch.isfinite(values) | overlap, s_sample, values))
+    total = cum[-1] if cum.numel() else cum.new_zeros(())
+    n, *hits = torch.stack([total, *(p[1].any().long() for p in problems)]).tolist()  # the one sync
+    if num_tokens is not None and num_tokens != n:
+        raise ValueError(f"num_tokens={num_tokens} but the loss spans hold {n} tokens: pass that, or leave it out")
+    for (what, bad, owner, values), hit in zip(problems, hits):
+        if hit:
+            _raise_problem(what, bad, owner, table, values)
+    return n
+
+
+def _place(keys: Tensor, sample: Tensor, start: Tensor, end: Tensor, values: Tensor, mode: str) -> Tensor:
+    """Contribution (float32 [n]) of ``values`` on spans (sample, [start, end)) to the tokens with sorted ``keys``.
 
     Token t lies in span j when j is the last span starting at or before it and t is before
-    its end (spans of one sample are sorted and disjoint). Returns (per-token float32 [n],
-    bool per span: the span holds no loss token).
+    its end (spans of one sample are sorted and disjoint).
     """
     n = keys.numel()
+    if values.numel() == 0 or n == 0:
+        return torch.zeros(n, dtype=torch.float32, device=keys.device)
     lo_key = (sample << _KEY_SHIFT) | start
     hi_key = (sample << _KEY_SHIFT) | end
     first = torch.searchsorted(keys, lo_key)
     stop = torch.searchsorted(keys, hi_key)
-    count = stop - first
-    empty = count <= 0
-    if values.numel() == 0 or n == 0:
-        return torch.zeros(n, dtype=torch.float32, device=keys.device), empty
     j = torch.searchsorted(lo_key, keys, right=True) - 1
     jc = j.clamp(min=0)
     inside = (j >= 0) & (keys < hi_key[jc])
@@ -191,22 +259,21 @@ def _place(keys: Tensor, sample: Tensor, start: Tensor, end: Tensor, values: Ten
         share = values[jc]
     else:
         hit = inside
-        share = values[jc] / count[jc].clamp(min=1).to(torch.float32)
-    return torch.where(hit, share, torch.zeros((), device=keys.device)), empty
+        share = values[jc] / (stop - first)[jc].clamp(min=1).to(torch.float32)
+    return torch.where(hit, share, torch.zeros((), device=keys.device))
 
 
-def _raise_problem(what: str, bad: Tensor, owner: Tensor, table: SpanTable, spans: Sequence[SpanReward], values: Tensor):
-    i = int(torch.nonzero(bad)[0])
-    b = int(owner[i])
+def _raise_problem(what, bad: Tensor, owner: Optional[Tensor], table: SpanTable, values: Tensor):
+    i = first_true(bad)[0]
     value = float(values[i])
-    if what == "rewards":
-        where = f"rewards: sample {b} (loss spans {table.spans_of(b)})"
+    if isinstance(what, str):  # "rewards"
+        where = f"rewards: sample {i} (loss spans {table.spans_of(i)})"
     else:
-        sr = next(s for s in spans if s.name == what)
-        where = f"{what}: sample {b}, span [{int(sr.spans.starts[i])}, {int(sr.spans.ends[i])})"
+        b, spans = int(owner[i]), what.spans
+        where = f"{what.name}: sample {b}, span [{int(spans.starts[i])}, {int(spans.ends[i])})"
     if not math.isfinite(value):
         raise SchemaError(f"{where} has the value {value}; rewards must be finite")
-    if what != "rewards" and i > 0 and int(owner[i - 1]) == b and int(sr.spans.starts[i]) < int(sr.spans.ends[i - 1]):
+    if not isinstance(what, str) and i > 0 and int(owner[i - 1]) == b and int(spans.starts[i]) < int(spans.ends[i - 1]):
         raise SchemaError(f"{where} overlaps the span before it; spans of one table must be sorted and disjoint")
     raise SchemaError(f"{where} has the value {value} but covers no loss token; the reward would be lost")
 
@@ -226,22 +293,27 @@ def group_advantages(
     A group of one follows verl: mean 0 and std 1 (GRPO: s / (1 + eps); RLOO: s).
     ``group_ids``: integer tensor ``[B]``, any values in any order (equal id = same group).
     The mean is taken about the group's first score, so a group of equal scores gets
-    exactly 0. Same dtype as ``scores`` (computed in at least float32).
+    exactly 0. Same dtype as ``scores`` (computed in at least float32). ``eps`` > 0 in that
+    dtype (at least its smallest normal number).
+
+    Never reads the device: scores are not checked for finiteness; a NaN or infinite score
+    makes its own group's advantages NaN (other groups are unaffected).
     """
+    tensor_arg("scores", scores, dtypes=FLOAT_DTYPES)
+    tensor_arg("group_ids", group_ids)
     estimator = Estimator.parse(estimator, "estimator")
     if scores.ndim not in (1, 2):
         raise ValueError(f"scores must be [B] or [B, K], got shape {tuple(scores.shape)}")
-    if not scores.is_floating_point():
-        raise ValueError(f"scores must be floating point, got {scores.dtype}")
+    work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    eps = float_arg("eps", eps, min=torch.finfo(work_dtype).tiny)  # > 0 once rounded: equal scores give 0, not 0/0
     B = scores.shape[0]
-    if group_ids.shape != (B,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+    if group_ids.shape != (B,) or group_ids.dtype not in INTEGER_DTYPES:
         raise ValueError(
             f"group_ids must be an integer tensor of shape ({B},) (one group per sample), "
             f"got {group_ids.dtype} {tuple(group_ids.shape)}"
         )
     if group_ids.device != scores.device:
         raise ValueError(f"group_ids is on {group_ids.device}, scores on {scores.device}")
-    work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     x = scores.to(work_dtype)
     if B == 0:
         return scores.clone()

@@ -114,10 +114,9 @@ def partials_backward(grad_partials: Tensor, args: dict) -> tuple[Tensor, Tensor
 
 def _term_args(args: dict) -> dict:
     n = args["log_probs"].numel()
-    R = args["row_length"]
-    seq = (
-        torch.arange(n, device=args["log_probs"].device) // R if R > 0 else args["sample_index"]
-    )
+    seq = args["sample_index"]
+    if seq is None:  # padded [B, R]
+        seq = torch.arange(n, device=args["log_probs"].device) // max(args["row_length"], 1)
     return dict(
         log_probs=args["log_probs"], old_log_probs=args["old_log_probs"], advantages=args["advantages"],
         seq_coef=args["seq_coef"], mask=args["mask"], seq=seq, seq_log_ratio=args["seq_log_ratio"],

@@ -45,6 +45,12 @@ class LossKernelConfig:
 
 
 @triton.jit
+def _clamp(x, lo, hi):
+    """``torch.clamp``: a NaN stays NaN (Triton's min/max drop it unless told, torch's keep it)."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _policy_loss_kernel(
     logp_ptr, old_ptr, adv_ptr, coef_ptr,
     mask_ptr, seq_ptr, seq_lr_ptr, isw_ptr, ref_ptr, ent_ptr,
@@ -91,17 +97,17 @@ def _policy_loss_kernel(
     else:
         lr_raw = tok_lr
     lr_pass = (lr_raw >= lr_min) & (lr_raw <= lr_max)
-    lr = tl.minimum(tl.maximum(lr_raw, lr_min), lr_max)
+    lr = _clamp(lr_raw, lr_min, lr_max)
     ratio = tl.exp(lr)
     pg1 = -adv * ratio
-    pg2 = -adv * tl.minimum(tl.maximum(ratio, clip_lo), clip_hi)
-    m1 = tl.maximum(pg1, pg2)
+    pg2 = -adv * _clamp(ratio, clip_lo, clip_hi)
+    m1 = tl.maximum(pg1, pg2, propagate_nan=tl.PropagateNan.ALL)
     dpg = tl.where(pg1 >= pg2, -adv * ratio, 0.0)
     if HAS_DUAL:
         pg3 = -adv * clip_c
         neg = adv < 0.0
         lower = neg & (m1 > pg3)
-        pg = tl.where(neg, tl.minimum(m1, pg3), m1)
+        pg = tl.where(neg, tl.minimum(m1, pg3, propagate_nan=tl.PropagateNan.ALL), m1)
         dpg = tl.where(lower, 0.0, dpg)
     else:
         lower = offs < 0  # no dual clip: never clipped from below
@@ -126,10 +132,10 @@ def _policy_loss_kernel(
             dkl = x
         else:  # k3
             nx = -x
-            klc = tl.minimum(tl.maximum(nx, -_EXP_LIMIT), _EXP_LIMIT)
+            klc = _clamp(nx, -_EXP_LIMIT, _EXP_LIMIT)
             r = tl.exp(klc)
             kld = r - klc - 1.0
-            kl = tl.minimum(tl.maximum(kld, -_VALUE_LIMIT), _VALUE_LIMIT)
+            kl = _clamp(kld, -_VALUE_LIMIT, _VALUE_LIMIT)
             keep = (nx >= -_EXP_LIMIT) & (nx <= _EXP_LIMIT) & (kld >= -_VALUE_LIMIT) & (kld <= _VALUE_LIMIT)
             dkl = tl.where(keep, 1.0 - r, 0.0)
         if KL_ST:
@@ -201,7 +207,7 @@ def launch(
         BACKWARD=backward,
         HAS_MASK=mask is not None,
         HAS_COEF=seq_coef is not None,
-        PADDED=row_length > 0,
+        PADDED=sample_index is None,
         SEQ_RATIO=seq_log_ratio is not None,
         HAS_DUAL=clip_c != float("inf"),
         HAS_ISW=rollout_weights is not None,
