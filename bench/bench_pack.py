@@ -31,6 +31,7 @@ import torch
 from common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
 from rlk_mm.ops import packing as P
 from rlk_mm.ops._triton import pack as tri
+from rlk_mm.schema.checks import DeviceChecks
 
 DEVICE = "cuda"
 SWEEP = [  # block_r, block_f, num_warps
@@ -65,7 +66,7 @@ def main() -> None:
     x = torch.randn(B, L, H, device=DEVICE, generator=g).bfloat16()
     T = int(mask.sum())
     elt = x.element_size()
-    starts, lengths, _ = P._mask_runs(x, mask)
+    starts, lengths = P._mask_runs(x, mask, DeviceChecks())
     cu = P._cu_seqlens(lengths)
     rows = P._packed_source_rows(starts, cu, L, T)
     inverse = P._padded_source_rows(starts, cu, L)

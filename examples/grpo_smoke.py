@@ -9,13 +9,9 @@ rollout with `generate`, the four gates, and GRPO through `selected_logprob`,
 `scatter_rewards`, `group_advantages` and `policy_loss`.
 """
 
-import argparse
 import sys
 
-from rlk_mm.smoke import add_smoke_parser
+from rlk_mm.smoke.cli import main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="grpo_smoke.py")
-    add_smoke_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["smoke", *sys.argv[1:]])
-    sys.exit(args.func(args))
+    sys.exit(main())  # exit codes as `rlk-mm smoke`: 0 passed, 1 a gate or learning failed, 2 bad input, 3 internal

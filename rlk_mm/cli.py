@@ -1,9 +1,17 @@
-"""The ``rlk-mm`` command: smoke | parity | inspect | invariance."""
+"""The ``rlk-mm`` command: smoke | parity | inspect | invariance.
+
+Exit codes (``rlk_mm.command``): 0 ok; 1 the documented negative result (layout mismatch,
+not invariant, a smoke gate or the learning check failed); 2 bad input or usage; 3 an
+internal error (one line; ``--debug`` prints the traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from . import command
+from .command import UsageError
 
 
 def _load(path: str):
@@ -13,59 +21,73 @@ def _load(path: str):
 
 
 def _inspect(args) -> int:
-    from .schema import SchemaError
-
-    try:
-        batch = _load(args.file)
-    except SchemaError as e:
-        print(f"rlk-mm inspect: {e}", file=sys.stderr)
-        return 2
+    batch = _load(args.file)
     print(batch.summary(max_rows=args.max_rows))
     if args.png:
         from .viz import draw_layout
 
         print(f"layout picture: {draw_layout(batch, args.png)}")
-    return 0
+    return command.OK
+
+
+def _processor(model_path):
+    """The Qwen-VL processor of ``model_path``, or the bundled offline one (None)."""
+    from .fixtures import qwen_vl_processor
+
+    if model_path is None:
+        return qwen_vl_processor()
+    try:
+        return qwen_vl_processor(model_path)
+    except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a folder it cannot read)
+        raise UsageError(f"--model-path {model_path}: cannot load a Qwen-VL processor there ({type(e).__name__}: {e})") from e
+
+
+def _decoder(model_path, batches):
+    """(tokenizer, note): the tokenizer that decodes context tokens, and what the output says
+    of it. The bundled offline Qwen tokenizer unless ``--model-path`` names another, and only
+    for batches whose image/video token ids it shares (else ids are shown as numbers)."""
+    tokenizer = _processor(model_path).tokenizer
+    if model_path is not None:
+        return tokenizer, f"context decoded with the tokenizer of {model_path}"
+    ids = {"image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+           "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+    if any(getattr(b, name) not in (None, want) for b in batches for name, want in ids.items()):
+        return None, "context shown as token ids: the batches' image/video token ids are not the bundled Qwen tokenizer's; " \
+                     "--model-path DIR decodes with your model's"
+    return tokenizer, "context decoded with the bundled offline Qwen tokenizer; --model-path DIR decodes with your model's"
 
 
 def _parity(args) -> int:
     from .parity import check_layout_parity
-    from .schema import SchemaError
 
-    try:
-        rollout, training = _load(args.rollout), _load(args.training)
-    except SchemaError as e:
-        print(f"rlk-mm parity: {e}", file=sys.stderr)
-        return 2
-    tokenizer = None
-    if args.model_path:
-        from .fixtures import qwen_vl_processor
-
-        tokenizer = qwen_vl_processor(args.model_path).tokenizer
+    rollout, training = _load(args.rollout), _load(args.training)
+    tokenizer, note = _decoder(args.model_path, (rollout, training))
     report = check_layout_parity(rollout, training, tokenizer=tokenizer)
-    print(report.to_json(indent=2) if args.json else str(report))
-    return 0 if report.ok else 1
+    if args.json:
+        print(report.to_json(indent=2))
+    else:
+        print(report if report.ok else f"{report}\n({note})")
+    return command.OK if report.ok else command.NEGATIVE
 
 
 def _add_invariance_parser(sub) -> None:
-    import torch
-
     from .parity.invariance import CASES
 
     p = sub.add_parser("invariance", help="bitwise invariance sweep of selected log-probs (batching, padding, packing, caches)")
-    p.add_argument("--model-path", help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
-    p.add_argument("--samples", type=int, default=4, help="number of synthetic image-text samples (>= 2)")
+    p.add_argument("--model-path", type=command.folder, help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
+    p.add_argument("--samples", type=command.int_at_least(2), default=4, help="number of synthetic image-text samples (>= 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", nargs="+", choices=list(CASES), help="cases to run (default: all)")
     p.add_argument("--backend", choices=["torch", "triton"], help="kernels inside batch_invariant() (default: Triton on CUDA, torch on CPU)")
     p.add_argument("--score", choices=["logprob", "hidden"], default="logprob")
-    p.add_argument("--response-length", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--response-length", type=command.int_at_least(1), default=8)
+    p.add_argument("--group-size", type=command.int_at_least(1), default=4)
+    p.add_argument("--device", type=command.device, help="cpu, cuda or cuda:N (default: cuda when there is one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--no-control", action="store_true", help="skip the run without batch_invariant()")
-    p.add_argument("--json", help="write the report as JSON here")
-    p.add_argument("--png", help="draw the 'where drift starts' chart here")
+    p.add_argument("--json", type=command.output_file, help="write the report as JSON here")
+    p.add_argument("--png", type=command.output_file, help="draw the 'where drift starts' chart here")
+    command.add_debug_flag(p)
     p.set_defaults(func=_invariance)
 
 
@@ -76,14 +98,18 @@ def _invariance(args) -> int:
     from . import fixtures
     from .parity.invariance import invariance_sweep
 
-    processor = fixtures.qwen_vl_processor(args.model_path)
+    processor = _processor(args.model_path)
     if args.model_path:
         from transformers import Qwen2_5_VLForConditionalGeneration
 
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model_path, attn_implementation="sdpa")
+        try:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model_path, attn_implementation="sdpa")
+        except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a folder it cannot read)
+            raise UsageError(f"--model-path {args.model_path}: cannot load a Qwen2.5-VL model there ({type(e).__name__}: {e})") from e
     else:
         model = fixtures.tiny_qwen2_5_vl(args.seed)
-    model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     samples = fixtures.synthetic_image_text(args.samples, args.seed)
     report = invariance_sweep(model, processor, samples, cases=args.cases, control=not args.no_control,
                               backend=args.backend, score=args.score, response_length=args.response_length,
@@ -93,24 +119,31 @@ def _invariance(args) -> int:
         report.save_json(args.json)
     if args.png:
         report.save_png(args.png)
-    return 0 if report.invariant else 1
+    return command.OK if report.invariant else command.NEGATIVE
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlk-mm", description="Multimodal RL operators: layout parity, smoke test, inspection.")
+    parser = argparse.ArgumentParser(
+        prog="rlk-mm", description="Multimodal RL operators: layout parity, smoke test, inspection.",
+        epilog="exit codes: 0 ok, 1 mismatch / not invariant / check failed, 2 bad input or usage, 3 internal error",
+    )
+    command.add_debug_flag(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="print a saved batch's per-sample layout table (and draw it)")
     p.add_argument("file", help="a batch saved with RLBatch.save (.safetensors)")
-    p.add_argument("--png", help="also draw each sample's spans to this PNG")
-    p.add_argument("--max-rows", type=int, default=32, help="samples shown in the table (default 32)")
+    p.add_argument("--png", type=command.output_file, help="also draw each sample's spans to this PNG")
+    p.add_argument("--max-rows", type=command.int_at_least(0), default=32, help="samples shown in the table (default 32)")
+    command.add_debug_flag(p)
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("parity", help="check that two saved batches share a token layout (exit 0 match, 1 mismatch, 2 unreadable)")
+    p = sub.add_parser("parity", help="check that two saved batches share a token layout (exit 0 match, 1 mismatch, 2 bad input)")
     p.add_argument("rollout")
     p.add_argument("training")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--model-path", help="a local Qwen-VL model dir, to decode context tokens")
+    p.add_argument("--model-path", type=command.folder,
+                   help="a local Qwen-VL model dir whose tokenizer decodes context tokens (default: the bundled offline Qwen tokenizer)")
+    command.add_debug_flag(p)
     p.set_defaults(func=_parity)
 
     _add_invariance_parser(sub)
@@ -121,8 +154,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run ``rlk-mm`` with ``argv`` (default: the command line); the exit code."""
+    return command.main(_build_parser(), argv)
 
 
 if __name__ == "__main__":

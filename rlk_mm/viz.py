@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .schema.batch import batch_arg
 from .schema import Modality, RLBatch
+from .schema.checks import int_arg, sequence_arg
 
 COLOURS = {
     Modality.TEXT: "#c8c8c8",
@@ -17,16 +19,25 @@ LOSS_COLOUR = "#e74c3c"
 
 
 def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, title: Optional[str] = None) -> Path:
-    """Draw the chosen samples (default: up to 16) as strips: modality spans on top, loss spans below."""
+    """Draw the chosen samples (indices into the batch; default: up to the first 16) as strips:
+    modality spans on top, loss spans below. Written to ``path`` (its folder must exist)."""
+    batch_arg("batch", batch)
+    if samples is None:
+        samples = list(range(min(batch.num_samples, 16)))
+    else:
+        samples = [int_arg(f"samples[{i}]", b, min=0, max=batch.num_samples - 1)
+                   for i, b in enumerate(sequence_arg("samples", samples, "sample indices"))]
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a str (or None), got {type(title).__name__}")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    samples = list(range(min(batch.num_samples, 16))) if samples is None else list(samples)
     longest = max((int(batch.seq_lengths()[b]) for b in samples), default=1)
-    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * len(samples)))
+    rows = max(len(samples), 1)  # an empty selection draws an empty strip
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * max(rows, 2)))  # room for the legend below one row
     for row, b in enumerate(samples):
         y = len(samples) - 1 - row
         for s in batch.modality_spans_of(b):
@@ -40,7 +51,7 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
         labels.append(f"sample {b}{group}")
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlim(0, longest)
-    ax.set_ylim(0, len(samples))
+    ax.set_ylim(0, rows)
     ax.set_xlabel("token position")
     handles = [Patch(color=COLOURS[m], label=m.label) for m in (Modality.TEXT, Modality.IMAGE, Modality.VIDEO)]
     handles.append(Patch(color=LOSS_COLOUR, label="loss (scored targets)"))

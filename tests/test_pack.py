@@ -11,7 +11,7 @@ from helpers import use_backend
 from oracles import pack as ref
 from rlk_mm import fixtures as F
 from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
-from rlk_mm.schema import RLBatch, media_token_counts
+from rlk_mm.schema import RLBatch, Span, media_token_counts
 from rlk_mm.schema.spans import SpanTable
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -263,9 +263,11 @@ def test_pack_errors(processor):
         pack(batch, align=8, max_tokens_per_pack=32)
     with pytest.raises(ValueError, match=r"sample 1 has 33 tokens, more than max_tokens_per_pack=20.*never split"):
         pack(batch, max_tokens_per_pack=20)
-    for kwargs, name in (({"align": 0}, "align"), ({"align": True}, "align"), ({"pad_token_id": -1}, "pad_token_id"), ({"max_tokens_per_pack": 0}, "max_tokens_per_pack")):
+    for kwargs, name in (({"align": 0}, "align"), ({"pad_token_id": -1}, "pad_token_id"), ({"max_tokens_per_pack": 0}, "max_tokens_per_pack")):
         with pytest.raises(ValueError, match=name):
             pack(batch, **kwargs)
+    with pytest.raises(TypeError, match="align"):  # a bool is not an int (schema.checks.int_arg)
+        pack(batch, align=True)
     with pytest.raises(TypeError, match="pack takes an RLBatch"):
         pack(torch.zeros(3))
     packs = pack(batch, max_tokens_per_pack=33)
@@ -280,6 +282,35 @@ def test_pack_errors(processor):
         packs[0].pack_tokens(torch.zeros(4))
     with pytest.raises(TypeError, match="non-empty list"):
         unpack([])
+
+
+def _rich_batch() -> RLBatch:
+    """Three text samples with every optional per-sample and per-span field set."""
+    lengths, cu = [10, 8, 6], [0, 10, 18, 24]
+
+    def table(per):
+        return SpanTable.from_lists([[Span(a, b) for a, b in spans] for spans in per])
+
+    return RLBatch(
+        input_ids=torch.arange(24), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]).expand(3, 24).clone(),
+        modality_spans=table([[(0, n)] for n in lengths]), loss_spans=table([[(4, 10)], [(3, 8)], [(2, 6)]]),
+        processor_fingerprint="test", rewards=torch.tensor([1.0, -1.0, 0.5]), costs=torch.tensor([0.1, 0.2, 0.3]),
+        prompt_lengths=torch.tensor([4, 3, 2]), group_ids=["a", "a", "b"],
+        region_spans=table([[(5, 7)], [], [(2, 3)]]), region_rewards=torch.tensor([0.5, 0.25]),
+        action_spans=table([[(4, 6), (6, 10)], [(3, 8)], []]), turn_rewards=torch.tensor([0.2, 0.3, 0.4]),
+        bbox_targets=torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.1, 0.1, 0.5, 0.5]]), bbox_sample=torch.tensor([0, 2]),
+        point_targets=torch.tensor([[0.5, 0.5]]), point_sample=torch.tensor([1]),
+        coordinate_system="normalized", screen_size=torch.tensor([[100, 200], [100, 200], [50, 50]]),
+    )
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"max_tokens_per_pack": 10}, {"align": 4, "max_tokens_per_pack": 12}])
+def test_pack_keeps_every_field(kwargs):
+    """Every optional field (costs, prompt lengths, groups, region and turn rewards, boxes,
+    points, screen sizes) comes back through pack/unpack, whole batch or split."""
+    batch = _rich_batch()
+    assert_batches_equal(unpack(pack(batch, **kwargs)), batch)
 
 
 def test_pack_empty_batch(processor):
@@ -299,3 +330,14 @@ def test_pack_batch_on_cuda_matches_cpu(processor):
         assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
     assert gpu.modality_spans.to("cpu").equal(cpu.modality_spans) and gpu.loss_spans.to("cpu").equal(cpu.loss_spans)
     assert_batches_equal(unpack(gpu).to("cpu"), batch)
+
+
+@pytest.mark.gpu
+def test_split_pack_on_cuda_stays_on_cuda():
+    batch = _rich_batch().to("cuda")
+    packs = pack(batch, align=4, max_tokens_per_pack=12)
+    back = unpack(packs)
+    assert {v.device.type for v in dict(back).values() if isinstance(v, torch.Tensor)} == {"cuda"}
+    assert_batches_equal(back.to("cpu"), _rich_batch())
+    values = [torch.randn(q.num_tokens, 2, device="cuda") for q in packs]
+    assert torch.equal(unpack(packs, values), torch.cat([v[q.valid] for q, v in zip(packs, values)]))

@@ -13,6 +13,10 @@
 
 Under ``batch_invariant()`` the cached paths are bitwise equal to the uncached forward: a
 vision item's rows and a prompt's keys/values do not depend on what else was in the forward.
+
+Every runner checks the model, the batch and its other arguments against each other before
+any forward (``check_inputs``: one host sync, for the token-id range). Non-finite weights or
+``media_embeds`` are not checked: they propagate into the hidden states and log-probs.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import sys
 
 import torch
 
+from ..schema.batch import batch_arg
 from ..ops.invariant.attention import varlen_attention
 from ..ops.invariant.matmul import shared_input_patch
 from ..ops.invariant.mode import register_module_patches
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, Modality
+from ..schema.checks import DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg
 
 
 class Layout(Choice):
@@ -79,7 +85,9 @@ def layout_inputs(batch, layout: str, pad_token_id: int = 0) -> tuple[dict, torc
     padded with ``pad_token_id`` and an attention mask. ``rows`` (int64 [T]) is each packed
     token's row in the output flattened to ``[-1, H]``.
     """
+    batch_arg("batch", batch)
     layout = Layout.parse(layout, "layout")
+    pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
     device = batch.input_ids.device
     lengths = batch.seq_lengths().to(device)
     starts = batch.cu_seqlens.long().to(device)[:-1]
@@ -125,12 +133,16 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
 
     Without ``media_embeds`` the model's own forward runs the vision tower on the batch's
     pixels. With ``media_embeds`` (a ``VisionCache``'s output: every media item's vision
-    rows, items in batch order, concatenated) the placeholders are filled from it and only
+    rows, items in batch order, concatenated; cast to the embeddings' dtype and device, as the
+    model's own forward casts its vision rows) the placeholders are filled from it and only
     the language model runs. A batch on another device than the model is moved to it.
     """
+    check_model(model)
+    layout = Layout.parse(layout, "layout")
     device = model.get_input_embeddings().weight.device
-    if batch.device != device:
+    if batch_arg("batch", batch).device != device:
         batch = batch.to(device)
+    check_inputs(model, batch, media_embeds)
     inputs, rows = layout_inputs(batch, layout, getattr(model.config.text_config, "pad_token_id", None) or 0)
     backbone = model.model
     if media_embeds is None:
@@ -147,18 +159,76 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
 
 
 def _fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
-    """Packed token embeddings with every media placeholder replaced by its vision row."""
+    """Packed token embeddings with every media placeholder replaced by its vision row
+    (``media_embeds`` checked by ``check_inputs``)."""
     rows, item, index = _media_token_rows(batch)
     counts = batch.media_token_counts().to(item.device)
-    if media_embeds.shape[0] != int(counts.sum()):
-        raise ValueError(f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}")
     src = (torch.cumsum(counts, 0) - counts)[item] + index
-    return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.dtype))
+    return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.device, embeds.dtype))
+
+
+def check_model(model) -> None:
+    """``model`` must be a transformers Qwen2.5-VL (what these runners drive)."""
+    inner = getattr(model, "model", None)
+    if not (isinstance(model, torch.nn.Module) and hasattr(inner, "language_model") and hasattr(inner, "visual")
+            and callable(getattr(model, "get_output_embeddings", None))):
+        raise TypeError(f"model must be a transformers Qwen2.5-VL model (Qwen2_5_VLForConditionalGeneration), got {type(model).__name__}")
+
+
+def check_inputs(model, batch, media_embeds=None) -> None:
+    """The batch against the model, and ``media_embeds`` (None: the batch's pixels feed the
+    vision tower) against both, before any forward. One host sync: token ids within the
+    model's vocabulary, and ``media_embeds``' row count."""
+    config = model.config
+    for name in ("image_token_id", "video_token_id"):
+        have, want = getattr(batch, name), getattr(config, name, None)
+        if have is not None and want is not None and have != want:
+            raise ValueError(f"batch.{name}={have} but the model's {name} is {want}: build the batch with this model's processor")
+    checks = DeviceChecks()
+    if media_embeds is None:
+        _check_pixels(batch)
+    else:
+        width = model.get_input_embeddings().embedding_dim
+        media_embeds = tensor_arg("media_embeds", media_embeds)
+        if not media_embeds.dtype.is_floating_point:
+            raise TypeError(f"media_embeds must be float (the vision tower's output rows), got {media_embeds.dtype}")
+        counts = batch.media_token_counts()
+        if media_embeds.dim() != 2 or media_embeds.shape[1] != width:
+            raise ValueError(f"media_embeds must be [{int(counts.sum())}, {width}] (every media item's vision rows, items in "
+                             f"batch order: what VisionCache returns), got {tuple(media_embeds.shape)}")
+        checks.add(counts.sum() != media_embeds.shape[0], lambda: _raise(
+            f"media_embeds has {media_embeds.shape[0]} rows; the batch's media items need {int(counts.sum())}"))
+    vocab = model.get_input_embeddings().num_embeddings
+    outside = (batch.input_ids < 0) | (batch.input_ids >= vocab)
+    checks.add(outside.any(), lambda: _raise_token(batch, outside, vocab))
+    checks.run()
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+def _raise_token(batch, outside: torch.Tensor, vocab: int):
+    (t,) = first_true(outside)
+    b = int(torch.searchsorted(batch.cu_seqlens.long(), torch.tensor(t, device=batch.device), right=True)) - 1
+    raise ValueError(f"input_ids: sample {b}, position {t - int(batch.cu_seqlens[b])} holds {int(batch.input_ids[t])}, outside "
+                     f"the model's vocabulary of {vocab} tokens: build the batch with this model's processor")
+
+
+def _check_pixels(batch) -> None:
+    """Every media item has its vision-tower input rows in the batch."""
+    images = 0 if batch.image_grid_thw is None else batch.image_grid_thw.shape[0]
+    videos = 0 if batch.video_grid_thw is None else batch.video_grid_thw.shape[0]
+    for kind, first, count, pixels in (("image", 0, images, batch.pixel_values), ("video", images, videos, batch.pixel_values_videos)):
+        if count and pixels is None:
+            raise ValueError(f"media item {first} ({kind}) has no pixel values in the batch: keep the processor's pixel values "
+                             "in the batch, or pass media_embeds (a VisionCache's rows) to forward_hidden / batch_logprobs")
 
 
 def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:
     """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` then the LM head
-    through ``selected_logprob`` (never materialising logits)."""
+    through ``selected_logprob`` (never materialising logits). ``temperature`` > 0 divides the logits."""
+    float_arg("temperature", temperature, min=0, min_open=True)
     hidden = forward_hidden(model, batch, layout=layout, media_embeds=media_embeds)
     head = model.get_output_embeddings()
     return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
@@ -190,53 +260,52 @@ class VisionCache:
     of that gather sums the users' gradients in item order (no atomics). With
     ``keep=True`` rows also stay cached across calls until ``clear()`` (no-grad use, e.g.
     old/reference log-probs of one step that see the same images).
+
+    Items sharing a key must have one grid, modality and pixel values (checked, one host
+    sync); a key kept from an earlier call must come with the grid it had then (its pixels
+    are not kept: keys that are not content hashes need ``clear()`` between batches).
     """
 
     def __init__(self, model, *, keep: bool = False):
+        check_model(model)
         self.model = model
-        self.keep = keep
+        self.keep = bool_arg("keep", keep)
         self._kept: dict[str, torch.Tensor] = {}
+        self._kept_grid: dict[str, tuple[list[int], int]] = {}  # the (grid, modality) each kept key had
         self.items_requested = 0
         self.items_encoded = 0
 
     def clear(self) -> None:
         self._kept.clear()
+        self._kept_grid.clear()
 
     def __call__(self, batch) -> torch.Tensor:
         visual = self.model.model.visual
-        m = batch.num_media
-        self.items_requested += m
-        if m == 0:
-            return torch.zeros((0, self.model.config.text_config.hidden_size), dtype=visual.dtype, device=visual.device)
+        m = batch_arg("batch", batch).num_media
         if self.keep and torch.is_grad_enabled():
             raise RuntimeError("VisionCache(keep=True) keeps rows across calls; use it under torch.no_grad()")
-        keys, grids, modality = batch.media_cache_keys, batch.media_grid_thw.long(), batch.media_modality.long()
-        users: dict[str, list[int]] = {}
-        for item, key in enumerate(keys):
-            first = users.setdefault(key, [item])[0]
-            if first != item:
-                if not torch.equal(grids[first], grids[item]) or int(modality[first]) != int(modality[item]):
-                    raise ValueError(
-                        f"media_cache_keys: items {first} and {item} share key {key!r} but have grids "
-                        f"{grids[first].tolist()} / {grids[item].tolist()} (modality {int(modality[first])} / "
-                        f"{int(modality[item])}); equal keys must mean identical vision-tower input"
-                    )
-                users[key].append(item)
+        if m == 0:
+            return torch.zeros((0, self.model.config.text_config.hidden_size), dtype=visual.dtype, device=visual.device)
+        _check_pixels(batch)
+        keys, pixels = batch.media_cache_keys, batch.media_pixel_rows()
+        grids, modality = batch.media_grid_thw.tolist(), batch.media_modality.tolist()
+        users = self._users(keys, grids, modality, pixels)
+        self.items_requested += m
         rows = dict(self._kept)
         missing = [users[k][0] for k in users if k not in rows]
-        pixels = _item_pixels(batch)
         for kind in (int(Modality.IMAGE), int(Modality.VIDEO)):
-            todo = [i for i in missing if int(modality[i]) == kind]
+            todo = [i for i in missing if modality[i] == kind]
             if not todo:
                 continue
-            out = visual(torch.cat([pixels[i] for i in todo]).type(visual.dtype), grid_thw=grids[todo].to(visual.device))
-            merged = out.pooler_output
-            counts = (grids[todo].prod(-1) // batch.spatial_merge_size**2).tolist()
-            for i, part in zip(todo, torch.split(merged, counts)):
+            grid = torch.tensor([grids[i] for i in todo], device=visual.device)
+            out = visual(torch.cat([pixels[i] for i in todo]).type(visual.dtype), grid_thw=grid)
+            counts = [g[0] * g[1] * g[2] // batch.spatial_merge_size**2 for g in (grids[i] for i in todo)]
+            for i, part in zip(todo, torch.split(out.pooler_output, counts)):
                 rows[keys[i]] = part
             self.items_encoded += len(todo)
         if self.keep:
             self._kept.update({k: v.detach() for k, v in rows.items()})
+            self._kept_grid.update({k: (grids[u[0]], modality[u[0]]) for k, u in users.items()})
         unique = list(users)
         table = torch.cat([rows[k] for k in unique])
         counts = batch.media_token_counts()
@@ -252,15 +321,33 @@ class VisionCache:
             ranks.append((dst, src))
         return _GatherRows.apply(table, index.to(table.device), ranks)
 
-
-def _item_pixels(batch) -> list[torch.Tensor]:
-    """Each media item's vision-tower input rows; the batch must keep its pixels."""
-    rows = batch.media_pixel_rows()
-    missing = [i for i, r in enumerate(rows) if r is None]
-    if missing:
-        kind = "image" if int(batch.media_modality[missing[0]]) == int(Modality.IMAGE) else "video"
-        raise ValueError(f"media item {missing[0]} ({kind}) has no pixel values in the batch: the vision cache needs them")
-    return rows
+    def _users(self, keys: list[str], grids: list, modality: list, pixels: list) -> dict[str, list[int]]:
+        """The items of each key (first-appearance order), after checking that equal keys mean
+        one vision-tower input: within the batch (grid, modality, pixels) and against kept rows."""
+        users: dict[str, list[int]] = {}
+        checks = DeviceChecks()
+        for item, key in enumerate(keys):
+            first = users.setdefault(key, [item])[0]
+            kept = self._kept_grid.get(key)
+            if kept is not None and kept != (grids[item], modality[item]):
+                raise ValueError(
+                    f"media_cache_keys: item {item}'s key {key!r} is kept from an earlier call with grid {kept[0]} (modality "
+                    f"{kept[1]}) but has grid {grids[item]} (modality {modality[item]}) here; equal keys must mean identical "
+                    "vision-tower input: call clear() between batches whose keys are not content hashes"
+                )
+            if first == item:
+                continue
+            if grids[first] != grids[item] or modality[first] != modality[item]:
+                raise ValueError(
+                    f"media_cache_keys: items {first} and {item} share key {key!r} but have grids {grids[first]} / "
+                    f"{grids[item]} (modality {modality[first]} / {modality[item]}); equal keys must mean identical vision-tower input"
+                )
+            checks.add((pixels[first] != pixels[item]).any(), lambda first=first, item=item, key=key: _raise(
+                f"media_cache_keys: items {first} and {item} share key {key!r} but their pixel values differ; equal keys "
+                "must mean identical vision-tower input"))
+            users[key].append(item)
+        checks.run()
+        return users
 
 
 def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, temperature: float = 1.0) -> torch.Tensor:
@@ -271,10 +358,11 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     positions and media. Vision rows come from ``vision_cache`` (each unique item once);
     the prompt's keys/values are computed once per group and the group's responses are
     scored against them as one right-padded batch. Under ``batch_invariant()`` the result
-    is bitwise that of ``batch_logprobs`` on the same batch.
+    is bitwise that of ``batch_logprobs`` on the same batch. ``temperature`` > 0 divides the logits.
     """
-    _, targets = batch.loss_token_index()
+    float_arg("temperature", temperature, min=0, min_open=True)
     hidden = group_hidden(model, batch, vision_cache=vision_cache)
+    targets = batch.loss_token_index()[1].to(hidden.device)
     head = model.get_output_embeddings()
     return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
                             targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
@@ -285,8 +373,20 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
     computed as ``group_logprobs`` does: one prompt prefill per group, responses against its KV.
 
     Language-model calls, in order: for each group (first-appearance order) the prompt,
-    then (when any member has tokens after the prompt) the members' right-padded rest."""
-    vision_cache = vision_cache or VisionCache(model)
+    then (when any member has tokens after the prompt) the members' right-padded rest.
+    ``vision_cache`` (default: a new one) must be a ``VisionCache`` of ``model``; a batch on
+    another device than the model is moved to it."""
+    check_model(model)
+    if vision_cache is None:
+        vision_cache = VisionCache(model)
+    elif not isinstance(vision_cache, VisionCache):
+        raise TypeError(f"vision_cache must be a VisionCache (or None), got {type(vision_cache).__name__}")
+    elif vision_cache.model is not model:
+        raise ValueError("vision_cache runs another model: give group scoring a VisionCache(model) of the model it scores")
+    device = model.get_input_embeddings().weight.device
+    if batch_arg("batch", batch).device != device:
+        batch = batch.to(device)
+    check_inputs(model, batch)
     lm = model.model.language_model
     embeds = _fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
     dev, width_h = embeds.device, embeds.shape[-1]

@@ -13,51 +13,50 @@ Two layers:
   ``rlk_mm::unpack_to_padded`` (Triton on CUDA, ``index_select``/``index_copy_``
   elsewhere), each the other's backward. Each output element is written once: bitwise
   copies, deterministic, no atomics.
+
+Every public function checks its arguments before any work and reads what it needs from
+the device in one host sync; the custom ops trust their index arguments (the public
+functions and the ops' own backward pass checked ones) and never sync. Values are copied
+as they are: NaN and inf pass through.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, NoReturn, Optional, Sequence, Union
 
 import torch
 
-from ..schema import Choice, RLBatch, SpanTable
+from ..schema import PaddingSide, RLBatch, SpanTable
+from ..schema.checks import INTEGER_DTYPES, DeviceChecks, device_arg, int_arg, tensor_arg
+from ._pack_args import DTYPE_NAMES, DTYPES, data_arg, fill_arg
 from ._backend import use_triton
 
 Tensor = torch.Tensor
 
-_DTYPES = (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)
-
-
-class PaddingSide(Choice):
-    """Where a padded row's real entries sit."""
-
-    LEFT = "left"  # at the end of the row
-    RIGHT = "right"  # at the start of the row
-
+_INT32_LIMIT = 2**31
 
 # ====================================================================== padded ↔ packed tensors
 def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """(``packed [T, *]``, int32 ``cu_seqlens [B+1]``): the rows of ``x [B, L, *]`` where ``mask [B, L]`` is set.
 
-    Each mask row must be one contiguous run (left, right or middle padding); a hole is an
-    error naming the sample and position. Differentiable: the gradient of ``x`` is the
-    packed gradient scattered back, zero at padding.
+    ``mask`` is bool or integer 0/1, on ``x``'s device; each row one contiguous run (left,
+    right or middle padding): a hole or another value is an error naming the sample and
+    position. One host sync: the mask checks and the output size, read together.
+    Differentiable: the gradient of ``x`` is the packed gradient scattered back, zero at
+    padding (the backward never syncs).
     """
-    starts, lengths, bad = _mask_runs(x, mask)
+    x = data_arg("x", x, 2, "[B, L, *]")
+    checks = DeviceChecks()
+    starts, lengths = _mask_runs(x, mask, checks)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=cu[1:])
-    is_bad, total = torch.stack([bad.long(), cu[-1]]).tolist()  # the output size and the mask check: one host sync
-    if is_bad:
-        _raise_mask_error(mask)
-    if total >= 2**31:
-        raise ValueError(f"{total} packed rows do not fit int32 cu_seqlens")
+    (total,) = checks.run(cu[-1])
+    if total >= _INT32_LIMIT:
+        raise ValueError(f"x: {total} packed rows do not fit int32 cu_seqlens; pack fewer samples at a time")
     cu = cu.to(torch.int32)
     return torch.ops.rlk_mm.pack_padded(x, starts, cu, total), cu
 
@@ -67,57 +66,65 @@ def unpack_to_padded(
 ) -> Tensor:
     """``[B, length, *]`` from ``packed [T, *]``: sample ``b``'s rows ``cu_seqlens[b]:cu_seqlens[b+1]``
     placed by ``side`` (``"right"`` padding: at 0; ``"left"``: ending at ``length``; or the
-    ``[B, length]`` mask the rows came from), ``fill`` elsewhere. Differentiable."""
-    if not isinstance(packed, Tensor) or packed.dim() < 1:
-        raise ValueError(f"packed must be a [T, *] tensor; got {type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}")
-    cu = _as_cu_seqlens(cu_seqlens, packed)
-    if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-        raise ValueError(f"length must be an int >= 0 (the padded length L); got {length!r}")
-    lengths = torch.diff(cu).long()
+    ``[B, length]`` mask the rows came from), ``fill`` (a value of ``packed``'s dtype)
+    elsewhere. ``cu_seqlens`` (any integer dtype) must run from 0 to ``T`` without
+    decreasing. One host sync: the ``cu_seqlens`` and mask checks, read together.
+    Differentiable."""
+    packed = data_arg("packed", packed, 1, "[T, *]")
+    cu = tensor_arg("cu_seqlens", cu_seqlens, ndim=1, dtypes=INTEGER_DTYPES)
+    if cu.numel() == 0:
+        raise ValueError("cu_seqlens must hold B+1 >= 1 offsets (0, then each sample's end), got none")
+    length = int_arg("length", length, min=0)
+    fill = fill_arg(fill, packed.dtype)
+    B, T = cu.numel() - 1, packed.shape[0]
+    if T >= _INT32_LIMIT:
+        raise ValueError(f"packed: {T} rows do not fit int32 cu_seqlens; unpad fewer samples at a time")
+    cu = cu.to(packed.device, torch.int64)
+    lengths = torch.diff(cu)
+    checks = DeviceChecks()
+    _cu_checks(checks, cu, lengths, T, length)
     if isinstance(side, Tensor):
-        if side.shape != (lengths.numel(), length):
-            raise ValueError(f"side as a mask must have shape (B, length) = ({lengths.numel()}, {length}); got {tuple(side.shape)}")
-        starts, mask_lengths, bad = _mask_runs(None, side)
-        differ = mask_lengths != lengths.to(mask_lengths.device)
-        is_bad, any_differ = torch.stack([bad, differ.any()]).tolist()
-        if is_bad:
-            _raise_mask_error(side)
-        if any_differ:
-            b = int(torch.nonzero(differ).flatten()[0])
-            raise ValueError(f"mask: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it {int(lengths[b])} rows")
+        if side.shape != (B, length):
+            raise ValueError(f"side as a mask must have shape (B, length) = ({B}, {length}); got {tuple(side.shape)}")
+        starts, mask_lengths = _mask_runs(None, side.to(packed.device), checks, "side")
+        differ = mask_lengths != lengths
+        checks.add(differ.any(), lambda: _raise_count(differ, mask_lengths, lengths))
     else:
         try:
             side = PaddingSide(side)
         except ValueError:
             raise ValueError(f"side must be 'left', 'right' or a [B, length] mask; got {side!r}") from None
         starts = torch.zeros_like(lengths) if side is PaddingSide.RIGHT else length - lengths
-    return torch.ops.rlk_mm.unpack_to_padded(packed, starts.to(packed.device), cu.to(packed.device), length, _fill(fill, packed.dtype))
+    checks.run()
+    return torch.ops.rlk_mm.unpack_to_padded(packed, starts, cu.to(torch.int32), length, fill)
 
 
-def _mask_runs(x: Optional[Tensor], mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(first set position, count) int64 ``[B]`` of each mask row, and a 0-d bool tensor that
-    is True when a row is not one contiguous run of 0/1 values. No host sync: the caller reads
-    the flag with whatever else it needs from the device, then ``_raise_mask_error`` names the
-    culprit."""
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
-        raise ValueError(f"mask must be a [B, L] tensor; got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
+def _mask_runs(x: Optional[Tensor], mask, checks: DeviceChecks, name: str = "mask") -> tuple[Tensor, Tensor]:
+    """(first set position, count) int64 ``[B]`` of each row of ``mask [B, L]`` (bool or integer
+    0/1; shaped like ``x``'s first two dims when given); adds its value checks (only 0/1, each
+    row one contiguous run) to ``checks``. No host sync: the caller runs the checks."""
+    mask = tensor_arg(name, mask)
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be a [B, L] mask, got shape {tuple(mask.shape)}")
     if x is not None:
-        if not isinstance(x, Tensor) or x.dim() < 2:
-            raise ValueError(f"x must be a [B, L, *] tensor; got {type(x).__name__} {tuple(getattr(x, 'shape', ()))}")
         if tuple(x.shape[:2]) != tuple(mask.shape):
-            raise ValueError(f"mask has shape {tuple(mask.shape)} but x is [B, L, *] = {tuple(x.shape)}")
+            raise ValueError(f"{name} has shape {tuple(mask.shape)} but x is [B, L, *] = {tuple(x.shape)}")
         if mask.device != x.device:
-            raise ValueError(f"mask is on {mask.device} but x is on {x.device}")
-    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.is_complex()):
-        raise TypeError(f"mask must be bool or integer 0/1; got {mask.dtype}")
+            raise ValueError(f"{name} is on {mask.device} but x is on {x.device}")
+    if mask.dtype != torch.bool and mask.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be bool or integer 0/1, got {mask.dtype}")
     B, L = mask.shape
     on = mask if mask.dtype == torch.bool else mask != 0
     lengths = on.sum(1)
     first = on.to(torch.int8).argmax(1) if L else torch.zeros(B, dtype=torch.int64, device=mask.device)
-    bad = (_holes(on, first, lengths).any() if L else torch.zeros((), dtype=torch.bool, device=mask.device))
     if mask.dtype != torch.bool:
-        bad = bad | ((mask != 0) & (mask != 1)).any()
-    return first.long(), lengths.long(), bad
+        odd = (mask != 0) & (mask != 1)
+        checks.add(odd.any(), lambda: _raise_at(odd, lambda b, p: f"{name}: sample {b}, position {p} holds "
+                                                f"{int(mask[b, p])}; a mask holds only 0 and 1"))
+    holes = _holes(on, first, lengths)
+    checks.add(holes.any(), lambda: _raise_at(holes, lambda b, p: f"{name}: sample {b} has a hole at position {p}: its set "
+                                              "positions are not one contiguous run (left, right or middle padding only)"))
+    return first.long(), lengths.long()
 
 
 def _holes(on: Tensor, first: Tensor, lengths: Tensor) -> Tensor:
@@ -126,51 +133,51 @@ def _holes(on: Tensor, first: Tensor, lengths: Tensor) -> Tensor:
     return on != ((j >= first[:, None]) & (j < (first + lengths)[:, None]))
 
 
-def _raise_mask_error(mask: Tensor) -> None:
-    """The first value other than 0/1, or else the first hole, of a mask ``_mask_runs`` flagged."""
-    if mask.dtype != torch.bool:
-        odd = (mask != 0) & (mask != 1)
-        if bool(odd.any()):
-            b, p = torch.nonzero(odd)[0].tolist()
-            raise ValueError(f"mask: sample {b}, position {p} holds {int(mask[b, p])}; a mask holds only 0 and 1")
-        mask = mask != 0
-    b, p = torch.nonzero(_holes(mask, mask.to(torch.int8).argmax(1), mask.sum(1)))[0].tolist()
-    raise ValueError(
-        f"mask: sample {b} has a hole at position {p}: its set positions are not one contiguous run "
-        "(left, right or middle padding only)"
-    )
+def _raise_at(bad: Tensor, message: Callable[[int, int], str]) -> NoReturn:
+    b, p = torch.nonzero(bad)[0].tolist()
+    raise ValueError(message(b, p))
+
+
+def _cu_checks(checks: DeviceChecks, cu: Tensor, lengths: Tensor, T: int, length: int) -> None:
+    """Adds to ``checks``: int64 ``cu_seqlens`` must run from 0 to ``T`` without decreasing, no
+    sample over ``length`` rows."""
+
+    def first(bad: Tensor) -> int:
+        return int(torch.nonzero(bad)[0])
+
+    def wrong_range():
+        raise ValueError(f"cu_seqlens must run from 0 to the packed row count {T}; got {int(cu[0])}..{int(cu[-1])}")
+
+    def decreasing():
+        raise ValueError(f"cu_seqlens decreases at sample {first(lengths < 0)}; it must be non-decreasing")
+
+    def too_long():
+        b = first(lengths > length)
+        raise ValueError(f"cu_seqlens: sample {b} has {int(lengths[b])} rows, more than the padded length {length}")
+
+    checks.add((cu[0] != 0) | (cu[-1] != T), wrong_range)
+    checks.add((lengths < 0).any(), decreasing)
+    checks.add((lengths > length).any(), too_long)
+
+
+def _raise_count(differ: Tensor, mask_lengths: Tensor, lengths: Tensor) -> NoReturn:
+    b = int(torch.nonzero(differ)[0])
+    raise ValueError(f"side: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it {int(lengths[b])} rows")
 
 
 def _cu_seqlens(lengths: Tensor) -> Tensor:
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=cu[1:])
-    if lengths.numel() and int(cu[-1]) >= 2**31:
+    if lengths.numel() and int(cu[-1]) >= _INT32_LIMIT:
         raise ValueError(f"{int(cu[-1])} packed rows do not fit int32 cu_seqlens")
     return cu.to(torch.int32)
 
 
-def _as_cu_seqlens(cu: Tensor, packed: Tensor) -> Tensor:
-    if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [B+1]; got {type(cu).__name__} {getattr(cu, 'dtype', '')} {tuple(getattr(cu, 'shape', ()))}")
-    return cu.to(torch.int32)
-
-
-def _fill(fill, dtype: torch.dtype) -> float:
-    """``fill`` as the op's float argument, checked exact for integer dtypes."""
-    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
-        raise TypeError(f"fill must be an int or float; got {type(fill).__name__}")
-    if not dtype.is_floating_point:
-        info = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
-        if float(fill) != int(fill) or not info[0] <= int(fill) <= info[1] or abs(int(fill)) > 2**53:
-            raise ValueError(f"fill {fill!r} is not a value of {dtype}")
-    return float(fill)
-
-
-# ---------------------------------------------------------------------- checks (all backends)
-def _check_layout(values: Tensor, starts: Tensor, cu: Tensor, B: int, L: int, T: int, *, data: bool = True) -> None:
-    """Shapes, dtypes and devices; with ``data``, that every sample's rows fit ``[0, L)`` and ``cu`` spans ``[0, T]``."""
-    if values.dtype not in _DTYPES:
-        raise TypeError(f"pack/unpad supports {', '.join(str(d).replace('torch.', '') for d in _DTYPES)}; got {values.dtype}")
+# ---------------------------------------------------------------------- the custom ops (indices trusted)
+def _check_op_args(values: Tensor, starts: Tensor, cu: Tensor, B: int) -> None:
+    """Shapes, dtypes and devices of an op's arguments (its index values are the caller's to check)."""
+    if values.dtype not in DTYPES:
+        raise TypeError(f"pack/unpad copies {DTYPE_NAMES}; got {values.dtype}")
     if starts.dtype != torch.int64 or starts.shape != (B,):
         raise ValueError(f"starts must be int64 [B={B}]; got {starts.dtype} {tuple(starts.shape)}")
     if cu.dtype != torch.int32 or cu.shape != (B + 1,):
@@ -178,23 +185,6 @@ def _check_layout(values: Tensor, starts: Tensor, cu: Tensor, B: int, L: int, T:
     for name, t in (("starts", starts), ("cu_seqlens", cu)):
         if t.device != values.device:
             raise ValueError(f"{name} is on {t.device} but the data is on {values.device}")
-    if not data:
-        return
-    lengths = torch.diff(cu).long()
-    wrong = torch.stack([cu[0] != 0, cu[-1] != T, (lengths < 0).any(), (lengths > L).any(), ((starts < 0) | (starts + lengths > L)).any()])
-    if not bool(wrong.any()):  # one host sync on the good path; the messages below find the culprit
-        return
-    if int(cu[0]) != 0 or int(cu[-1]) != T:
-        raise ValueError(f"cu_seqlens must run from 0 to the packed row count {T}; got {int(cu[0])}..{int(cu[-1])}")
-    bad = torch.nonzero(lengths < 0).flatten()
-    if bad.numel():
-        raise ValueError(f"cu_seqlens decreases at sample {int(bad[0])}; it must be non-decreasing")
-    bad = torch.nonzero(lengths > L).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(f"cu_seqlens: sample {b} has {int(lengths[b])} rows, more than the padded length {L}")
-    b = int(torch.nonzero((starts < 0) | (starts + lengths > L)).flatten()[0])
-    raise ValueError(f"sample {b}: rows [{int(starts[b])}, {int(starts[b] + lengths[b])}) do not fit the padded length {L}")
 
 
 def _packed_source_rows(starts: Tensor, cu: Tensor, L: int, T: int) -> Tensor:
@@ -214,12 +204,11 @@ def _padded_source_rows(starts: Tensor, cu: Tensor, L: int) -> Tensor:
     return torch.where(inside, cu.long()[:-1, None] + k, -1).reshape(-1)
 
 
-# ---------------------------------------------------------------------- the custom ops
 @torch.library.custom_op("rlk_mm::pack_padded", mutates_args=())
 def _pack_op(x: Tensor, starts: Tensor, cu_seqlens: Tensor, total: int) -> Tensor:
     """``[total, *]``: the rows ``starts[b]:starts[b] + n_b`` of every ``x[b]``, sample by sample."""
     B, L, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
-    _check_layout(x, starts, cu_seqlens, B, L, total)
+    _check_op_args(x, starts, cu_seqlens, B)
     F = math.prod(rest)
     flat = x.contiguous().reshape(B * L, F)
     rows = _packed_source_rows(starts, cu_seqlens, L, total)
@@ -234,7 +223,7 @@ def _pack_op(x: Tensor, starts: Tensor, cu_seqlens: Tensor, total: int) -> Tenso
 
 @_pack_op.register_fake
 def _(x, starts, cu_seqlens, total):
-    _check_layout(x, starts, cu_seqlens, x.shape[0], x.shape[1], total, data=False)
+    _check_op_args(x, starts, cu_seqlens, x.shape[0])
     return x.new_empty((total,) + tuple(x.shape[2:]))
 
 
@@ -242,7 +231,7 @@ def _(x, starts, cu_seqlens, total):
 def _unpack_op(packed: Tensor, starts: Tensor, cu_seqlens: Tensor, length: int, fill: float) -> Tensor:
     """``[B, length, *]``: packed rows of sample ``b`` at ``starts[b]:``, ``fill`` elsewhere."""
     B, T, rest = starts.shape[0], packed.shape[0], tuple(packed.shape[1:])
-    _check_layout(packed, starts, cu_seqlens, B, length, T)
+    _check_op_args(packed, starts, cu_seqlens, B)
     F = math.prod(rest)
     flat = packed.contiguous().reshape(T, F)
     if use_triton(packed):
@@ -259,7 +248,7 @@ def _unpack_op(packed: Tensor, starts: Tensor, cu_seqlens: Tensor, length: int, 
 @_unpack_op.register_fake
 def _(packed, starts, cu_seqlens, length, fill):
     B = starts.shape[0]
-    _check_layout(packed, starts, cu_seqlens, B, length, packed.shape[0], data=False)
+    _check_op_args(packed, starts, cu_seqlens, B)
     return packed.new_empty((B, length) + tuple(packed.shape[1:]))
 
 
@@ -290,6 +279,9 @@ _unpack_op.register_autograd(_unpack_backward, setup_context=_unpack_setup)
 
 
 # ====================================================================== RLBatch ↔ PackedBatch
+_PACK_CALLS = itertools.count()  # numbers each pack() call: unpack refuses to mix two calls' packs
+
+
 @dataclass(frozen=True, eq=False)
 class PackedBatch:
     """The samples of one pack in one packed sequence ("slots" in order), ready for varlen attention.
@@ -314,6 +306,8 @@ class PackedBatch:
     source_tokens: int  # tokens of the batch given to pack()
     align: int
     pad_token_id: int
+    source_samples: int  # samples of the batch given to pack()
+    source_id: int  # the pack() call that made this pack (the same for all its packs)
 
     @property
     def num_samples(self) -> int:
@@ -339,19 +333,27 @@ class PackedBatch:
         _, position, _ = self.loss_spans.token_positions()
         return position - 1, self.input_ids[position]
 
+    def _real_rows(self) -> Tensor:
+        """int64 ``[T]``: the pack row of each real token, in slot order (no host sync)."""
+        dev, n = self.seq_lengths.device, self.batch.num_tokens
+        slot = torch.repeat_interleave(torch.arange(self.num_samples, device=dev), self.seq_lengths, output_size=n)
+        first = torch.cumsum(self.seq_lengths, 0) - self.seq_lengths
+        return self.cu_seqlens.long()[slot] + torch.arange(n, device=dev) - first[slot]
+
     def pack_tokens(self, values: Tensor, fill: Union[int, float] = 0) -> Tensor:
-        """``[T', *]`` from per-token ``values [T, *]`` of the batch given to ``pack``; ``fill`` at padding."""
-        if not isinstance(values, Tensor) or values.dim() < 1 or values.shape[0] != self.source_tokens:
-            raise ValueError(
-                f"values must be [T, *] with T = {self.source_tokens} (tokens of the batch given to pack); "
-                f"got {tuple(getattr(values, 'shape', ()))}"
-            )
-        out = values.new_full((self.num_tokens,) + tuple(values.shape[1:]), _fill(fill, values.dtype))
-        out[self.valid] = values[self.source_rows[self.valid].to(values.device)]
-        return out
+        """``[T', *]`` from per-token ``values [T, *]`` of the batch given to ``pack``; ``fill``
+        (a value of ``values``' dtype) at padding. No host sync."""
+        values = data_arg("values", values, 1, "[T, *]")
+        if values.shape[0] != self.source_tokens:
+            raise ValueError(f"values must be [T, *] with T = {self.source_tokens} (tokens of the batch given to pack); "
+                             f"got {tuple(values.shape)}")
+        out = values.new_full((self.num_tokens,) + tuple(values.shape[1:]), fill_arg(fill, values.dtype))
+        rows = self._real_rows().to(values.device)
+        return out.index_copy_(0, rows, values.index_select(0, self.source_rows.to(values.device)[rows]))
 
     def to(self, device) -> "PackedBatch":
         """A copy with every tensor on ``device``."""
+        device = device_arg(device)
         moved = {
             f.name: getattr(self, f.name).to(device)
             for f in dataclasses.fields(self)
@@ -368,50 +370,56 @@ def pack(
     ``align``: each sample is padded to a multiple of this many tokens (e.g. 8 or 64) with
     ``pad_token_id``. ``max_tokens_per_pack``: samples are taken in order and a new pack
     starts when the next (aligned) sample would not fit; a sample longer than the limit is
-    an error naming it (samples are never split).
+    an error naming it (samples are never split). One host sync (the samples' lengths);
+    with ``max_tokens_per_pack`` each pack's batch is ``batch.select`` of its samples.
     """
     if not isinstance(batch, RLBatch):
         raise TypeError(f"pack takes an RLBatch; got {type(batch).__name__} (padded tensors: use pack_padded)")
-    for name, value, low in (("align", align, 1), ("pad_token_id", pad_token_id, 0), ("max_tokens_per_pack", max_tokens_per_pack, 1)):
-        if name == "max_tokens_per_pack" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}; got {value!r}")
-    source_cu = batch.cu_seqlens.long()
+    align = int_arg("align", align, min=1, max=_INT32_LIMIT - 1)
+    pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
+    if max_tokens_per_pack is not None:
+        max_tokens_per_pack = int_arg("max_tokens_per_pack", max_tokens_per_pack, min=1)
+    lengths = batch.seq_lengths().tolist()  # the one host sync
+    slots = [-(-n // align) * align for n in lengths]
+    call = next(_PACK_CALLS)
     if max_tokens_per_pack is None:
-        everything = torch.arange(batch.num_samples, device=batch.device)
-        return _pack_samples(batch, everything, source_cu, batch.num_tokens, align, pad_token_id)
-    lengths = batch.seq_lengths().tolist()
+        return _pack_samples(batch, batch, 0, sum(slots), align, pad_token_id, call)
+    return [
+        _pack_samples(batch.select(idx), batch, idx[0], sum(slots[i] for i in idx), align, pad_token_id, call)
+        for idx in _next_fit(lengths, slots, max_tokens_per_pack, align)  # runs of consecutive samples
+    ]
+
+
+def _next_fit(lengths: list[int], slots: list[int], limit: int, align: int) -> list[list[int]]:
+    """Samples in order into packs (runs of consecutive samples) of at most ``limit`` tokens
+    (``lengths``, ``slots`` once aligned)."""
     packs, current, used = [], [], 0
-    for b, n in enumerate(lengths):
-        slot = -(-n // align) * align
-        if slot > max_tokens_per_pack:
+    for b, (n, slot) in enumerate(zip(lengths, slots)):
+        if slot > limit:
             raise ValueError(
                 f"sample {b} has {n} tokens" + (f" ({slot} aligned to {align})" if slot != n else "")
-                + f", more than max_tokens_per_pack={max_tokens_per_pack}; a sample is never split across packs: "
+                + f", more than max_tokens_per_pack={limit}; a sample is never split across packs: "
                 f"raise max_tokens_per_pack or shorten or drop sample {b}"
             )
-        if used + slot > max_tokens_per_pack:
+        if used + slot > limit:
             packs.append(current)
             current, used = [], 0
         current.append(b)
         used += slot
-    if current:
-        packs.append(current)
-    return [
-        _pack_samples(batch.select(idx), torch.tensor(idx, device=batch.device), source_cu, batch.num_tokens, align, pad_token_id)
-        for idx in packs
-    ]
+    return packs + [current] if current else packs
 
 
-def _pack_samples(sub: RLBatch, sample_index: Tensor, source_cu: Tensor, source_tokens: int, align: int, pad: int) -> PackedBatch:
-    """Pack all of ``sub`` (samples ``sample_index`` of the source batch); vectorized on its device."""
+def _pack_samples(sub: RLBatch, source: RLBatch, first: int, total: int, align: int, pad: int, call: int) -> PackedBatch:
+    """Pack all of ``sub`` (the samples of ``source`` from ``first`` on, ``total`` tokens once
+    aligned); vectorized on its device, no host sync."""
     dev, n = sub.device, sub.num_samples
+    if total >= _INT32_LIMIT:
+        raise ValueError(f"the pack holds {total} tokens, more than int32 cu_seqlens count: set max_tokens_per_pack or lower align")
     lengths = sub.seq_lengths()
-    slots = (lengths + align - 1) // align * align
-    cu = _cu_seqlens(slots)
-    total = int(cu[-1])
-    slot = torch.repeat_interleave(torch.arange(n, device=dev), slots, output_size=total)
+    slots_t = (lengths + align - 1) // align * align
+    cu = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(slots_t, 0)
+    slot = torch.repeat_interleave(torch.arange(n, device=dev), slots_t, output_size=total)
     k = torch.arange(total, device=dev) - cu.long()[slot]
     valid = k < lengths[slot]
     src = torch.where(valid, sub.cu_seqlens.long()[slot] + k, 0)
@@ -420,20 +428,23 @@ def _pack_samples(sub: RLBatch, sample_index: Tensor, source_cu: Tensor, source_
     top = torch.full((n,), -1, dtype=torch.int64, device=dev)
     top.scatter_reduce_(0, token_slot, sub.position_ids.amax(0), "amax")
     pad_position = top[slot] + 1 + k - lengths[slot]
+    index = torch.arange(first, first + n, device=dev)
     return PackedBatch(
         input_ids=torch.where(valid, sub.input_ids[src], pad),
         position_ids=torch.where(valid, sub.position_ids[:, src], pad_position),
         cu_seqlens=cu,
         seq_lengths=lengths,
-        sample_index=sample_index.long(),
+        sample_index=index,
         valid=valid,
-        source_rows=torch.where(valid, source_cu[sample_index.long()][slot] + k, -1),
+        source_rows=torch.where(valid, source.cu_seqlens.long()[index][slot] + k, -1),
         modality_spans=_shift(sub.modality_spans, cu, +1),
         loss_spans=_shift(sub.loss_spans, cu, +1),
         batch=sub,
-        source_tokens=source_tokens,
+        source_tokens=source.num_tokens,
         align=align,
         pad_token_id=pad,
+        source_samples=source.num_samples,
+        source_id=call,
     )
 
 
@@ -450,49 +461,75 @@ def unpack(packed: Union[PackedBatch, Sequence[PackedBatch]], values=None):
       packed tokens, positions and spans; ``unpack(packs)`` → the whole batch given to ``pack``.
     - ``unpack(p, values)``: per-token ``values [T', *]`` of the pack → ``[T, *]`` rows of
       ``p.batch`` (padding dropped); ``unpack(packs, values_list)`` → rows of the whole batch.
+
+    ``packs`` must be every pack of one ``pack`` call (any order), each once; ``values_list``
+    one tensor per pack, of one dtype and per-token shape. Values pass through as they are.
+    Host syncs: none for one pack's values; one for a list of packs (their sample indices).
     """
     if isinstance(packed, PackedBatch):
-        return _unpack_batch(packed) if values is None else _unpack_values(packed, values)
-    packs = list(packed)
-    if not packs or not all(isinstance(p, PackedBatch) for p in packs):
-        raise TypeError("unpack takes a PackedBatch or a non-empty list of them (what pack returned)")
-    order = torch.cat([p.sample_index.cpu() for p in packs])
-    n = order.numel()
-    seen = torch.bincount(order, minlength=n)[:n]
-    bad = torch.nonzero(seen != 1).flatten()
-    if bad.numel() or len({p.source_tokens for p in packs}) != 1:
-        what = f"sample {int(bad[0])} {int(seen[bad[0]])} times" if bad.numel() else "packs of different batches"
-        raise ValueError(f"the packs hold {what}; unpack needs every sample of one packed batch exactly once (all the packs pack returned)")
+        if values is None:
+            return _unpack_batch(packed)
+        values = _values_of(packed, values, "values")
+        return values.index_select(0, packed._real_rows().to(values.device))
+    packs, order = _all_packs(packed)
     if values is None:
         merged = RLBatch.concat([_unpack_batch(p) for p in packs])
-        identity = torch.equal(order, torch.arange(order.numel()))
-        return merged if identity else merged.select(torch.argsort(order).tolist())
-    values = list(values)
+        if order != list(range(len(order))):
+            merged = merged.select(sorted(range(len(order)), key=order.__getitem__))
+        return merged
+    if isinstance(values, Tensor) or not isinstance(values, (list, tuple)):
+        raise TypeError(f"values must be a list of tensors, one per pack (each [T', *]), got {type(values).__name__}")
     if len(values) != len(packs):
         raise ValueError(f"unpack got {len(values)} value tensors for {len(packs)} packs")
-    for i, (p, v) in enumerate(zip(packs, values)):
-        _check_values(p, v, f"values[{i}]")
-    out = values[0].new_empty((packs[0].source_tokens,) + tuple(values[0].shape[1:]))
+    values = [_values_of(p, v, f"values[{i}]") for i, (p, v) in enumerate(zip(packs, values))]
+    first = values[0]
+    for i, v in enumerate(values[1:], start=1):
+        if v.dtype != first.dtype:
+            raise TypeError(f"values[{i}] is {v.dtype} but values[0] is {first.dtype}: give every pack's values one dtype")
+        if v.shape[1:] != first.shape[1:] or v.device != first.device:
+            raise ValueError(f"values[{i}] has shape {tuple(v.shape)} on {v.device} but values[0] has {tuple(first.shape)} on "
+                             f"{first.device}: every pack's values need one per-token shape and device")
+    out = first.new_empty((packs[0].source_tokens,) + tuple(first.shape[1:]))
     for p, v in zip(packs, values):
-        out[p.source_rows[p.valid].to(out.device)] = v[p.valid.to(v.device)]
+        rows = p._real_rows().to(v.device)
+        out.index_copy_(0, p.source_rows.to(v.device)[rows], v.index_select(0, rows))
     return out
 
 
-def _check_values(p: PackedBatch, v, name: str) -> None:
-    if not isinstance(v, Tensor) or v.dim() < 1 or v.shape[0] != p.num_tokens:
-        raise ValueError(f"{name} must be [T', *] with T' = {p.num_tokens} (tokens of the pack); got {tuple(getattr(v, 'shape', ()))}")
+def _all_packs(packed) -> tuple[list[PackedBatch], list[int]]:
+    """The packs, checked to be every pack of one ``pack`` call, and their samples' order."""
+    if isinstance(packed, (str, bytes, dict)) or not hasattr(packed, "__iter__"):
+        raise TypeError(f"unpack takes a PackedBatch or a non-empty list of them (what pack returned), got {type(packed).__name__}")
+    packs = list(packed)
+    if not packs or not all(isinstance(p, PackedBatch) for p in packs):
+        raise TypeError("unpack takes a PackedBatch or a non-empty list of them (what pack returned)")
+    if len({p.source_id for p in packs}) > 1:
+        raise ValueError("these are packs of different pack() calls; unpack needs every pack of one pack() call")
+    device = packs[0].sample_index.device
+    order = torch.cat([p.sample_index.to(device) for p in packs]).tolist()  # the one host sync
+    seen = [0] * packs[0].source_samples
+    for b in order:
+        seen[b] += 1
+    missing = next((b for b, k in enumerate(seen) if k != 1), None)
+    if missing is not None:
+        raise ValueError(f"the packs hold sample {missing} {seen[missing]} times; unpack needs every sample of one packed "
+                         "batch exactly once (all the packs pack returned)")
+    return packs, order
 
 
-def _unpack_values(p: PackedBatch, values: Tensor) -> Tensor:
-    _check_values(p, values, "values")
-    return values[p.valid.to(values.device)]
+def _values_of(p: PackedBatch, values, name: str) -> Tensor:
+    values = data_arg(name, values, 1, "[T', *]")
+    if values.shape[0] != p.num_tokens:
+        raise ValueError(f"{name} must be [T', *] with T' = {p.num_tokens} (tokens of the pack); got {tuple(values.shape)}")
+    return values
 
 
 def _unpack_batch(p: PackedBatch) -> RLBatch:
+    rows = p._real_rows()
     fields = {name: getattr(p.batch, name) for name in RLBatch.model_fields}
     fields.update(
-        input_ids=p.input_ids[p.valid],
-        position_ids=p.position_ids[:, p.valid],
+        input_ids=p.input_ids[rows],
+        position_ids=p.position_ids[:, rows],
         cu_seqlens=_cu_seqlens(p.seq_lengths),
         modality_spans=_shift(p.modality_spans, p.cu_seqlens, -1),
         loss_spans=_shift(p.loss_spans, p.cu_seqlens, -1),

@@ -1,4 +1,4 @@
-"""The numerical contract (DESIGN.md), in one place: tests and parity checks read it here.
+"""The numerical contract (README, "Numerical contract"), in one place: tests and parity checks read it here.
 
 Compare against a reference computed in fp32 (or fp64) from the *same* low-precision
 inputs upcast, with TF32 off. Batch, layout and cache invariance are bitwise.

@@ -19,18 +19,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..ops.invariant.mode import batch_invariant
+from ..models.qwen2_5_vl import check_model
+from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, RLBatch
+from ..schema.checks import bool_arg, int_arg, sequence_arg
 from ._probe import Run, first_divergence, forward_run, group_run, vision_cache_run
-from .invariance_report import CaseResult, InvarianceReport
-
-
-class Mode(Choice):
-    """The kernels a sweep scores under."""
-
-    BATCH_INVARIANT = "batch_invariant"
-    DEFAULT = "default"  # the model's own kernels: the control
+from .invariance_report import CaseResult, InvarianceReport, Mode
 
 
 class Score(Choice):
@@ -202,6 +197,32 @@ CASES = {
 # --------------------------------------------------------------------------- the sweep
 
 
+def _cases_arg(cases, samples) -> list[str]:
+    """The cases to run, in registry order (None: all)."""
+    if cases is None:
+        return list(CASES)
+    cases = sequence_arg("cases", cases, "case names (e.g. ['packed'])")
+    if not cases:
+        raise ValueError(f"cases is empty: name at least one of {list(CASES)} (or None for all)")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")
+    if "neighbour_images" in cases and not any(getattr(s, "images", None) for s in samples):
+        raise ValueError("neighbour_images needs samples with images (it puts other samples' images next to the first)")
+    return [c for c in CASES if c in cases]
+
+
+def _finite(scores: list[torch.Tensor], run: str, mode: Mode) -> list[torch.Tensor]:
+    """``scores`` (per sample), after checking that they are finite."""
+    for b, values in enumerate(scores):
+        bad = ~torch.isfinite(values)
+        if bool(bad.any()):
+            k = int(torch.nonzero(bad)[0][0])
+            raise ValueError(f"run {run!r} ({mode.value} kernels): sample {b}, loss token {k}: the model's scores are not finite "
+                             f"({float(values[bad][0])}); check the model's weights and dtype")
+    return scores
+
+
 def invariance_sweep(
     model,
     processor,
@@ -220,22 +241,35 @@ def invariance_sweep(
     ``fixtures.Sample``) under every case of ``CASES`` (or those named in ``cases``), under
     ``batch_invariant(backend)`` and, with ``control``, under the model's default kernels.
 
-    Responses are seeded random token ids of ``response_length`` ending with EOS (the
+    Responses are seeded random token ids of ``response_length`` (>= 1) ending with EOS (the
     sweep is about numerics, not text). ``score``: ``"logprob"`` (selected log-probs through
     the LM head) or ``"hidden"`` (the hidden states that feed it). A case is bitwise when
-    every compared sample's scores are ``torch.equal``.
+    every compared sample's scores are ``torch.equal``. Every argument is checked before the
+    first forward; a run whose scores are not finite raises (naming the run, sample and
+    token): a drift between NaNs would be no measurement.
     """
-    cases = list(CASES) if cases is None else list(cases)
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")
-    cases = [c for c in CASES if c in cases]  # registry order
+    check_model(model)
+    if not callable(getattr(processor, "apply_chat_template", None)) or not callable(processor):
+        raise TypeError(f"processor must be a Qwen2.5-VL processor (rlk_mm.fixtures.qwen_vl_processor() or the model's "
+                        f"AutoProcessor), got {type(processor).__name__}")
+    samples = sequence_arg("samples", samples, "samples (objects with messages, images and videos, like fixtures.Sample)")
+    for i, sample in enumerate(samples):
+        if not hasattr(sample, "messages"):
+            raise TypeError(f"samples[{i}] is a {type(sample).__name__} with no messages: samples are objects with messages, "
+                            "images and videos, like rlk_mm.fixtures.Sample")
+    if len(samples) < 2:
+        raise ValueError("invariance_sweep needs at least 2 samples")
+    cases = _cases_arg(cases, samples)
     try:
         score = Score(score)
     except ValueError:
         raise ValueError(f"score must be 'logprob' or 'hidden', got {score!r}") from None
-    if len(samples) < 2:
-        raise ValueError("invariance_sweep needs at least 2 samples")
+    control, probe = bool_arg("control", control), bool_arg("probe", probe)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'torch' or 'triton', got {backend!r}")
+    response_length = int_arg("response_length", response_length, min=1)
+    group_size = int_arg("group_size", group_size, min=1)
+    seed = int_arg("seed", seed)
     device = next(model.parameters()).device
     eos = int(getattr(model.config.text_config, "eos_token_id", None) or 0)
     items = [_Item(s, r) for s, r in zip(samples, _responses(len(samples), response_length, seed, eos))]
@@ -263,7 +297,7 @@ def invariance_sweep(
             def get(ref: _RunRef):
                 if ref.key not in memo:
                     run = ref.make()
-                    memo[ref.key] = (run, scores(run))
+                    memo[ref.key] = (run, _finite(scores(run), ref.key, mode))
                 return memo[ref.key]
 
             for case in cases:

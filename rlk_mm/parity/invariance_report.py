@@ -4,9 +4,19 @@ drift starts; as a table, JSON, and a PNG of the first differing module."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
+
+from ..schema import Choice
+from ..schema.checks import bool_arg, float_arg, int_arg
+
+
+class Mode(Choice):
+    """The kernels a sweep scores under."""
+
+    BATCH_INVARIANT = "batch_invariant"
+    DEFAULT = "default"  # the model's own kernels: the control
 
 
 @dataclass
@@ -39,21 +49,40 @@ class InvarianceReport:
 
     @property
     def invariant(self) -> bool:
-        """True when every case under batch_invariant() was bitwise equal."""
-        return all(r.bitwise for r in self.results if r.mode == "batch_invariant")
+        """True when every case under batch_invariant() was bitwise equal (and there was one)."""
+        rows = [r for r in self.results if r.mode == Mode.BATCH_INVARIANT]
+        return bool(rows) and all(r.bitwise for r in rows)
 
     def to_dict(self) -> dict:
         return {"meta": self.meta, "invariant": self.invariant, "results": [asdict(r) for r in self.results]}
 
     @classmethod
     def from_dict(cls, data: dict) -> "InvarianceReport":
-        """The report ``to_dict`` wrote (e.g. to re-draw a saved run's chart)."""
+        """The report ``to_dict`` wrote (e.g. to re-draw a saved run's chart), every field checked."""
+        if not isinstance(data, dict):
+            raise TypeError(f"data must be a dict (what InvarianceReport.to_dict wrote), got {type(data).__name__}")
+        if not isinstance(data.get("results"), list):
+            raise ValueError("data has no 'results' list (what InvarianceReport.to_dict wrote)")
+        if not data["results"]:
+            raise ValueError("data['results'] is empty: a sweep's report holds at least one result")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TypeError(f"data['meta'] must be a dict, got {type(meta).__name__}")
         results = []
-        for r in data["results"]:
-            r = dict(r)
-            r["divergence"] = Divergence(**r["divergence"]) if r.get("divergence") else None
+        for i, r in enumerate(data["results"]):
+            r = _fields_of(CaseResult, r, f"results[{i}]")
+            r["mode"] = Mode.parse(r["mode"], f"results[{i}].mode").value
+            r["bitwise"] = bool_arg(f"results[{i}].bitwise", r["bitwise"])
+            r["max_abs_diff"] = float_arg(f"results[{i}].max_abs_diff", r["max_abs_diff"], min=0)
+            r["tokens"] = int_arg(f"results[{i}].tokens", r["tokens"], min=0)
+            if r["divergence"] is not None:
+                d = _fields_of(Divergence, r["divergence"], f"results[{i}].divergence")
+                for name in ("sample", "order", "modules_compared"):
+                    d[name] = int_arg(f"results[{i}].divergence.{name}", d[name], min=0)
+                d["max_abs_diff"] = float_arg(f"results[{i}].divergence.max_abs_diff", d["max_abs_diff"], min=0)
+                r["divergence"] = Divergence(**d)
             results.append(CaseResult(**r))
-        return cls(results, data.get("meta", {}))
+        return cls(results, meta)
 
     def save_json(self, path) -> Path:
         path = Path(path)
@@ -71,6 +100,8 @@ class InvarianceReport:
 
     def save_png(self, path) -> Path:
         """Two panels: max |diff| per case and mode; and for drifting cases, the module where drift starts."""
+        if not self.results:
+            raise ValueError("the report has no results to draw")
         import matplotlib
 
         matplotlib.use("Agg")
@@ -115,6 +146,26 @@ class InvarianceReport:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def _fields_of(kind: type, value, where: str) -> dict:
+    """``value``, a dict of the dataclass ``kind``'s fields (those with defaults may be absent),
+    its str fields checked."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{where} must be a dict, got {type(value).__name__}")
+    known = {f.name: f for f in fields(kind)}
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        raise ValueError(f"{where} has unknown field {unknown[0]!r}; a {kind.__name__} has {list(known)}")
+    out = {name: f.default for name, f in known.items() if f.default is not MISSING}
+    out.update(value)
+    missing = [name for name in known if name not in out]
+    if missing:
+        raise ValueError(f"{where} is missing {missing[0]!r}")
+    for name, f in known.items():
+        if f.type == "str" and not isinstance(out[name], str):
+            raise TypeError(f"{where}.{name} must be a str, got {type(out[name]).__name__}")
+    return out
 
 
 def _stage(name: str) -> str:

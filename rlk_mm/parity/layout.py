@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..schema.batch import batch_arg
 from ..schema import Modality, RLBatch, Span
 
 #: compared per-token fields, in the order used to break ties at one position
@@ -169,7 +170,12 @@ def _context(batch: RLBatch, b: int, p: int, decode: Optional[Callable]) -> str:
 
 
 def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) -> LayoutParityReport:
-    """Compare two batches' layouts; ``tokenizer`` (optional) decodes context tokens."""
+    """Compare two batches' layouts; ``tokenizer`` (optional, anything with ``decode(ids)``)
+    decodes the context tokens around the first mismatch."""
+    batch_arg("rollout", rollout)
+    batch_arg("training", training)
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"tokenizer must have a decode(ids) method (e.g. processor.tokenizer), got {type(tokenizer).__name__}")
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
     report = LayoutParityReport(num_samples=training.num_samples, num_tokens=training.num_tokens)
     found: list[Mismatch] = []

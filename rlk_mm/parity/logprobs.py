@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
+from ..schema.batch import batch_arg
 from ..schema import RLBatch
+from ..schema.checks import first_true, float_arg, tensor_arg
 from .contract import LOGPROB_MAX_ABS
 from .layout import LayoutParityError, check_layout_parity
 
@@ -61,21 +63,38 @@ class LogprobComparison:
         return text
 
 
-def _flat(values: torch.Tensor, batch: RLBatch, name: str) -> torch.Tensor:
-    """Loss-token log-probs as [n] (loss-span order); accepts [n] or padded [B, R] over the response."""
+def _flat(values, batch: RLBatch, name: str) -> torch.Tensor:
+    """Loss-token log-probs as fp64 ``[n]`` on the CPU (loss-span order), from ``[n]`` or padded
+    ``[B, R]`` over the responses (column ``c`` of row ``b``: the token at ``prompt_lengths[b] + c``)."""
+    values = tensor_arg(name, values)
+    if not values.dtype.is_floating_point:
+        raise TypeError(f"{name} must be float log-probs, got {values.dtype}")
     n = int(batch.loss_spans.lengths().sum())
-    values = torch.as_tensor(values)
-    if values.ndim == 1:
+    sample, pos, _ = batch.loss_spans.token_positions()
+    if values.dim() == 1:
         if values.numel() != n:
             raise ValueError(f"{name} has {values.numel()} values; the batch has {n} loss tokens")
-        return values.detach().double().cpu()
-    if values.ndim == 2 and values.shape[0] == batch.num_samples and batch.prompt_lengths is not None:
-        sample, pos, _ = batch.loss_spans.token_positions()
-        col = pos - batch.prompt_lengths[sample]
-        if int(col.max(initial=0)) >= values.shape[1]:
+        flat = values
+    elif values.dim() == 2:
+        if values.shape[0] != batch.num_samples:
+            raise ValueError(f"{name} has {values.shape[0]} rows; the batch has {batch.num_samples} samples")
+        if batch.prompt_lengths is None:
+            raise ValueError(f"{name}: a [B, R] tensor needs the batch's prompt_lengths (column c of row b is the token at "
+                             "prompt_lengths[b] + c); give [n] loss-token log-probs instead")
+        col = pos - batch.prompt_lengths.to(pos.device)[sample]
+        if n and int(col.max()) >= values.shape[1]:
             raise ValueError(f"{name} has {values.shape[1]} response columns; loss tokens reach column {int(col.max())}")
-        return values.detach().double().cpu()[sample, col]
-    raise ValueError(f"{name} has shape {tuple(values.shape)}; expected [n loss tokens] or [B, R] over the responses")
+        flat = values[sample.to(values.device), col.to(values.device)]
+    else:
+        raise ValueError(f"{name} has shape {tuple(values.shape)}; expected [n loss tokens] or [B, R] over the responses")
+    flat = flat.detach().double().cpu()
+    bad = torch.isnan(flat) | (flat > 0)
+    if bool(bad.any()):
+        (k,) = first_true(bad)
+        v = float(flat[k])
+        raise ValueError(f"{name}: sample {int(sample[k])}, position {int(pos[k])} is {v:.6g}{' > 0' if v > 0 else ''}: log-probs "
+                         "are numbers <= 0 (-inf allowed); pass log-probabilities, not probabilities or logits")
+    return flat
 
 
 def compare_logprobs(
@@ -88,29 +107,42 @@ def compare_logprobs(
     tolerance: Optional[float] = None,
     tokenizer=None,
 ) -> LogprobComparison:
-    """Compare log-probs of the same loss tokens; refuses unless the layouts match.
+    """Compare log-probs of the same loss tokens; refuses (``LayoutParityError``) unless the layouts match.
 
-    ``dtype`` is the models' compute dtype and picks the contract's tolerance
-    (fp32: 1e-5, bf16/fp16: 2e-3) unless ``tolerance`` is given.
+    Each log-prob tensor is ``[n]`` (loss-span order, what ``selected_logprob`` returns) or
+    ``[B, R]`` right-padded over the responses (verl's layout: column ``c`` of row ``b`` is
+    the token at ``prompt_lengths[b] + c``; padding entries are never read). Log-probs must
+    be <= 0 and not NaN (an error names the sample and position); -inf is a value: equal on
+    both sides it agrees, else its |Δ| is inf. ``dtype`` is the models' compute dtype and
+    picks the contract's tolerance (fp32: 1e-5, bf16/fp16: 2e-3) unless ``tolerance`` (>= 0)
+    is given.
     """
+    batch_arg("rollout", rollout)
+    batch_arg("training", training)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a torch floating dtype (the models' compute dtype, e.g. torch.bfloat16), got {dtype!r}")
+    tol = LOGPROB_MAX_ABS.for_dtype(dtype) if tolerance is None else float_arg("tolerance", tolerance, min=0)
+    for name, values in (("rollout_logprobs", rollout_logprobs), ("training_logprobs", training_logprobs)):
+        tensor_arg(name, values)
     report = check_layout_parity(rollout, training, tokenizer=tokenizer)
     if not report.ok:
         raise LayoutParityError(report)
-    tol = LOGPROB_MAX_ABS.for_dtype(dtype) if tolerance is None else float(tolerance)
     a = _flat(rollout_logprobs, rollout, "rollout_logprobs")
     b = _flat(training_logprobs, training, "training_logprobs")
     sample, pos, _ = training.loss_spans.token_positions()
-    diff = (b - a).abs()
+    sample, pos = sample.cpu(), pos.cpu()
+    same = a == b  # equal infinities agree
+    diff = torch.where(same, 0.0, (b - a).abs())
     B = training.num_samples
     counts = torch.bincount(sample, minlength=B).double()
     per_max = torch.zeros(B, dtype=torch.float64).scatter_reduce_(0, sample, diff, reduce="amax", include_self=False)
     per_mean = torch.zeros(B, dtype=torch.float64).index_add_(0, sample, diff) / counts.clamp(min=1)
-    beyond = torch.nonzero(~(diff <= tol)).flatten()  # NaN counts as beyond
+    beyond = torch.nonzero(diff > tol).flatten()
     first = None
     if beyond.numel():
         k = int(beyond[0])
         first = dict(sample=int(sample[k]), position=int(pos[k]), rollout=float(a[k]), training=float(b[k]), abs_diff=float(diff[k]))
-    ratio = torch.exp(b - a)
+    ratio = torch.where(same, 1.0, torch.exp(b - a))
     n = diff.numel()
     return LogprobComparison(
         tolerance=tol,

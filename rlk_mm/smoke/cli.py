@@ -1,10 +1,12 @@
-"""The `smoke` sub-command of `rlk-mm`, and `python -m rlk_mm.smoke`."""
+"""The `smoke` sub-command of `rlk-mm`, and `python -m rlk_mm.smoke`. Exit codes: 0 passed,
+1 a gate or the learning check failed, 2 bad arguments, 3 an internal error (`rlk_mm.command`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .options import add_arguments, parse_args
+from .. import command
+from .options import add_arguments, check_args, parser
 from .train import run_smoke
 
 
@@ -16,10 +18,17 @@ def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
         description="Prove layout and log-prob parity and loss masking, then train a tiny Qwen2.5-VL with GRPO and check it learns.",
     )
     add_arguments(p)
-    p.set_defaults(func=run_smoke)
+    p.set_defaults(func=_run)
     return p
+
+
+def _run(args) -> int:
+    check_args(args)
+    return run_smoke(args)
 
 
 def main(argv=None) -> int:
     """`python -m rlk_mm.smoke [options]`: run the smoke test; the exit code."""
-    return run_smoke(parse_args(argv))
+    p = parser()
+    p.set_defaults(func=_run)
+    return command.main(p, argv)

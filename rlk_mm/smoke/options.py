@@ -1,32 +1,48 @@
-"""The smoke test's options: their argparse definitions, `parse_args`, and `to_argv`
-(options back to command-line words, for the report)."""
+"""The smoke test's options: their argparse definitions (bad values refused at parse time:
+exit 2), the checks across options, `parse_args`, and `to_argv` (options back to
+command-line words, for the report)."""
 
 from __future__ import annotations
 
 import argparse
 
+from .. import command
+from ..command import UsageError
+from ..ops.logprob import MIN_TEMPERATURE
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
+IMAGE_SWAP_MIN_PROMPTS = 5
+"""With 5 or more prompts, the 4 first-image sizes force two same-size images in different groups."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data", help="a Geo3K folder (problems.jsonl + images), e.g. ../shared/geo3k; default: the colour task")
-    p.add_argument("--model-path", help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
-    p.add_argument("--steps", type=int, default=250, help="GRPO steps (default 250)")
+    count, positive = command.int_at_least, command.number(0, open_low=True)
+    p.add_argument("--data", type=command.folder, help="a Geo3K folder (problems.jsonl + images), e.g. ../shared/geo3k; default: the colour task")
+    p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
+    p.add_argument("--steps", type=count(1), default=250, help="GRPO steps (default 250)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")
+    p.add_argument("--device", type=command.device, default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)")
     p.add_argument("--out", default="smoke_out", help="output directory (default smoke_out/)")
     p.add_argument("--break", dest="break_mode", choices=BREAKS, help="inject a known bug to see the gates or the learning check catch it")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (default 16)")
-    p.add_argument("--samples", type=int, default=4, help="answers per prompt, the GRPO group size (default 4)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts, also used to score them (default 1.0)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
-    p.add_argument("--lr-warmup-steps", type=int, default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
-    p.add_argument("--kl-coef", type=float, default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
-    p.add_argument("--warmup-steps", type=int, default=40, help="supervised warm-up steps with shuffled labels (default 40)")
-    p.add_argument("--warmup-lr", type=float, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
+    p.add_argument("--prompts", type=count(1), default=16, help="prompts per step (default 16)")
+    p.add_argument("--samples", type=count(2), default=4, help="answers per prompt, the GRPO group size (default 4; GRPO compares at least 2)")
+    p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False), default=1.0,
+                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 1.0)")
+    p.add_argument("--lr", type=positive, default=3e-3, help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
+    p.add_argument("--lr-warmup-steps", type=count(0), default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
+    p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
+    p.add_argument("--warmup-steps", type=count(0), default=40, help="supervised warm-up steps with shuffled labels (default 40)")
+    p.add_argument("--warmup-lr", type=positive, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
     p.add_argument("--quiet", action="store_true", help="print nothing (the report is still written)")
+    command.add_debug_flag(p)
+
+
+def check_args(args) -> None:
+    """The checks across options (each option alone is checked by its argparse type)."""
+    if args.break_mode == "image-swap" and args.prompts < IMAGE_SWAP_MIN_PROMPTS:
+        raise UsageError(f"--break image-swap needs --prompts >= {IMAGE_SWAP_MIN_PROMPTS} (two same-size images in different "
+                         f"groups to swap), got {args.prompts}")
 
 
 def to_argv(args) -> list[str]:
@@ -41,7 +57,12 @@ def to_argv(args) -> list[str]:
     return words
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The standalone parser (``python -m rlk_mm.smoke``)."""
     p = argparse.ArgumentParser(prog="rlk-mm smoke")
     add_arguments(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parser().parse_args(argv)

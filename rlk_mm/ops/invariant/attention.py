@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...schema.checks import INTEGER_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import FLOATS, cached, through_op, triton_for
 
@@ -50,21 +51,82 @@ def _attention_backward(ctx, grad):
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _segments_tensors(rows: list[np.ndarray], device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.as_tensor(np.asarray(r, dtype=np.int32), device=device) for r in rows)
+class _Segments(tuple):
+    """The five int32 segment tensors (batch row, first query, queries, first key, keys), built
+    here from host rows, which they keep (``rows``): their checks read nothing from the device,
+    and run once per shape (``checked``)."""
+
+    def __new__(cls, rows: list, device):
+        host = [np.asarray(r, dtype=np.int64) for r in rows]
+        self = super().__new__(cls, (torch.as_tensor(r.astype(np.int32), device=device) for r in host))
+        self.rows, self.checked = host, set()
+        return self
 
 
-def _segments_from_cu_seqlens(cu_q, cu_k):
-    """Segments (batch row 0) of packed sequences; returns (segments, max_q_len)."""
+def _segments_from_cu_seqlens(cu_q, cu_k, T: int, Tk: int):
+    """Segments (batch row 0) of packed sequences of ``T`` queries and ``Tk`` keys; returns
+    (segments, max_q_len). One host sync: the offsets are read to build the segments."""
     cq = cu_q.detach().to("cpu", torch.int64).numpy()
     ck = cq if cu_k is None else cu_k.detach().to("cpu", torch.int64).numpy()
-    if cq.ndim != 1 or ck.shape != cq.shape or cq[0] != 0 or ck[0] != 0:
-        raise ValueError("cu_seqlens: expected two 1-D tensors [B+1] of equal length starting at 0")
+    for name, c, rows, what in (("cu_seqlens_q", cq, T, "q"), ("cu_seqlens_k", ck, Tk, "k")):
+        if c.shape != cq.shape:
+            raise ValueError(f"{name} has {c.size} entries but cu_seqlens_q has {cq.size}: one offset per sequence boundary")
+        if c.size == 0 or c[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {c[:1].tolist()}")
+        lengths = np.diff(c)
+        if (lengths < 0).any():
+            raise ValueError(f"{name} decreases at sequence {int(np.argmax(lengths < 0))}; offsets are non-decreasing")
+        if c[-1] != rows:
+            hint = " (without cu_seqlens_k, k's sequences are q's: pass cu_seqlens_k)" if cu_k is None and what == "k" else ""
+            raise ValueError(f"{name} ends at {int(c[-1])} but {what} has {rows} rows{hint}")
     ql, kl = np.diff(cq), np.diff(ck)
-    if (ql < 0).any() or (kl < 0).any():
-        raise ValueError(f"cu_seqlens: not non-decreasing (sequence {int(np.argmax((ql < 0) | (kl < 0)))})")
     rows = [np.zeros_like(ql), cq[:-1], ql, ck[:-1], kl]
-    return _segments_tensors(rows, cu_q.device), int(ql.max(initial=0))
+    return _Segments(rows, cu_q.device), int(ql.max(initial=0))
+
+
+def _segment_form(segments, device) -> None:
+    """``segments`` as ``segment_attention`` takes them: five 1-D int32 tensors of one length on ``device``."""
+    if isinstance(segments, torch.Tensor) or not isinstance(segments, (list, tuple)) or len(segments) != 5:
+        got = f"{len(segments)} items" if isinstance(segments, (list, tuple)) else type(segments).__name__
+        raise ValueError(f"segments must be 5 tensors (batch row, first query, queries, first key, keys; one entry per "
+                         f"segment), got {got}")
+    for i, t in enumerate(segments):
+        tensor_arg(f"segments[{i}]", t, ndim=1, dtypes=(torch.int32,), device=device)
+        if t.shape != segments[0].shape:
+            raise ValueError(f"segments[{i}] has {t.numel()} entries but segments[0] has {segments[0].numel()}")
+
+
+def _check_segments(rows: list[np.ndarray], B: int, Lq: int, Lk: int, causal: bool, max_q: int) -> None:
+    """Every segment inside q and k, covered by ``max_q``, with keys for every query (at least
+    as many as queries when causal), and no two segments writing one query row."""
+    b, q0, ql, k0, kl = rows
+
+    def first(bad: np.ndarray):
+        return int(np.nonzero(bad)[0][0]) if bad.any() else None
+
+    checks = [
+        ((b < 0) | (q0 < 0) | (ql < 0) | (k0 < 0) | (kl < 0),
+         lambda i: f"segment {i}: a negative entry {[int(r[i]) for r in rows]} (batch row, first query, queries, first key, keys)"),
+        (b >= B, lambda i: f"segment {i}: batch row {b[i]} is outside q's batch of B = {B}"),
+        (q0 + ql > Lq, lambda i: f"segment {i}: queries [{q0[i]}, {q0[i] + ql[i]}) reach past q's Lq = {Lq}"),
+        (k0 + kl > Lk, lambda i: f"segment {i}: keys [{k0[i]}, {k0[i] + kl[i]}) reach past k's Lk = {Lk}"),
+        (ql > max_q, lambda i: f"max_q={max_q} is less than segment {i}'s {ql[i]} queries (rows past max_q would stay unwritten)"),
+        ((kl < ql) if causal else ((ql > 0) & (kl == 0)),
+         lambda i: f"segment {i}: {ql[i]} {'causal ' if causal else ''}queries over {kl[i]} keys: "
+                   + ("a causal segment's queries are its last keys (bottom-right aligned), so it needs at least as many keys"
+                      if causal else "every query needs a key")),
+    ]
+    for bad, message in checks:
+        i = first(bad)
+        if i is not None:
+            raise ValueError(f"segment_attention: {message(i)}")
+    live = np.nonzero(ql > 0)[0]
+    order = live[np.lexsort((q0[live], b[live]))]
+    clash = first((b[order][1:] == b[order][:-1]) & (q0[order][1:] < (q0 + ql)[order][:-1]))
+    if clash is not None:
+        i, j = sorted((int(order[clash]), int(order[clash + 1])))
+        raise ValueError(f"segment_attention: segments {i} and {j} overlap: both write queries of batch row {b[i]} "
+                         f"([{q0[i]}, {q0[i] + ql[i]}) and [{q0[j]}, {q0[j] + ql[j]}))")
 
 
 def segments_from_mask(mask: torch.Tensor, batch: int, q_len: int, k_len: int):
@@ -111,24 +173,62 @@ def segments_from_mask(mask: torch.Tensor, batch: int, q_len: int, k_len: int):
             raise NotImplementedError("batch_invariant(): attention mask is neither causal nor full within a sequence")
     seg_rows = [b_idx[first], q_idx[first], last - first + 1, lo[first], hi[last] - lo[first]]
     max_q = int(seg_rows[2].max(initial=0))
-    return _segments_tensors(seg_rows, mask.device), max_q, causal
+    return _Segments(seg_rows, mask.device), max_q, causal
 
 
 def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int) -> torch.Tensor:
-    """Batch-invariant attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; out [B, Lq, Hq, D]."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    """Batch-invariant attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; out [B, Lq, Hq, D].
+
+    ``segments``: five 1-D int32 tensors on q's device, one entry per segment: batch row,
+    first query, queries, first key, keys. A causal segment's queries are its last keys
+    (bottom-right aligned); query rows in no segment are zero; ``max_q`` >= every segment's
+    queries; ``scale`` > 0. Everything is checked before the kernel: the segments' values
+    with one host sync, none for segments this module built (``varlen_attention``, the
+    transformers attention); under ``torch.compile`` the values (data) are not checked.
+    NaN and inf in q, k, v propagate within their segment.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        tensor_arg(name, t, device=q.device if name != "q" else None)
+    if q.dim() != 4:
+        raise ValueError(f"segment_attention: q must be [B, Hq, Lq, D], got shape {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"segment_attention: k and v must have one shape [B, Hkv, Lk, D], got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"segment_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share B (dim 0) and D (dim 3)")
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in FLOATS:
-        raise ValueError(f"attention: unsupported dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}")
+        raise ValueError(f"segment_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"segment_attention: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    tensor_arg("q", q, dtypes=FLOATS)
+    causal, max_q = bool_arg("causal", causal), int_arg("max_q", max_q, min=0)
+    scale = float_arg("scale", scale, min=0, min_open=True)
+    ours = isinstance(segments, _Segments)
+    if not ours:
+        _segment_form(segments, q.device)
+    if not torch.compiler.is_compiling():
+        shape = (q.shape[0], q.shape[2], k.shape[2], causal, max_q)
+        if not (ours and shape in segments.checked):
+            rows = segments.rows if ours else list(torch.stack(segments).cpu().numpy().astype(np.int64))  # the one host sync
+            _check_segments(rows, *shape)
+            if ours:
+                segments.checked.add(shape)
     op = _attention_op if through_op(q, k, v) else _attention_impl
-    return op(q, k, v, *segments, causal, float(scale), int(max_q), triton_for(q))
+    return op(q, k, v, *segments, causal, scale, max_q, triton_for(q))
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool = True, scale=None):
-    """Attention over packed sequences: q [T, Hq, D], k/v [Tk, Hkv, D], cu_seqlens [B+1] -> [T, Hq, D]."""
-    segments, max_q = cached(_segments_from_cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    """Attention over packed sequences: q [T, Hq, D], k/v [Tk, Hkv, D] -> [T, Hq, D].
+
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` [B+1]: integer offsets from 0 to T / Tk, never
+    decreasing (``cu_seqlens_k`` defaults to ``cu_seqlens_q``). They are read on the host to
+    build the segments (one host sync; once per tensor inside ``batch_invariant()``)."""
+    for name, t, layout in (("q", q, "[T, Hq, D]"), ("k", k, "[Tk, Hkv, D]"), ("v", v, "[Tk, Hkv, D]")):
+        if tensor_arg(name, t).dim() != 3:
+            raise ValueError(f"varlen_attention: {name} must be {layout}, got shape {tuple(t.shape)}")
+    tensor_arg("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INTEGER_DTYPES)
+    if cu_seqlens_k is not None:
+        tensor_arg("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=INTEGER_DTYPES)
+    segments, max_q = cached(_segments_from_cu_seqlens, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                             segments, causal=causal, scale=scale, max_q=max_q)
@@ -149,7 +249,7 @@ def attention_interface(module, query, key, value, attention_mask, dropout=0.0, 
     if attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
         rows = [np.arange(batch), np.zeros(batch), np.full(batch, q_len), np.zeros(batch), np.full(batch, k_len)]
-        segments, max_q = _segments_tensors(rows, query.device), q_len
+        segments, max_q = _Segments(rows, query.device), q_len
     else:
         segments, max_q, causal = cached(segments_from_mask, attention_mask, batch, q_len, k_len)
     return segment_attention(query, key, value, segments, causal=causal, scale=scale, max_q=max_q), None

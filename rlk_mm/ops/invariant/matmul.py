@@ -10,21 +10,36 @@ from __future__ import annotations
 
 import torch
 
+from ...schema.checks import float_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import FLOATS, triton_for
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            *, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
-    """Batch-invariant ``alpha * (a @ b) + beta * bias`` for 2-D or 3-D (batched) a and b."""
+    """Batch-invariant ``alpha * (a @ b) + beta * bias`` for 2-D or 3-D (batched) a and b of one
+    real dtype and device; ``bias`` of that dtype broadcasts to the output (as ``addmm``'s),
+    ``alpha`` and ``beta`` finite. Shapes are checked on the host; NaN and inf in the operands
+    propagate (each output row from its own input row only)."""
+    tensor_arg("a", a)
+    tensor_arg("b", b)
     if a.dim() != b.dim() or a.dim() not in (2, 3):
         raise ValueError(f"matmul: expected two 2-D or two 3-D tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     if a.dtype != b.dtype:
         raise ValueError(f"matmul: expected both operands of one dtype, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.bool or a.is_complex():
+        raise TypeError(f"matmul: {a.dtype} operands are not supported (real floating or integer dtypes)")
     if a.device != b.device:
         raise ValueError(f"matmul: operands on {a.device} and {b.device}")
+    alpha, beta = float_arg("alpha", alpha), float_arg("beta", beta)
+    out_shape = (*a.shape[:-1], b.shape[-1])
+    if bias is not None:
+        _check_bias(tensor_arg("bias", bias), a, out_shape)
+    if a.numel() == 0 or b.numel() == 0:  # no products to sum: the kernels need a row, a column and K
+        out = a.new_zeros(out_shape)
+        return out if bias is None or beta == 0 else out + beta * bias
     if a.dtype not in FLOATS or not triton_for(a, b):
         return _ref.matmul(a, b, bias, alpha=alpha, beta=beta)
     from .._triton import matmul as tm
@@ -35,6 +50,20 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         bias3 = bias if bias.dim() == 3 else bias.reshape((1,) * (3 - bias.dim()) + tuple(bias.shape))
     out = tm.bmm(a3, b3, bias3, alpha=alpha, beta=beta)
     return out if a.dim() == 3 else out[0]
+
+
+def _check_bias(bias: torch.Tensor, a: torch.Tensor, out_shape: tuple[int, ...]) -> None:
+    if bias.dtype != a.dtype:
+        raise ValueError(f"matmul: bias is {bias.dtype} but a and b are {a.dtype}")
+    if bias.device != a.device:
+        raise ValueError(f"matmul: bias is on {bias.device} but a and b are on {a.device}")
+    if bias.shape != out_shape[-1:]:  # the common case, [N], needs no broadcast check
+        try:
+            broadcast = torch.broadcast_shapes(bias.shape, out_shape) == out_shape
+        except RuntimeError:
+            broadcast = False
+        if not broadcast:
+            raise ValueError(f"matmul: bias of shape {tuple(bias.shape)} does not broadcast to the output {out_shape}")
 
 
 def _aten_mm(a, b):
@@ -81,10 +110,23 @@ def _plain_linears(layers) -> bool:
 
 
 def shared_input_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
-    """``[F.linear(x, l.weight, l.bias) for l in layers]`` for 2-3 ``nn.Linear`` of one
-    input, as one launch where that is bitwise the same as running them one by one: a
-    no-grad call on the Triton path, contiguous x, weights whose tiles agree
-    (``_triton/matmul.linears``). A launch-bound forward (group scoring) saves launches."""
+    """``[F.linear(x, l.weight, l.bias) for l in layers]`` for 1-3 ``nn.Linear`` of one input
+    (``x``'s last dim their ``in_features``), as one launch where that is bitwise the same
+    as running them one by one: a no-grad call on the Triton path, contiguous x, weights
+    whose tiles agree (``_triton/matmul.linears``). A launch-bound forward (group scoring)
+    saves launches."""
+    tensor_arg("x", x)
+    if isinstance(layers, torch.nn.Module) or not isinstance(layers, (list, tuple)):
+        raise TypeError(f"layers must be a list of torch.nn.Linear, got {type(layers).__name__}")
+    if not 1 <= len(layers) <= 3:
+        raise ValueError(f"layers must hold 1 to 3 torch.nn.Linear layers, got {len(layers)}")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, torch.nn.Linear):
+            raise TypeError(f"layers[{i}] must be a torch.nn.Linear, got {type(layer).__name__}")
+        if x.dim() < 1 or layer.in_features != x.shape[-1]:
+            raise ValueError(f"layers[{i}] takes {layer.in_features} input features but x has "
+                             f"{x.shape[-1] if x.dim() else 'none'} (shape {tuple(x.shape)})")
+
     def one_by_one():
         return [torch.nn.functional.linear(x, l.weight, l.bias) for l in layers]
 

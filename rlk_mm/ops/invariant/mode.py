@@ -32,6 +32,8 @@ from .matmul import ATEN_OVERRIDES
 
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
 ModulePatches = list[tuple[type, str, object]]
+#: the values of ``batch_invariant(backend=...)``
+BACKENDS = (None, "torch", "triton")
 _MODULE_PATCHES: list[Callable[[], ModulePatches]] = []
 
 
@@ -61,10 +63,15 @@ def batch_invariant(backend: str | None = None):
     """Route matmuls, attention and RMSNorm through batch-invariant kernels inside the block.
 
     ``backend``: None (Triton on CUDA, torch on CPU; ``RLK_MM_BACKEND`` forces one),
-    ``"triton"`` or ``"torch"``. Not re-entrant; restores every override on exit.
+    ``"triton"`` or ``"torch"``; checked on entry, with ``RLK_MM_BACKEND`` (Triton needs CUDA
+    or ``TRITON_INTERPRET=1``). Not re-entrant; restores every override on exit.
     """
-    if backend not in (None, "torch", "triton"):
+    if backend not in BACKENDS:
         raise ValueError(f"batch_invariant: backend must be None, 'torch' or 'triton', got {backend!r}")
+    chosen = backend or _backend.backend_name()
+    if chosen == "triton" and not torch.cuda.is_available() and not _backend.triton_interpreting():
+        raise ValueError(f"batch_invariant: backend 'triton' ({'backend=' if backend else 'RLK_MM_BACKEND='}'triton') needs CUDA, "
+                         "or TRITON_INTERPRET=1 (Triton's interpreter, set before rlk_mm is imported)")
     if STATE.active:
         raise RuntimeError("batch_invariant() is already active in this thread (it is not re-entrant)")
     lib = torch.library.Library("aten", "IMPL")
@@ -84,7 +91,7 @@ def batch_invariant(backend: str | None = None):
         for cls, attr, fn in (patch for provider in _MODULE_PATCHES for patch in provider()):
             saved.append((cls, attr, cls.__dict__.get(attr, _MISSING)))
             setattr(cls, attr, fn)
-        STATE.active, STATE.backend = True, backend or _backend.backend_name()
+        STATE.active, STATE.backend = True, chosen
         yield
     finally:
         STATE.active, STATE.backend = False, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...schema.checks import float_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import FLOATS, through_op, triton_for
 
@@ -46,10 +47,15 @@ _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Batch-invariant RMSNorm with transformers' Qwen semantics (weight [H] over x's last dim)."""
+    """Batch-invariant RMSNorm with transformers' Qwen semantics (weight [H] over x [..., H]'s
+    last dim, ``eps`` >= 0). Shapes are checked on the host; NaN and inf in a row propagate
+    to that row only."""
+    tensor_arg("x", x, dtypes=FLOATS)
+    tensor_arg("weight", weight, dtypes=FLOATS, device=x.device)
+    if x.dim() < 1:
+        raise ValueError(f"rms_norm: x must be [..., H] (1-D or more), got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
-    if x.dtype not in FLOATS or weight.dtype not in FLOATS:
-        raise ValueError(f"rms_norm: unsupported dtypes {x.dtype}, {weight.dtype}")
+    eps = float_arg("eps", eps, min=0)
     op = _rms_norm_op if through_op(x, weight) else _rms_norm_impl
-    return op(x, weight, float(eps), triton_for(x))
+    return op(x, weight, eps, triton_for(x))
