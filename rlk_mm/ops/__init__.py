@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .invariant.mode import batch_invariant  # noqa: F401
+    from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
     from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss  # noqa: F401
     from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
 _EXPORTS = {
     "selected_logprob": "logprob",
     "policy_loss": "loss",
+    "linear_policy_loss": "linear_loss",
+    "PolicyLossOutput": "linear_loss",
     "kl_penalty": "loss",
     "agg_loss": "loss",
     "AggMode": "loss",

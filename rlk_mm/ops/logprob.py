@@ -12,6 +12,7 @@ a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -63,33 +64,45 @@ def selected_logprob(
     and ``weight`` are not read for checks: a non-finite value there propagates (a NaN
     hidden row gives NaN for that row).
     """
+    return_entropy = bool_arg("return_entropy", return_entropy)
+    temperature = _temperature(temperature)
+    rows, tgts = scored_rows(hidden, batch, index, targets, padding)
+    op = torch.ops.rlk_mm.selected_logprob if torch.compiler.is_compiling() else _EagerSelectedLogprob.apply
+    with targets_named_by(batch):
+        logp, entropy, _, _ = op(hidden.flatten(0, -2), weight, rows, tgts, bias, temperature, return_entropy)
+    return (logp, entropy) if return_entropy else logp
+
+
+def scored_rows(hidden: Tensor, batch: Optional[RLBatch], index, targets, padding) -> tuple[Tensor, Tensor]:
+    """(rows of the flattened hidden states, targets), int64 ``[n]``: from the batch's loss
+    spans, or the given ``index`` and ``targets`` (checked: exactly one of the two ways)."""
     tensor_arg("hidden", hidden)
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must be [T, H] (packed) or [B, L, H] (padded); got shape {tuple(hidden.shape)}")
-    return_entropy = bool_arg("return_entropy", return_entropy)
-    temperature = _temperature(temperature)
     if batch is not None:
         if index is not None or targets is not None:
             raise ValueError("give either batch or index/targets, not both")
         if not isinstance(batch, RLBatch):
             raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__} (or pass index= and targets=)")
-        rows, tgts = _rows_from_batch(batch, hidden, padding)
-    else:
-        if index is None or targets is None:
-            raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
-        if padding is not None:
-            _refuse_padding(padding)
-        rows, tgts = _as_index("index", index), _as_index("targets", targets)
-    op = torch.ops.rlk_mm.selected_logprob if torch.compiler.is_compiling() else _EagerSelectedLogprob.apply
+        return _rows_from_batch(batch, hidden, padding)
+    if index is None or targets is None:
+        raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
+    if padding is not None:
+        _refuse_padding(padding)
+    return _as_index("index", index), _as_index("targets", targets)
+
+
+@contextlib.contextmanager
+def targets_named_by(batch: Optional[RLBatch]):
+    """A ``TargetError`` raised inside, re-raised naming the batch's sample and position."""
     try:
-        logp, entropy, _, _ = op(hidden.flatten(0, -2), weight, rows, tgts, bias, temperature, return_entropy)
+        yield
     except TargetError as e:
         if batch is None:
             raise
         sample, pos, _ = batch.loss_spans.token_positions()
         where = f"sample {int(sample[e.at])}, position {int(pos[e.at])}"
         raise ValueError(f"batch input_ids: {where} holds token {e.token}, which {e.problem}") from None
-    return (logp, entropy) if return_entropy else logp
 
 
 class TargetError(ValueError):

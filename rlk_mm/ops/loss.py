@@ -25,7 +25,8 @@ argument, sample and position; see ``policy_loss``).
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -295,13 +296,87 @@ def policy_loss(
     ``clip_ratio_high >= 0``, ``clip_ratio_c > 1`` or None, ``kl_coef >= 0``,
     ``entropy_coeff >= 0`` (a bonus), ``dp_size >= 1``.
     """
+    policy = _checked_policy(
+        "log_probs", log_probs, old_log_probs, advantages, mask, sample_index=sample_index, num_samples=num_samples,
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, ratio=ratio,
+        log_ratio_clamp=log_ratio_clamp, rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs,
+        kl_type=kl_type, kl_coef=kl_coef, entropy=entropy, entropy_coeff=entropy_coeff, loss_agg_mode=loss_agg_mode,
+        dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+    if policy.ratio is not RatioMode.TOKEN:
+        policy.tensors[_SEQ_LOG_RATIO] = _seq_log_ratio(policy, log_probs, old_log_probs)
+    partials = _policy_loss_partials(
+        log_probs.reshape(-1).contiguous(), None if entropy is None else entropy.reshape(-1).contiguous(),
+        policy.tensors, policy.floats, policy.ints,
+    )
+    return policy.losses(partials)
+
+
+@dataclass
+class _Policy:
+    """``policy_loss``'s checked arguments in the form its op takes (``_OP_TENSORS``,
+    ``_OP_FLOATS``, ``_OP_INTS``), and how the op's partial sums become the loss."""
+
+    layout: Layout
+    mask: Optional[Tensor]
+    tensors: list
+    floats: list
+    ints: list
+    scale: Callable
+    ratio: RatioMode
+    kl_coef: float
+    entropy_coeff: float
+    with_kl: bool
+    with_entropy: bool
+
+    def grad_rows(self, mask_sum: Tensor) -> Tensor:
+        """float32 [len(Partial)]: d loss / d (each partial sum), given the batch's mask sum."""
+        scale = torch.as_tensor(self.scale(mask_sum), dtype=torch.float32, device=mask_sum.device)
+        zero = torch.zeros((), device=mask_sum.device)
+        return torch.stack([scale, self.kl_coef * scale if self.with_kl else zero,
+                            -self.entropy_coeff * scale if self.with_entropy else zero] + [zero] * (len(Partial) - 3))
+
+    def losses(self, partials: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """(loss, metrics) from the op's per-block partial sums."""
+        sums = partials.sum(-1)
+        mask_sum = sums[Partial.MASK_SUM].detach()
+        scale_now = self.scale(mask_sum)
+        pg, kl, ent = (sums[row] * scale_now for row in (Partial.PG_LOSS, Partial.KL_LOSS, Partial.ENTROPY_LOSS))
+        clipfrac, clipfrac_lower, ppo_kl = (
+            sums[row].detach() / (mask_sum + MEAN_EPS) for row in (Partial.PG_CLIPFRAC, Partial.PG_CLIPFRAC_LOWER, Partial.PPO_KL)
+        )
+        loss = pg
+        metrics = {"pg_loss": pg.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
+        if self.with_kl:
+            loss = loss + self.kl_coef * kl
+            metrics["kl_loss"] = kl.detach()
+        if self.with_entropy:
+            loss = loss - self.entropy_coeff * ent
+            metrics["entropy_loss"] = ent.detach()
+        return loss, metrics
+
+
+#: the index of ``seq_log_ratio`` in ``_OP_TENSORS``
+_SEQ_LOG_RATIO = 5
+
+
+def _checked_policy(
+    name: str, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Optional[Tensor], *,
+    sample_index, num_samples, clip_ratio_low, clip_ratio_high, clip_ratio_c, ratio, log_ratio_clamp,
+    rollout_is_weights, ref_log_probs, kl_type, kl_coef, entropy, entropy_coeff, loss_agg_mode, dp_size,
+    batch_num_tokens, global_batch_size, loss_scale_factor,
+) -> _Policy:
+    """Every argument of ``policy_loss`` checked (the values in one host sync); ``log_probs``
+    (named ``name``) gives the layout. ``entropy`` may be True for an entropy the caller
+    computes later."""
     checks = DeviceChecks()
-    layout = layout_of("log_probs", log_probs, sample_index, num_samples, checks)
+    layout = layout_of(name, log_probs, sample_index, num_samples, checks)
     scored = checked_mask(layout, checks, mask)
-    for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages), ("ref_log_probs", ref_log_probs)):
-        check_data(layout, checks, scored, name, t)
+    for arg, t in (("old_log_probs", old_log_probs), ("advantages", advantages), ("ref_log_probs", ref_log_probs)):
+        check_data(layout, checks, scored, arg, t)
     check_data(layout, checks, scored, "rollout_is_weights", rollout_is_weights, weights=True)
-    if entropy is not None:
+    if isinstance(entropy, Tensor):
         like(layout, "entropy", entropy)
     ratio = RatioMode.parse(ratio, "ratio")
     clip_ratio_low = float_arg("clip_ratio_low", clip_ratio_low, min=0.0, max=1.0)
@@ -320,37 +395,23 @@ def policy_loss(
     agg = agg_args(layout, checks, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
     checks.run()  # the one host sync
 
-    device = log_probs.device
     flat = lambda t: None if t is None else t.detach().reshape(-1).contiguous()  # noqa: E731
     coef, scale = _aggregation(layout, mask, agg)
-    seq_lr = None
-    if ratio is not RatioMode.TOKEN:
-        m = _mask_f32(mask, log_probs.numel(), device)
-        tok_lr = log_probs.detach().reshape(-1).float() - old_log_probs.detach().reshape(-1).float()
-        tok_lr = torch.where(m != 0, tok_lr * m, torch.zeros((), device=device))
-        seq_lr = (layout.seq_sum(tok_lr) / layout.seq_sum(m).clamp(min=1.0)).contiguous()
+    return _Policy(
+        layout=layout, mask=mask,
+        tensors=[flat(old_log_probs), flat(advantages), None if coef is None else coef.contiguous(), flat(mask),
+                 layout.sample_index, None, flat(rollout_is_weights), flat(ref_log_probs)],  # _OP_TENSORS
+        floats=[clip_ratio_low, clip_ratio_high, clip_c, lo, hi],  # _OP_FLOATS
+        ints=[layout.num_seqs, layout.row_length, int(kl_kind), int(kl_st), int(ratio is RatioMode.GSPO)],  # _OP_INTS
+        scale=scale, ratio=ratio, kl_coef=kl_coef, entropy_coeff=entropy_coeff,
+        with_kl=ref_log_probs is not None, with_entropy=entropy is not None,
+    )
 
-    partials = _policy_loss_partials(
-        log_probs.reshape(-1).contiguous(),
-        None if entropy is None else entropy.reshape(-1).contiguous(),
-        [flat(old_log_probs), flat(advantages), None if coef is None else coef.contiguous(), flat(mask),
-         layout.sample_index, seq_lr, flat(rollout_is_weights), flat(ref_log_probs)],  # _OP_TENSORS
-        [clip_ratio_low, clip_ratio_high, clip_c, lo, hi],  # _OP_FLOATS
-        [layout.num_seqs, layout.row_length, int(kl_kind), int(kl_st), int(ratio is RatioMode.GSPO)],  # _OP_INTS
-    )
-    sums = partials.sum(-1)
-    mask_sum = sums[Partial.MASK_SUM].detach()
-    scale_now = scale(mask_sum)
-    pg, kl, ent = (sums[row] * scale_now for row in (Partial.PG_LOSS, Partial.KL_LOSS, Partial.ENTROPY_LOSS))
-    clipfrac, clipfrac_lower, ppo_kl = (
-        sums[row].detach() / (mask_sum + MEAN_EPS) for row in (Partial.PG_CLIPFRAC, Partial.PG_CLIPFRAC_LOWER, Partial.PPO_KL)
-    )
-    loss = pg
-    metrics = {"pg_loss": pg.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
-    if ref_log_probs is not None:
-        loss = loss + kl_coef * kl
-        metrics["kl_loss"] = kl.detach()
-    if entropy is not None:
-        loss = loss - entropy_coeff * ent
-        metrics["entropy_loss"] = ent.detach()
-    return loss, metrics
+
+def _seq_log_ratio(policy: _Policy, log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    """GSPO: each sequence's masked mean of ``log_probs - old_log_probs`` (a constant)."""
+    layout = policy.layout
+    m = _mask_f32(policy.mask, log_probs.numel(), log_probs.device)
+    tok_lr = log_probs.detach().reshape(-1).float() - old_log_probs.detach().reshape(-1).float()
+    tok_lr = torch.where(m != 0, tok_lr * m, torch.zeros((), device=log_probs.device))
+    return (layout.seq_sum(tok_lr) / layout.seq_sum(m).clamp(min=1.0)).contiguous()

@@ -19,8 +19,9 @@ What a VLM RL engineer runs first. With no download it:
    leaves loss and gradients bitwise unchanged; (d) the importance ratio exp(logp - old)
    at the first update is 1 within the contract;
 6. trains with GRPO through rlk_mm ops only: rewards -> `scatter_rewards` ->
-   `group_advantages` -> `policy_loss` (k3 KL to the warm-up reference) -> Adam step,
-   with a live per-step table;
+   `group_advantages` -> `linear_policy_loss` (the LM head fused with the PPO loss, k3 KL
+   to the warm-up reference; the frozen head's product is skipped) -> Adam step, with a
+   live per-step table;
 7. writes `smoke_report.json`, `smoke_curves.png` and `smoke_layout.png` (one group) to
    `--out`, and exits non-zero when a gate or the learning check fails.
 

@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from ..models.qwen2_5_vl import layout_inputs
-from ..ops import selected_logprob
 from ..parity import LOGPROB_MAX_ABS, check_layout_parity, compare_logprobs
 from ..parity.layout import LayoutParityError
 from ..schema import Modality, RLBatch
@@ -54,7 +53,7 @@ def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBa
     return Gate(name, cmp.ok, detail, cmp.to_dict())
 
 
-def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_fn, temperature: float, seed: int) -> Gate:
+def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_fn, seed: int) -> Gate:
     """No prompt/image/padding token is a scored target, and target ids outside the loss
     spans do not reach the loss or its gradients (bitwise)."""
     name = "(c) loss masking"
@@ -82,8 +81,7 @@ def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_
     w = policy.head.detach().clone().requires_grad_(True)
     results = []
     for batch in (tb, perturbed):
-        logp = selected_logprob(h, w, batch, temperature=temperature)
-        loss = loss_fn(logp)
+        loss = loss_fn(h, w, batch)
         results.append((loss.detach(), *torch.autograd.grad(loss, (h, w))))
     same = all(torch.equal(a, b) for a, b in zip(*results))
     ok = in_prompt == 0 and in_media == 0 and padding == 0 and same

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..ops import group_advantages, policy_loss, scatter_rewards, selected_logprob
+from ..ops import group_advantages, linear_policy_loss, scatter_rewards
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
@@ -105,15 +105,17 @@ def run_smoke(args) -> int:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps))
 
     def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Tensor):
-        sample = tb.loss_token_sample().to(device)
+        """The step's loss: the LM head fused with the policy loss (gradients formed in the
+        forward); the call's metrics and log-probs are kept on the function."""
 
-        def fn(logp: Tensor):
-            loss, metrics = policy_loss(
-                logp, old.to(device), adv.to(device), sample_index=sample, num_samples=tb.num_samples,
-                ref_log_probs=ref_lp.to(device), kl_type="low_var_kl", kl_coef=args.kl_coef, loss_agg_mode="token-mean",
+        def fn(hidden: Tensor, head: Tensor, batch: RLBatch) -> Tensor:
+            out = linear_policy_loss(
+                hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
+                advantages=adv.to(device), ref_log_probs=ref_lp.to(device), kl_type="low_var_kl",
+                kl_coef=args.kl_coef, loss_agg_mode="token-mean",
             )
-            fn.metrics = metrics
-            return loss
+            fn.metrics, fn.log_probs = out.metrics, out.log_probs
+            return out.loss
 
         return fn
 
@@ -141,7 +143,8 @@ def run_smoke(args) -> int:
         loss_fn = loss_fn_for(tb, old, adv, ref_lp)
         t2 = time.perf_counter()
         hidden = hidden_states(policy.model, tb, swap_images=swap)
-        logp = selected_logprob(hidden, policy.head, tb, temperature=args.temperature)
+        loss = loss_fn(hidden, policy.head, tb)
+        logp = loss_fn.log_probs
         t3 = time.perf_counter()
         if step == 1:
             t_gates = time.perf_counter()
@@ -151,7 +154,7 @@ def run_smoke(args) -> int:
             gates = [
                 gate_layout(policy, rb, tb),
                 gate_logprobs(old, train_lp.cpu(), rb, tb, dtype, policy.tokenizer),
-                gate_masking(policy, ro, tb, hidden, loss_fn, args.temperature, args.seed),
+                gate_masking(policy, ro, tb, hidden, loss_fn, args.seed),
                 gate_ratio(logp, old, dtype),
             ]
             from ..viz import draw_layout
@@ -170,7 +173,6 @@ def run_smoke(args) -> int:
                 break
             log(HEADER)
         t3b = time.perf_counter()
-        loss = loss_fn(logp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -179,7 +181,7 @@ def run_smoke(args) -> int:
         if step == 1:
             with torch.no_grad():
                 after = policy_logprobs(policy, policy.model, tb, args.temperature, swap=swap).cpu()
-            report["first_update_direction"] = update_direction(tb, logp.detach().cpu(), after)
+            report["first_update_direction"] = update_direction(tb, logp.cpu(), after)
         m = loss_fn.metrics
         r = torch.tensor(ro.rewards)
         seconds = time.perf_counter() - t0
@@ -187,7 +189,7 @@ def run_smoke(args) -> int:
             step=step, reward_mean=float(r.mean()), reward_std=float(r.std()) if r.numel() > 1 else 0.0,
             loss=float(loss.detach()), pg_loss=float(m["pg_loss"]), kl=float(m["kl_loss"]) if "kl_loss" in m else 0.0,
             clip_frac=float(m["pg_clipfrac"]), ppo_kl=float(m["ppo_kl"]),
-            max_ratio_dev=float((logp.detach().cpu() - old).exp().sub(1).abs().max()),
+            max_ratio_dev=float((logp.cpu() - old).exp().sub(1).abs().max()),
             response_tokens=float(sum(x.numel() for x in ro.responses) / max(len(ro.responses), 1)),
             rejected=ro.rejected, tokens=tb.num_tokens, tokens_per_s=tb.num_tokens / seconds,
             rollout_s=ro.seconds, batch_s=t1 - t0 - ro.seconds, reference_s=t2 - t1, forward_s=t3 - t2,

@@ -45,8 +45,9 @@ class LogprobConfig:
     where alignment allows. ``partials_budget``: bytes of per-(row, vocab block) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
     ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
-    says how it was chosen). ``combine_block`` / ``combine_unroll``: rows per program and
-    vocabulary blocks per unrolled step of the combine kernel."""
+    says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
+    ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_unroll``: rows per
+    program and vocabulary blocks per unrolled step of the combine kernel."""
 
     block_m: int
     block_n: int
@@ -57,6 +58,7 @@ class LogprobConfig:
     tma: bool = True
     partials_budget: int = 128 << 20
     dz_budget: int = 184 << 20
+    linear_budget: int = 640 << 20
     combine_block: int = 128
     combine_unroll: int = 8
 
@@ -122,11 +124,16 @@ def _logits_tile(
 @triton.jit
 def _forward_tiles_kernel(
     h_src, w_src, b_ptr, rows_ptr, tgt_ptr,
-    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
+    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr, z_ptr,
     n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STORE_Z: tl.constexpr = False,
 ):
+    """Each tile's row partials (max, sum of exp, entropy sum) and target logits; with
+    ``STORE_Z`` also the tile's logits less the tile's row max, ``z_ptr [n_rows, V]`` in its
+    dtype (the fused loss's chunk buffer: entries near the max, the ones with probability,
+    keep the dtype's full precision)."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows
@@ -143,6 +150,9 @@ def _forward_tiles_kernel(
     part = pid_n * n_rows + offs_m  # partials are [n_vblocks, n_rows]: coalesced stores
     tl.store(part_max_ptr + part, z_max, mask=m_ok)
     tl.store(part_sum_ptr + part, tl.sum(e, axis=1), mask=m_ok)
+    if STORE_Z:
+        out = z_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+        tl.store(out, (z - safe_max).to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     if WITH_ENTROPY:
         centered = tl.where(e > 0, z, safe_max) - safe_max  # masked entries add 0, not 0 x -inf
         tl.store(part_zsum_ptr + part, tl.sum(e * centered, axis=1), mask=m_ok)
@@ -303,7 +313,7 @@ def forward(
         h_src, w_src, rows_s = ops.args(s, m)
         _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
-            part_max, part_sum, part_zsum, tgt_logit,
+            part_max, part_sum, part_zsum, tgt_logit, part_max,
             m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
             HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, IEEE=_ieee(weight),
             EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,

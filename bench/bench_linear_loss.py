@@ -1,0 +1,220 @@
+"""GPU benchmark of ``linear_policy_loss`` (the LM head fused with the policy loss, three
+logits-sized products) against its peers, in one process, timed round-robin.
+
+Shapes: the Qwen2.5-VL-7B head (N=16384 scored tokens, H=3584, V=152064) and 3B (N=4096,
+H=2048, V=151936; ``configs/lm_heads.json``), bf16. The loss: PPO token-mean, k3 KL to a
+reference (coefficient 0.001) and an entropy bonus (0.001). Timed forward+backward, each
+call freeing the gradients of the one before:
+
+* ``ours_linear``: ``linear_policy_loss``;
+* ``ours_composed``: ``policy_loss(selected_logprob(..., return_entropy=True))`` (four products);
+* ``liger_flce``: Liger's ``LigerFusedLinearCrossEntropyLoss`` (reduction sum);
+* ``liger_grpo``: Liger's ``LigerFusedLinearGRPOLoss`` with the same KL and clip (slow: timed
+  on its own, fewer repetitions);
+* ``gemm``: one cuBLAS logits product ``hidden @ weight.T`` into a preallocated buffer; the
+  three-product floor is 3x its time.
+
+"extra" is peak memory above what was allocated before the call, gradients included.
+Correctness on a slice of rows: ours against the composition and against the fp32 torch
+backend on the same bf16 inputs upcast. ``--budgets`` also times ours at other chunk sizes
+(``LogprobConfig.linear_budget``). Writes ``linear_loss.json`` to ``--out``.
+
+    python bench/bench_linear_loss.py [--shapes 7b,3b] [--reps 7] [--budgets 320,640,960]
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+from dataclasses import asdict, replace
+
+import torch
+
+from common import DEFAULT_OUT, GIB, forced_backend, load_config, measure, measure_interleaved, write_result
+from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
+from rlk_mm.ops._triton import linear_loss as tri_linear
+from rlk_mm.ops._triton import logprob as tri
+from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+
+HEADS = load_config("lm_heads")
+TOKENS = {"7b": 16384, "3b": 4096}
+KL_COEF, ENTROPY_COEFF, CLIP = 0.001, 0.001, 0.2
+TARGETS = {"7b": {"vs_liger_flce": 0.80, "vs_ours_composed": 0.75, "extra_above_grads_gib": 1.0},
+           "3b": {"vs_liger_flce": 0.85}}
+
+
+def inputs(N: int, H: int, V: int, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return dict(
+        h=torch.randn(N, H, device="cuda", generator=g).bfloat16(),
+        w=(torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16(),
+        tg=torch.randint(0, V, (N,), device="cuda", generator=g),
+        old=-torch.rand(N, device="cuda", generator=g) * 12 - 1,
+        ref=-torch.rand(N, device="cuda", generator=g) * 12 - 1,
+        adv=torch.randn(N // 1024 if N % 1024 == 0 else 1, device="cuda", generator=g),
+        sample=torch.arange(N, device="cuda") // 1024,
+    )
+
+
+def loss_kwargs(x: dict, rows=None) -> dict:
+    rows = slice(None) if rows is None else rows
+    sample = x["sample"][rows]
+    return dict(old_log_probs=x["old"][rows], advantages=x["adv"][sample], sample_index=sample - sample[:1],
+                num_samples=int(sample[-1] - sample[0]) + 1, ref_log_probs=x["ref"][rows], kl_type="low_var_kl",
+                kl_coef=KL_COEF, entropy_coeff=ENTROPY_COEFF, loss_agg_mode="token-mean",
+                clip_ratio_low=CLIP, clip_ratio_high=CLIP)
+
+
+def composed(h, w, tg, index, kw):
+    lp, ent = selected_logprob(h, w, index=index, targets=tg, return_entropy=True)
+    kw = dict(kw)
+    return policy_loss(lp, kw.pop("old_log_probs"), kw.pop("advantages"), entropy=ent, **kw)[0]
+
+
+def check_correctness(x: dict, rows: int = 1024) -> dict:
+    """Ours vs the composition and vs the fp32 torch backend on the first ``rows`` tokens."""
+    kw = loss_kwargs(x, slice(0, rows))
+    idx, tg = torch.arange(rows, device="cuda"), x["tg"][:rows]
+
+    def grads(fn, dtype=None):
+        h = x["h"][:rows].to(dtype or x["h"].dtype).clone().requires_grad_()
+        w = x["w"].to(dtype or x["w"].dtype).clone().requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        return loss.detach().float(), h.grad, w.grad
+
+    ours = grads(lambda h, w: linear_policy_loss(h, w, index=idx, targets=tg, **kw).loss)
+    comp = grads(lambda h, w: composed(h, w, tg, idx, kw))
+    with forced_backend("torch"):
+        ref = grads(lambda h, w: composed(h, w, tg, idx, kw), torch.float32)
+    out = {"rows": rows}
+    for name, other in (("composed", comp), ("fp32_torch", ref)):
+        out[name] = {"loss_abs": abs(ours[0] - other[0]).item(), "grad_hidden_rel": relative_error(ours[1], other[1]),
+                     "grad_weight_rel": relative_error(ours[2], other[2])}
+    with torch.no_grad():
+        lp = linear_policy_loss(x["h"][:rows], x["w"], index=idx, targets=tg, **kw).log_probs
+        lp_ref = selected_logprob(x["h"][:rows], x["w"], index=idx, targets=tg)
+    out["logprob_max_abs_vs_selected_logprob"] = (lp - lp_ref).abs().max().item()
+    gtol = LOGPROB_GRAD_REL.low_precision
+    out["ok"] = bool(out["logprob_max_abs_vs_selected_logprob"] <= LOGPROB_MAX_ABS.low_precision and all(
+        out[k]["loss_abs"] <= LOGPROB_MAX_ABS.low_precision and out[k]["grad_hidden_rel"] <= gtol
+        and out[k]["grad_weight_rel"] <= gtol for k in ("composed", "fp32_torch")))
+    return out
+
+
+def run_shape(name: str, reps: int, budgets: list[int]) -> dict:
+    N, H, V = TOKENS[name], HEADS[name]["hidden"], HEADS[name]["vocab"]
+    x = inputs(N, H, V)
+    res: dict = {"shape": {"N": N, "H": H, "V": V, "dtype": "bfloat16"}, "targets": TARGETS.get(name, {})}
+    res["grads_gib"] = round((x["h"].numel() + x["w"].numel()) * 2 / GIB, 4)
+    try:
+        res["correctness"] = check_correctness(x)
+    except Exception:  # noqa: BLE001  (a failed check is recorded, the timings still run)
+        res["correctness"] = {"ok": False, "error": traceback.format_exc()}
+    hg, wg = x["h"].clone().requires_grad_(), x["w"].clone().requires_grad_()
+    index, kw = torch.arange(N, device="cuda"), loss_kwargs(x)
+    logits = torch.empty(N, V, device="cuda", dtype=torch.bfloat16)
+
+    def free_grads():
+        hg.grad = wg.grad = None
+
+    fns = {
+        "ours_linear": lambda: linear_policy_loss(hg, wg, index=index, targets=x["tg"], **kw).loss.backward(),
+        "ours_composed": lambda: composed(hg, wg, x["tg"], index, kw).backward(),
+        "gemm": lambda: torch.matmul(x["h"], x["w"].T, out=logits),
+    }
+    alone = {}
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        flce = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        fns["liger_flce"] = lambda: flce(wg, hg, x["tg"]).backward()
+        B = N // 1024
+        grpo = LigerFusedLinearGRPOLoss(beta=KL_COEF, use_ref_model=True, epsilon_low=CLIP, epsilon_high=CLIP,
+                                        loss_type="dapo", compiled=False)
+        mask = torch.ones(B, 1024, device="cuda", dtype=torch.long)
+
+        def liger_grpo():
+            out = grpo(hg.view(B, 1024, H), wg, x["tg"].view(B, 1024), mask, x["adv"],
+                       ref_per_token_logps=x["ref"].view(B, 1024), old_per_token_logps=x["old"].view(B, 1024))
+            out[0].backward()
+
+        alone["liger_grpo"] = liger_grpo
+    except Exception:  # noqa: BLE001
+        res["liger_missing"] = traceback.format_exc(limit=2)
+    t = measure_interleaved(fns, reps, before=free_grads)
+    for peer, fn in alone.items():
+        try:
+            t[peer] = measure(fn, max(2, reps // 3), warmup=1, before=free_grads)
+        except Exception:  # noqa: BLE001
+            t[peer] = {"error": traceback.format_exc(limit=3)}
+    del logits
+    res["timings"] = t
+    ms = {k: v["ms"] for k, v in t.items() if "ms" in v}
+    res["three_product_floor_ms"] = round(3 * ms["gemm"], 3)
+    res["ratios"] = {
+        "vs_ours_composed": round(ms["ours_linear"] / ms["ours_composed"], 3),
+        "vs_three_product_floor": round(ms["ours_linear"] / res["three_product_floor_ms"], 3),
+    }
+    for peer in ("liger_flce", "liger_grpo"):
+        if peer in ms:
+            res["ratios"][f"vs_{peer}"] = round(ms["ours_linear"] / ms[peer], 3)
+    res["extra_above_grads_gib"] = round(t["ours_linear"]["extra_gib"] - res["grads_gib"], 4)
+    res["budget_sweep"] = sweep_budgets(hg, wg, x, index, kw, budgets, reps, free_grads) if budgets else {}
+    return res
+
+
+def sweep_budgets(hg, wg, x, index, kw, budgets, reps, free_grads) -> dict:
+    """``ours_linear`` at other chunk sizes (MiB of chunk logits), round-robin."""
+    base = tri.default_config(torch.bfloat16, torch.device("cuda"))
+    fns = {}
+    for mib in budgets:
+        cfg = replace(base, linear_budget=mib << 20)
+
+        def run(cfg=cfg):
+            original = tri_linear.default_config
+            tri_linear.default_config = lambda dtype, device: cfg
+            try:
+                linear_policy_loss(hg, wg, index=index, targets=x["tg"], **kw).loss.backward()
+            finally:
+                tri_linear.default_config = original
+
+        fns[f"{mib}MiB"] = run
+    return measure_interleaved(fns, reps, before=free_grads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--shapes", default="7b,3b")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--budgets", default="", help="comma-separated chunk budgets in MiB to sweep (7b only)")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    result = {"config": asdict(tri.default_config(torch.bfloat16, torch.device("cuda"))),
+              "loss": {"ppo": "token-mean", "clip": CLIP, "kl": "low_var_kl", "kl_coef": KL_COEF,
+                       "entropy_coeff": ENTROPY_COEFF}}
+    shapes = args.shapes.split(",")
+    for s in shapes:
+        result[s] = run_shape(s, args.reps, budgets if s == "7b" else [])
+        write_result(args.out, "linear_loss.json", result)  # after each shape: a later failure keeps it
+        torch.cuda.empty_cache()
+    print_table(result, shapes)
+
+
+def print_table(result: dict, shapes) -> None:
+    for s in shapes:
+        r = result[s]
+        print(f"\n== {s} {r['shape']}  grads {r['grads_gib']} GiB  correctness ok={r['correctness'].get('ok')}")
+        for k, v in r["timings"].items():
+            if "ms" in v:
+                print(f"{k:16s} {v['ms']:9.2f} ms {v['extra_gib']:8.3f} GiB")
+        print("ratios", r["ratios"], "extra above grads", r["extra_above_grads_gib"])
+        for k, v in r.get("budget_sweep", {}).items():
+            print(f"  budget {k:8s} {v['ms']:9.2f} ms {v['extra_gib']:8.3f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The fused LM-head policy loss on CUDA: one logits product per chunk of scored rows.
+
+For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in order):
+
+1. ``logprob._forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its row partials
+   in fp32 (so the log-sum-exp, log-prob and entropy are ``selected_logprob``'s, bitwise),
+   and the tile's logits, less the tile's row maximum, stored in the weight's dtype;
+2. the combine kernel: log-prob, entropy and log-sum-exp of the chunk's rows;
+3. the caller's ``upstream``: each token's loss gradient with respect to its log-prob and
+   entropy (a function of that token alone and of inputs known before the forward);
+4. ``_dz_kernel``: the stored logits become d loss / d logits in place;
+5. cuBLAS: d hidden of the chunk's rows (fp32) and d weight (accumulated over the chunks in
+   the weight's dtype) and d bias (fp32).
+
+Three logits-sized products in all (forward, d hidden, d weight) instead of four. The stored
+difference to the tile's max keeps the dtype's precision where probability mass is (near the
+max); entries far below it have probabilities that round to what they are anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprob import (
+    LogprobConfig, _accumulate_mm, _bias_arg, _combine_kernel, _forward_tiles_kernel, _ieee, _Operands, default_config,
+)
+
+Tensor = torch.Tensor
+#: (chunk start, chunk end, log-prob [m], entropy [m]) -> (d loss / d log-prob, d loss / d entropy
+#: or None when the loss has no entropy term), fp32 [m]
+Upstream = Callable[[int, int, Tensor, Tensor], tuple[Tensor, Optional[Tensor]]]
+
+
+@triton.jit
+def _dz_kernel(
+    z_ptr, part_max_ptr, lse_ptr, entropy_ptr, g_ptr, ge_ptr, tgt_ptr,
+    n_rows, V, inv_temp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """In place: the stored ``z - tile max`` of tile (row block, vocabulary block) becomes
+    ``dz = (onehot g - p (g + ge (log p + entropy))) / T`` with ``log p = (z - tile max) +
+    (tile max - lse)``; masked (-inf) entries give 0."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < n_rows
+    n_ok = offs_n < V
+    ptrs = z_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    u = tl.load(ptrs, mask=ok, other=-float("inf")).to(tl.float32)
+    top = tl.load(part_max_ptr + pid_n * n_rows + offs_m, mask=m_ok, other=0.0)
+    top = tl.where(top == -float("inf"), 0.0, top)  # a block masked whole: every u is -inf
+    lse = tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)
+    log_p = u + (top - lse)[:, None]
+    p = tl.exp(log_p)
+    g = tl.load(g_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    entropy = tl.load(entropy_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    ge = tl.load(ge_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    coef = g + ge * (tl.where(p > 0, log_p, 0.0) + entropy)
+    tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
+    dz = (tl.where(offs_n[None, :] == tgt[:, None], g, 0.0) - p * coef) * inv_temp
+    tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=ok)
+
+
+def chunk_rows(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
+    """Rows per chunk: as many whole row tiles as ``cfg.linear_budget`` holds of ``[rows, V]``."""
+    rows = cfg.linear_budget // max(V * torch.finfo(dtype).bits // 8, 1) // cfg.block_m * cfg.block_m
+    return max(cfg.block_m, min(rows, triton.cdiv(n, cfg.block_m) * cfg.block_m))
+
+
+def loss_grads(
+    hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
+    all_rows: bool, upstream: Upstream, need_hidden: bool, need_weight: bool, need_bias: bool,
+    config: Optional[LogprobConfig] = None,
+) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """``(log-prob [n], entropy [n], d hidden of the scored rows fp32 [n, H], d weight [V, H],
+    d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each gradient
+    None when not needed. Inputs are validated by the caller; ``all_rows`` as in
+    ``logprob.forward``."""
+    n, (V, H) = rows.numel(), weight.shape
+    dev = hidden.device
+    cfg = config or default_config(weight.dtype, dev)
+    logp = torch.empty(n, dtype=torch.float32, device=dev)
+    entropy = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    d_weight = torch.zeros_like(weight) if need_weight else None
+    d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if need_bias else None
+    if n == 0:
+        return logp, entropy, d_sel, d_weight, d_bias
+    ops = _Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
+    n_vblocks = triton.cdiv(V, cfg.block_n)
+    step = chunk_rows(n, V, weight.dtype, cfg)
+    z = torch.empty(step * V, dtype=weight.dtype, device=dev)
+    part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
+    part_sum, part_zsum = torch.empty_like(part_max), torch.empty_like(part_max)
+    tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
+    for s in range(0, n, step):
+        m = min(step, n - s)
+        h_src, w_src, rows_s = ops.args(s, m)
+        _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
+            h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
+            part_max, part_sum, part_zsum, tgt_logit, z,
+            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=True, IEEE=_ieee(weight),
+            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            STORE_Z=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
+            part_max, part_sum, part_zsum, tgt_logit, logp[s:], entropy[s:], lse[s:], m, n_vblocks,
+            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+        )
+        if not (need_hidden or need_weight or need_bias):
+            continue
+        g, ge = upstream(s, s + m, logp[s : s + m], entropy[s : s + m])
+        ge = torch.zeros_like(g) if ge is None else ge
+        _dz_kernel[(triton.cdiv(m, cfg.block_m), n_vblocks)](
+            z, part_max, lse[s:], entropy[s:], g.float().contiguous(), ge.float().contiguous(), targets[s:],
+            m, V, 1.0 / temperature, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        )
+        dz = z[: m * V].view(m, V)
+        if need_hidden:
+            _accumulate_mm(d_sel[s : s + m], dz, weight)
+        if need_weight:
+            h_rows = ops.h_sel[s : s + m] if ops.h_sel is not None else hidden.index_select(0, rows[s : s + m])
+            d_weight.addmm_(dz.T, h_rows)
+        if need_bias:
+            d_bias += dz.sum(0, dtype=torch.float32)
+    return logp, entropy, d_sel, d_weight, d_bias
