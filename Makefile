@@ -14,12 +14,17 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[vl,test]"
 	$(BIN)/python -m pip install -q --no-deps verl==0.9.1
 	touch $(STAMP)
 
 smoke: $(STAMP)
 	$(BIN)/rlk-mm smoke
 
+# the main suite, then the suites that need other framework pins, each in its own
+# environment built on first use: verl 0.9.1's actor worker (transformers < 5.11) and the
+# builders under transformers 4.5x (EasyR1's)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	bash tests/frameworks/verl_env.sh
+	bash tests/frameworks/tf4_env.sh

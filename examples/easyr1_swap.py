@@ -1,19 +1,26 @@
 """Swapping rlk_mm's fused loss and vectorized advantages into EasyR1.
 
 EasyR1 has no plugin registry; its actor imports ``compute_policy_loss``, ``compute_kl`` and
-``average_loss`` from ``verl.trainer.core_algos`` by name, and its trainer looks estimators up
-in ``ADV_ESTIMATOR_MAP``. ``rlk_mm.integrations.easyr1.patch()`` replaces all five. The
-trainer runs in the driver and the actor in Ray workers, so patch both — in EasyR1's
-``verl/trainer/main.py``::
+``average_loss`` from ``verl.trainer.core_algos`` by name, its trainer keeps its own
+``compute_kl`` and looks estimators up in ``ADV_ESTIMATOR_MAP``.
+``rlk_mm.integrations.easyr1.patch()`` replaces all of them (and any copy a module made);
+settings rlk_mm does not implement (``loss_type`` cispo/sapo, ``kl_penalty=full``) run
+EasyR1's own functions, said once in the log. EasyR1's trainer and actors run in Ray
+workers, so patch() must run there, before EasyR1's code: make it Ray's
+``worker_process_setup_hook``. Without editing EasyR1, for its single-node launch::
 
-    from rlk_mm.integrations import easyr1
-    easyr1.patch()                                   # driver: GRPO / RLOO advantages
-    ray.init(runtime_env={..., "worker_process_setup_hook": "rlk_mm.integrations.easyr1.patch"})
+    RAY_RUNTIME_ENV_HOOK=rlk_mm.integrations.easyr1.runtime_env_hook \
+        python3 -m verl.trainer.main config=examples/config.yaml ...
 
-Nothing else changes: ``worker.actor.loss_type`` (default, gspo, gspo_token),
-``loss_avg_mode``, ``clip_ratio_low/high/dual`` and ``algorithm.adv_estimator`` keep their
-meaning. This script runs one micro-step the way EasyR1's ``dp_actor.update_policy`` does,
-with the swapped-in functions, on synthetic data (EasyR1 itself need not be installed).
+(adds the hook to the ``runtime_env`` of EasyR1's own ``ray.init``), or, with
+``ray job submit --runtime-env=examples/runtime_env.yaml``, one more line in that file::
+
+    worker_process_setup_hook: rlk_mm.integrations.easyr1.patch
+
+Nothing else changes: ``worker.actor.loss_type``, ``loss_avg_mode``,
+``clip_ratio_low/high/dual`` and ``algorithm.adv_estimator`` keep their meaning. This script
+runs one micro-step the way EasyR1's ``dp_actor.update_policy`` does, with rlk_mm's
+functions, on synthetic data (EasyR1 itself need not be installed).
 
     python examples/easyr1_swap.py
 """
@@ -23,7 +30,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlk_mm.integrations.easyr1 import average_loss, compute_grpo_outcome_advantage, compute_kl, compute_policy_loss
+from rlk_mm.integrations.easyr1 import (
+    average_loss, compute_grpo_outcome_advantage, compute_kl, compute_policy_loss, runtime_env_hook,
+)
 
 
 def main() -> None:
@@ -52,6 +61,8 @@ def main() -> None:
     loss.backward()
     print(f"pg_loss {pg_loss.item():.6f}  kl_loss {kl_loss.item():.6f}  grad norm {log_probs.grad.norm().item():.6f}")
     print("metrics", {k: round(v, 6) for k, v in pg_metrics.items()})
+    # what RAY_RUNTIME_ENV_HOOK makes of the runtime_env EasyR1's main passes to ray.init
+    print("runtime_env", runtime_env_hook({"env_vars": {"TOKENIZERS_PARALLELISM": "true"}}))
 
 
 if __name__ == "__main__":

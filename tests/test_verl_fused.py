@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from helpers import skip_module_without_verl
@@ -14,10 +16,18 @@ skip_module_without_verl()  # an installed verl that fails to import errors belo
 import verl.utils.experimental.torch_functional as verl_tf  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
+from verl.utils import tensordict_utils as tu  # noqa: E402
+
 from rlk_mm.integrations import verl_fused  # noqa: E402
-from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error  # noqa: E402
+from rlk_mm.parity.contract import (  # noqa: E402
+    ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error,
+)
 
 VERL_CLASS = verl_tf.FusedLinearForPPO
+
+# Without peft (the main environment) verl's engine never imports, so each enable() warns that it
+# is half on; test_enable_after_the_engine_failed_to_import... checks that warning itself.
+pytestmark = pytest.mark.filterwarnings("ignore:rlk_mm. verl's FSDP engine:RuntimeWarning")
 
 
 @pytest.fixture(autouse=True)
@@ -272,3 +282,226 @@ def test_verl_model_patch_runs_rlk_mm_after_enable(monkeypatch):
     assert (ours[1] - theirs[1]).abs().max() <= LOGPROB_MAX_ABS.fp32
     assert relative_error(ours[2], theirs[2]) <= LOGPROB_GRAD_REL.fp32
     assert all(torch.equal(a, b) for a, b in zip(theirs, again))
+
+
+# ---------------------------------------------------------------- the loss in the LM head
+def _training_micro_batch(seed: int = 4):
+    """``_rl_micro_batch`` as ``update_actor`` hands it to the engine: with the trainer's
+    per-token inputs (old log-probs far enough from the policy that the clips bind,
+    advantages, reference log-probs, IS weights) and the engine's global-batch info."""
+    mb = _rl_micro_batch()
+    g = torch.Generator().manual_seed(seed)
+    B, R = mb["response_mask"].shape
+    mb["old_log_probs"] = torch.randn(B, R, generator=g) - 4.0
+    mb["advantages"] = torch.randn(B, 1, generator=g).expand(B, R).contiguous()
+    mb["ref_log_prob"] = torch.randn(B, R, generator=g) - 4.0
+    mb["rollout_is_weights"] = 0.5 + torch.rand(B, R, generator=g)
+    tu.assign_non_tensor(mb, use_fused_kernels=True, calculate_entropy=True, dp_size=2, batch_num_tokens=23,
+                         global_batch_size=5)
+    return mb
+
+
+def _actor_config(loss_mode: str, **knobs):
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, clip_ratio_low=0.2,
+                       clip_ratio_high=0.28, policy_loss={"loss_mode": loss_mode}, **knobs)
+
+
+class _LMHeadEngine:
+    """What ``FSDPEngineWithLMHead.forward_step`` does around the LM head (packed layout):
+    verl's ``FusedLinearForPPO`` (whichever class is installed) on the rolled input ids, the
+    outputs as nested tensors, then the loss function. The worker test runs verl's own."""
+
+    use_ulysses_sp = False
+
+    def __init__(self, hidden, weight, temperature=0.9):
+        self.hidden, self.weight, self.temperature = hidden, weight, temperature
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        labels = torch.roll(micro_batch["input_ids"].values(), -1)[None]
+        logp, ent = verl_tf.FusedLinearForPPO()(self.hidden[None], self.weight, labels, temperature=self.temperature)
+        cu = micro_batch["input_ids"].offsets()
+        output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in (("log_probs", logp), ("entropy", ent))}
+        return loss_function(model_output=output, data=micro_batch, dp_group=None)
+
+
+def _train_step(loss_mode, knobs, fused: bool, micro_batch=None, seed=5):
+    """verl's ppo_loss on one micro-batch through the LM head: (loss, metrics, d hidden, d weight)."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    mb = _training_micro_batch() if micro_batch is None else micro_batch
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(int(mb["input_ids"].offsets()[-1]), 24, generator=g).requires_grad_()
+    weight = (torch.randn(60, 24, generator=g) * 0.3).requires_grad_()
+    engine = _LMHeadEngine(hidden, weight)
+    step = _LMHeadEngine.forward_step
+    if fused:
+        verl_fused._swap_class()
+        step = verl_fused._with_response_scoring(step)
+    loss, metrics = step(engine, mb, partial(ppo_loss, config=_actor_config(loss_mode, **knobs)), False)
+    loss.backward()
+    values = {k: v.aggregate() if hasattr(v, "aggregate") else v for k, v in metrics.items()}
+    return loss.detach(), values, hidden.grad, weight.grad
+
+
+FUSED_CASES = {
+    "defaults": {},
+    "token-sum": {"loss_agg_mode": "token-sum"},
+    "seq-mean-token-mean+k3+entropy": {"loss_agg_mode": "seq-mean-token-mean", "use_kl_loss": True,
+                                       "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.1, "entropy_coeff": 0.01},
+    "seq-mean-token-sum+k1": {"loss_agg_mode": "seq-mean-token-sum", "use_kl_loss": True, "kl_loss_type": "kl",
+                              "kl_loss_coef": 0.2},
+    "seq-mean-token-sum-norm+k2+": {"loss_agg_mode": "seq-mean-token-sum-norm", "use_kl_loss": True,
+                                    "kl_loss_type": "k2+", "kl_loss_coef": 0.05, "clip_ratio_c": 1.5},
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_loss_matches_verl_ppo_loss(case):
+    """rlk_mm's loss computed in the LM head (loss_mode=rlk_mm) against verl's vanilla loss
+    with verl's own FusedLinearForPPO: loss, every metric, d hidden and d weight."""
+    knobs = FUSED_CASES[case]
+    expected = _train_step("vanilla", knobs, fused=False)
+    verl_fused.disable()
+    plans = []
+    compute = verl_fused.FusedLossPlan.compute
+    with pytest.MonkeyPatch.context() as mp:  # observe that the LM head computed the loss
+        mp.setattr(verl_fused.FusedLossPlan, "compute", lambda plan, *a: plans.append(plan) or compute(plan, *a))
+        actual = _train_step("rlk_mm", knobs, fused=True)
+    assert len(plans) == 1 and plans[0].result is None  # computed once, handed to verl's loss once
+    tol = ELEMENTWISE_LOSS_MAX_ABS.fp32  # relative to values above 1: sums (token-sum) round off as they grow
+    assert float(actual[0]) == pytest.approx(float(expected[0]), rel=tol, abs=tol)
+    assert actual[1].keys() == expected[1].keys()
+    for name in expected[1]:
+        assert actual[1][name] == pytest.approx(expected[1][name], rel=tol, abs=tol), name
+    assert expected[1]["actor/pg_clipfrac"] > 0  # the clip binds: the check can tell
+    assert relative_error(actual[2], expected[2]) <= LOGPROB_GRAD_REL.fp32
+    assert relative_error(actual[3], expected[3]) <= LOGPROB_GRAD_REL.fp32
+
+
+@pytest.mark.parametrize("why", ["gspo", "kl_full", "not_ppo_loss", "forward_only", "sum_pi_squared", "sp"])
+def test_fused_loss_falls_back(why):
+    """Where the loss cannot be formed in the LM head, the wrapper leaves verl's path alone."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    mb = _training_micro_batch()
+    mode, knobs = ("rlk_mm_gspo", {}) if why == "gspo" else ("rlk_mm", {})
+    if why == "kl_full":
+        knobs = {"use_kl_loss": True, "kl_loss_type": "full"}
+    loss_function = partial(ppo_loss, config=_actor_config(mode, **knobs))
+    if why == "not_ppo_loss":
+        loss_function = partial(lambda config, **kw: ppo_loss(config, **kw), config=loss_function.keywords["config"])
+    if why == "sum_pi_squared":
+        tu.assign_non_tensor(mb, calculate_sum_pi_squared=True)
+    seen = []
+
+    class Engine:
+        use_ulysses_sp = why == "sp"
+
+        def forward_step(self, micro_batch, loss_function, forward_only):
+            seen.append(verl_fused._FUSED_LOSS.get())
+            return "out"
+
+    step = verl_fused._with_response_scoring(Engine.forward_step)
+    assert step(Engine(), mb, loss_function, why == "forward_only") == "out"
+    assert seen == [None]
+    # control: the same micro-batch as update_actor gives it, with loss_mode=rlk_mm, has a plan
+    with_plan = verl_fused.fused_loss_plan(_training_micro_batch(), partial(ppo_loss, config=_actor_config("rlk_mm")))
+    assert with_plan is not None and with_plan.sample_index.tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_fused_loss_refuses_a_mismatch():
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    mb = _training_micro_batch()
+    plan = verl_fused.fused_loss_plan(mb, partial(ppo_loss, config=_actor_config("rlk_mm")))
+    h, w, _ = _inputs((30,), 8, 40, torch.float32)
+    rows, _ = verl_fused.response_rows(mb)
+    with pytest.raises(RuntimeError, match="scores 3 rows but the micro-batch's response_mask selects 10"):
+        plan.compute(h, w, rows[:3], torch.zeros(3, dtype=torch.long), 1.0)
+    plan.compute(h, w, rows, torch.zeros(10, dtype=torch.long), 1.0)
+    with pytest.raises(RuntimeError, match="LM head ran twice"):
+        plan.compute(h, w, rows, torch.zeros(10, dtype=torch.long), 1.0)
+    token = verl_fused._FUSED_LOSS.set(plan)
+    try:
+        with pytest.raises(RuntimeError, match="for 3 samples and 10 tokens.*log_prob \\(2, 5\\) with 10"):
+            verl_fused.take_fused_loss(torch.zeros(2, 5), torch.ones(2, 5))
+    finally:
+        verl_fused._FUSED_LOSS.reset(token)
+    assert verl_fused.take_fused_loss(torch.zeros(3, 5), torch.ones(3, 5)) is None  # no plan: the log-prob path
+
+
+def test_enable_after_the_engine_failed_to_import_warns_and_stays_half_on(monkeypatch):
+    """verl logs plugin errors at debug level only: enable() says it with a warning, keeps the
+    class swap, and a later enable() completes (the worker test checks that with verl's engine)."""
+    import importlib
+
+    real_import = importlib.import_module
+
+    def failing(name, *args):
+        if name == verl_fused._FSDP_ENGINE:
+            raise ImportError("simulated: an optional dependency of verl's engine is missing")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", failing)
+    with pytest.warns(RuntimeWarning, match="could not be imported.*simulated.*enable\\(\\) again"):
+        assert verl_fused.enable() is False
+    assert verl_fused.enabled() and verl_tf.FusedLinearForPPO is verl_fused.FusedLinearForPPO
+
+
+def test_plugin_errors_become_warnings(monkeypatch):
+    import importlib
+
+    adapter = importlib.import_module("rlk_mm.integrations.verl")
+    monkeypatch.setenv(verl_fused.ENV_SWITCH, "maybe")
+    with pytest.warns(RuntimeWarning, match="rlk_mm's verl plugin did not register.*RLK_MM_VERL_FUSED='maybe'"):
+        adapter._register_on_import()
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fused_loss_matches_verl_on_any_layout(data):
+    """Random prompt/response lengths, masked-out response tokens (a sample may have none),
+    aggregation mode and KL kind: the fused loss equals verl's, loss and gradients."""
+    B = data.draw(st.integers(1, 4), label="samples")
+    prompt_len = data.draw(st.lists(st.integers(1, 5), min_size=B, max_size=B), label="prompt_len")
+    response_len = data.draw(st.lists(st.integers(1, 6), min_size=B, max_size=B), label="response_len")
+    P, R = max(prompt_len), max(response_len)
+    keep = data.draw(st.lists(st.booleans(), min_size=B * R, max_size=B * R), label="keep")
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    prompts, responses = torch.zeros(B, P, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+    attention, response_mask = torch.zeros(B, P + R, dtype=torch.long), torch.zeros(B, R, dtype=torch.long)
+    for b in range(B):
+        prompts[b, P - prompt_len[b]:] = torch.randint(1, 50, (prompt_len[b],), generator=g)
+        responses[b, : response_len[b]] = torch.randint(1, 50, (response_len[b],), generator=g)
+        attention[b, P - prompt_len[b] : P + response_len[b]] = 1
+        response_mask[b, : response_len[b]] = torch.tensor(keep[b * R : b * R + response_len[b]])
+    td = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attention, "response_mask": response_mask, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "old_log_probs": torch.randn(B, R, generator=g) - 4.0, "advantages": torch.randn(B, R, generator=g),
+        "ref_log_prob": torch.randn(B, R, generator=g) - 4.0,
+    }, batch_size=[B])
+    mb = left_right_2_no_padding(td)
+    tu.assign_non_tensor(mb, use_fused_kernels=True, calculate_entropy=True, dp_size=1,
+                         batch_num_tokens=max(int(response_mask.sum()), 1), global_batch_size=B)
+    knobs = {"loss_agg_mode": data.draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])),
+             "use_kl_loss": True, "kl_loss_type": data.draw(st.sampled_from(["kl", "abs", "mse", "low_var_kl"])),
+             "kl_loss_coef": 0.1, "entropy_coeff": 0.01}
+    verl_fused.disable()
+    expected = _train_step("vanilla", knobs, fused=False, micro_batch=mb)
+    actual = _train_step("rlk_mm", knobs, fused=True, micro_batch=mb)
+    verl_fused.disable()
+    tol = ELEMENTWISE_LOSS_MAX_ABS.fp32
+    assert float(actual[0]) == pytest.approx(float(expected[0]), rel=tol, abs=tol)
+    for name in expected[1]:
+        assert actual[1][name] == pytest.approx(expected[1][name], rel=tol, abs=tol), name
+    for ours, theirs in ((actual[2], expected[2]), (actual[3], expected[3])):
+        assert relative_error(ours, theirs) <= LOGPROB_GRAD_REL.fp32

@@ -31,3 +31,15 @@ def outcome_inputs(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
             "give one group id per response"
         )
     return ids
+
+
+def clip_ratios(config) -> tuple[float, float]:
+    """The clip ratios (low, high) of verl's actor config: ``clip_ratio_low``/``_high``, else ``clip_ratio``."""
+    ratios = []
+    for side in ("low", "high"):
+        value = getattr(config, f"clip_ratio_{side}")
+        value = config.clip_ratio if value is None else value
+        if value is None:
+            raise ValueError(f"config.clip_ratio_{side} and config.clip_ratio are both None: set one of them")
+        ratios.append(value)
+    return tuple(ratios)

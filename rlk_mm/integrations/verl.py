@@ -10,27 +10,28 @@ Registered names (importing this module registers them):
 
 verl imports every ``verl.plugins`` entry point when ``verl`` is imported (in the driver
 and in each Ray worker), unless ``VERL_USE_EXTERNAL_PLUGINS=none``. It only *imports*
-the target — ``rlk_mm.integrations.verl:register`` — and hides plugin errors at debug
-level, so this module registers on import and ``register()`` is idempotent; import this
-module yourself to see any error. With ``RLK_MM_VERL_FUSED=1``, ``register()`` also calls
-``rlk_mm.integrations.verl_fused.enable()`` (fused LM-head log-probs in verl's actor).
+the target — ``rlk_mm.integrations.verl:register`` — and logs plugin errors at debug
+level only, so this module registers on import and turns any error there into a warning;
+``register()`` is idempotent and tolerates a re-import of this module (call it to see the
+traceback). With ``RLK_MM_VERL_FUSED=1``, ``register()`` also calls
+``rlk_mm.integrations.verl_fused.enable()``: fused LM-head log-probs in verl's actor and,
+for ``loss_mode=rlk_mm``, the whole actor loss in the LM head (three products).
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from verl.trainer.ppo import core_algos
-
 from ..ops.loss import policy_loss
 from ..ops.rewards import Estimator, group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import bool_arg, float_arg
-from ._args import outcome_inputs, padded_inputs
+from ._args import clip_ratios, outcome_inputs, padded_inputs
 
 POLICY_LOSSES = ("rlk_mm", "rlk_mm_gspo")
 ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
@@ -38,19 +39,12 @@ ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
 
 def _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
     """Checks types and shapes under verl's names (``policy_loss`` checks the values);
-    returns the clip ratios (low, high): ``clip_ratio_low``/``_high``, else ``clip_ratio``."""
+    returns the clip ratios (low, high)."""
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
     padded_inputs({"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages,
                    "rollout_is_weights": rollout_is_weights, "response_mask": response_mask}, mask="response_mask")
-    ratios = []
-    for side in ("low", "high"):
-        value = getattr(config, f"clip_ratio_{side}")
-        value = config.clip_ratio if value is None else value
-        if value is None:
-            raise ValueError(f"config.clip_ratio_{side} and config.clip_ratio are both None: set one of them")
-        ratios.append(value)
-    return tuple(ratios)
+    return clip_ratios(config)
 
 
 def _metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -73,8 +67,17 @@ def compute_policy_loss(
     config=None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``compute_policy_loss_vanilla``, fused: same signature, loss, gradient and metrics."""
+    """verl's ``compute_policy_loss_vanilla``, fused: same signature, loss, gradient and metrics.
+
+    When verl's LM head already computed the loss for this micro-batch (``RLK_MM_VERL_FUSED=1``
+    with ``use_fused_kernels=True``: ``rlk_mm.integrations.verl_fused``), that loss is returned.
+    """
     low, high = _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+    from . import verl_fused
+
+    fused = verl_fused.take_fused_loss(log_prob, response_mask)
+    if fused is not None:
+        return fused[0], _metrics(fused[1])
     clip_c = config.get("clip_ratio_c", 3.0)
     loss, metrics = policy_loss(
         log_prob, old_log_prob, advantages, response_mask,
@@ -146,10 +149,15 @@ def compute_rloo_outcome_advantage(
 
 
 def register() -> None:
-    """Register the policy losses and advantage estimators with verl (idempotent)."""
+    """Register the policy losses and advantage estimators with verl (idempotent; replaces
+    what an earlier import of this module registered, refuses a name someone else took)."""
+    from verl.trainer.ppo import core_algos
+
     for name, loss in zip(POLICY_LOSSES, (compute_policy_loss, compute_policy_loss_gspo)):
         core_algos.register_policy_loss(name)(loss)
     for name, estimator in zip(ADV_ESTIMATORS, (compute_grpo_outcome_advantage, compute_rloo_outcome_advantage)):
+        if getattr(core_algos.ADV_ESTIMATOR_REGISTRY.get(name), "__module__", None) == __name__:
+            del core_algos.ADV_ESTIMATOR_REGISTRY[name]  # ours, from an earlier import of this module
         core_algos.register_adv_est(name)(estimator)
     importlib.import_module("rlk_mm.integrations.verl_fused").register()  # honours RLK_MM_VERL_FUSED
 
@@ -166,4 +174,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-register()
+def _register_on_import() -> None:
+    """Register, turning an error into a warning: verl's plugin loader would log it at debug level only."""
+    try:
+        register()
+    except Exception as error:
+        warnings.warn(
+            f"rlk_mm's verl plugin did not register ({type(error).__name__}: {error}); verl runs without rlk_mm. "
+            "Call rlk_mm.integrations.verl.register() to see the traceback",
+            RuntimeWarning, stacklevel=2,
+        )
+
+
+_register_on_import()

@@ -1,5 +1,5 @@
 """rlk_mm as verl's fused-kernel backend: a drop-in ``FusedLinearForPPO`` that scores
-only response tokens.
+only response tokens and, for ``loss_mode=rlk_mm``, computes the policy loss in the LM head.
 
 verl 0.9.1 (``actor_rollout_ref.model.use_fused_kernels=True``, backend ``torch``)
 computes log-probs and entropies with ``verl.utils.experimental.torch_functional.
@@ -11,8 +11,27 @@ each time the LM head runs, so replacing the module attribute swaps the implemen
 ``rlk_mm.ops.selected_logprob(..., return_entropy=True)``) there, and wraps the FSDP
 engine's ``forward_step`` so that, for RL micro-batches, only the rows verl's losses
 read (response tokens under ``response_mask``) are scored; prompt and image rows cost
-nothing and hold zeros. ``disable()`` restores every attribute it replaced.
-``register()`` enables when ``RLK_MM_VERL_FUSED=1``.
+nothing and hold zeros.
+
+In ``update_actor`` with ``policy_loss.loss_mode=rlk_mm`` the wrapper goes further: the
+LM head computes the whole actor loss with ``rlk_mm.ops.linear_policy_loss`` (three
+logits-sized products: the gradient is formed in the forward) from the micro-batch's
+``old_log_probs``, ``advantages``, ``rollout_is_weights`` and, with ``use_kl_loss``,
+``ref_log_prob``, under the actor config's clip ratios, dual clip, ``loss_agg_mode``,
+global-batch scaling, ``entropy_coeff`` and KL settings (see ``fused_loss_plan``). verl's
+``ppo_loss`` still runs and still produces every metric from the (detached) log-probs and
+entropies; the registered ``rlk_mm`` policy loss hands it the fused loss (see
+``take_fused_loss``). Everything else falls back to the log-prob path (four products):
+``compute_log_prob``, ``loss_mode`` other than ``rlk_mm`` (``rlk_mm_gspo``: sequence
+ratios need every token before a gradient), sequence parallelism, a loss function other
+than verl's ``ppo_loss`` (distillation), ``calculate_sum_pi_squared``, a ``kl_loss_type``
+rlk_mm does not implement (``full``), and any layout ``FusedLinearForPPO`` cannot map.
+
+``disable()`` restores every attribute it replaced. ``register()`` enables when
+``RLK_MM_VERL_FUSED=1``. Where verl's engine cannot be imported yet when the plugin loads
+(verl loads plugins while it is itself importing, e.g. under a platform plugin), ``enable()``
+warns, keeps the class swap, and wraps the engine when verl imports it; calling ``enable()``
+again completes whatever part is missing, also after this module was imported anew.
 """
 
 from __future__ import annotations
@@ -20,13 +39,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
+import importlib.abc
+import importlib.machinery
 import os
 import sys
-from dataclasses import dataclass
-from typing import Optional
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
+from ..ops._loss_args import kl_estimator
+from ..ops.linear_loss import PolicyLossOutput, linear_policy_loss
 from ..ops.logprob import TargetError, selected_logprob
 from ..schema.checks import INTEGER_DTYPES, bool_arg, int_arg, tensor_arg
 
@@ -35,6 +60,7 @@ Tensor = torch.Tensor
 ENV_SWITCH = "RLK_MM_VERL_FUSED"
 _TORCH_FUNCTIONAL = "verl.utils.experimental.torch_functional"
 _FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+_LOSSES = "verl.workers.utils.losses"
 
 
 # ------------------------------------------------------------------ which rows to score
@@ -78,10 +104,10 @@ def scoring(rows: Tensor, cu_seqlens: Tensor):
         _SCORING.reset(token)
 
 
-def response_rows(micro_batch) -> Optional[tuple[Tensor, Tensor]]:
-    """(rows, cu_seqlens) of an RL micro-batch in verl's no-padding layout: the packed
-    positions whose log-probs verl's RL losses read (``no_padding_2_padding``: the response
-    window shifted by one), kept where ``response_mask`` is set. None for other batches."""
+def _response_slots(micro_batch) -> Optional[tuple[Tensor, Tensor, Tensor]]:
+    """(window [B, R]: the packed row whose log-prob verl reads for each response slot,
+    ``response_mask`` [B, R] as bool, ``cu_seqlens`` [B+1]) of an RL micro-batch in verl's
+    no-padding layout, or None for other batches."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     if not all(k in micro_batch.keys() for k in ("input_ids", "prompts", "responses", "response_mask")):
@@ -92,17 +118,150 @@ def response_rows(micro_batch) -> Optional[tuple[Tensor, Tensor]]:
     cu = input_ids.offsets()
     packed = torch.nested.nested_tensor_from_jagged(torch.arange(int(cu[-1]), device=cu.device), cu)
     window = no_padding_2_padding(packed, micro_batch)  # [B, R]: packed row of each response slot
-    mask = micro_batch["response_mask"]
-    if mask.is_nested:
-        mask = mask.to_padded_tensor(0, output_size=tuple(window.shape))
-    if tuple(mask.shape) != tuple(window.shape):
+    mask = _padded(micro_batch["response_mask"], window.shape)
+    if mask is None:
         return None
-    return window[mask.to(device=window.device).bool()], cu
+    return window, mask.to(device=window.device).bool(), cu
+
+
+def _padded(t: Tensor, shape: torch.Size) -> Optional[Tensor]:
+    """``t`` as a dense ``shape`` tensor (nested ones padded with 0), or None if it does not fit."""
+    if t.is_nested:
+        t = t.to_padded_tensor(0, output_size=tuple(shape))
+    return t if tuple(t.shape) == tuple(shape) else None
+
+
+def response_rows(micro_batch) -> Optional[tuple[Tensor, Tensor]]:
+    """(rows, cu_seqlens) of an RL micro-batch in verl's no-padding layout: the packed
+    positions whose log-probs verl's RL losses read (``no_padding_2_padding``: the response
+    window shifted by one), kept where ``response_mask`` is set, in the mask's row-major
+    order. None for other batches."""
+    slots = _response_slots(micro_batch)
+    if slots is None:
+        return None
+    window, mask, cu = slots
+    return window[mask], cu
+
+
+# ------------------------------------------------------------------ the loss in the LM head
+@dataclass
+class FusedLossPlan:
+    """One micro-batch's ``linear_policy_loss`` inputs besides the LM head's (compact ``[n]``
+    per-token tensors in ``response_rows`` order, the sample of each, the actor config's
+    knobs), and its result once the LM head ran."""
+
+    per_token: dict[str, Optional[Tensor]]
+    sample_index: Tensor
+    num_samples: int
+    knobs: dict[str, Any]
+    result: Optional[PolicyLossOutput] = field(default=None, repr=False)
+
+    def compute(self, hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, temperature: float):
+        """The fused loss over ``rows``; returns their log-probs and entropies (detached)."""
+        if self.result is not None:
+            raise RuntimeError(
+                "rlk_mm's fused policy loss: the LM head ran twice in one micro-batch; turn the fused loss off "
+                "(actor_rollout_ref.actor.policy_loss.loss_mode=vanilla) for models that call it more than once"
+            )
+        if rows.numel() != self.sample_index.numel():
+            raise RuntimeError(
+                f"rlk_mm's fused policy loss: the LM head scores {rows.numel()} rows but the micro-batch's "
+                f"response_mask selects {self.sample_index.numel()} tokens"
+            )
+        device = hidden.device
+        per_token = {k: None if v is None else v.to(device) for k, v in self.per_token.items()}
+        self.result = linear_policy_loss(
+            hidden, weight, index=rows, targets=targets, temperature=temperature, **per_token,
+            sample_index=self.sample_index.to(device), num_samples=self.num_samples, **self.knobs,
+        )
+        return self.result.log_probs, self.result.entropy
+
+
+_FUSED_LOSS: contextvars.ContextVar[Optional[FusedLossPlan]] = contextvars.ContextVar("rlk_mm_verl_loss", default=None)
+
+
+def fused_loss_plan(micro_batch, loss_function) -> Optional[FusedLossPlan]:
+    """The fused-loss plan of a training micro-batch, or None where the loss stays verl's
+    (see the module docstring for what falls back)."""
+    from verl.utils import tensordict_utils as tu
+
+    losses = sys.modules.get(_LOSSES)
+    if not (isinstance(loss_function, functools.partial) and losses is not None
+            and loss_function.func is getattr(losses, "ppo_loss", None) and "config" in loss_function.keywords):
+        return None
+    config = loss_function.keywords["config"]
+    flag = functools.partial(tu.get_non_tensor_data, data=micro_batch, default=False)
+    if (config.policy_loss.get("loss_mode", "vanilla") != "rlk_mm" or flag(key="calculate_sum_pi_squared")
+            or flag(key="distillation_use_topk") or flag(key="distillation_only")):
+        return None
+    if config.use_kl_loss:
+        try:
+            kl_estimator(config.kl_loss_type, "kl_loss_type")
+        except ValueError:
+            return None
+    slots = _response_slots(micro_batch)
+    if slots is None:
+        return None
+    window, mask, _ = slots
+    names = {"old_log_probs": "old_log_probs", "advantages": "advantages", "rollout_is_weights": "rollout_is_weights"}
+    if config.use_kl_loss:
+        names["ref_log_probs"] = "ref_log_prob"
+    per_token = {}
+    for ours, theirs in names.items():
+        value = micro_batch.get(theirs, None)
+        value = None if value is None else _padded(value, window.shape)
+        if value is None and theirs != "rollout_is_weights":
+            return None  # verl's ppo_loss raises on it; let it say so
+        per_token[ours] = None if value is None else value.to(mask.device)[mask]
+    from ._args import clip_ratios
+
+    low, high = clip_ratios(config)
+    knobs = dict(
+        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.get("clip_ratio_c", 3.0),
+        loss_agg_mode=config.loss_agg_mode, dp_size=micro_batch["dp_size"],
+        batch_num_tokens=micro_batch["batch_num_tokens"], global_batch_size=micro_batch["global_batch_size"],
+        # verl's agg_loss defaults the -norm mode's factor to the padded response length
+        loss_scale_factor=config.loss_scale_factor if config.loss_scale_factor is not None else mask.shape[1],
+        entropy_coeff=config.entropy_coeff if flag(key="calculate_entropy") else 0.0,
+    )
+    if config.use_kl_loss:
+        knobs.update(kl_type=config.kl_loss_type, kl_coef=config.kl_loss_coef)
+    sample_index = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]
+    return FusedLossPlan(per_token, sample_index, mask.shape[0], knobs)
+
+
+def take_fused_loss(log_prob: Tensor, response_mask: Tensor) -> Optional[tuple[Tensor, dict[str, Tensor]]]:
+    """For the registered ``rlk_mm`` policy loss: the loss the LM head computed for this
+    micro-batch, or None (then the log-prob path runs).
+
+    Returns ``(loss, metrics)``: the loss's value is the PPO term alone, as verl's policy
+    losses return it, but its gradient is the whole fused loss's (PPO term, KL, entropy
+    bonus). verl's ``ppo_loss`` then subtracts the entropy bonus and adds the KL term it
+    computes from the detached log-probs and entropies, which add values but no gradient:
+    the total has verl's value and the fused gradient.
+    """
+    plan = _FUSED_LOSS.get()
+    if plan is None or plan.result is None:
+        return None
+    result, plan.result = plan.result, None  # one policy-loss call per LM-head run
+    tensor_arg("response_mask", response_mask, ndim=2)
+    scored = int(response_mask.bool().sum())
+    if log_prob.shape[0] != plan.num_samples or scored != result.log_probs.numel():
+        raise RuntimeError(
+            f"rlk_mm's fused policy loss was computed for {plan.num_samples} samples and {result.log_probs.numel()} "
+            f"tokens, but verl's loss passes log_prob {tuple(log_prob.shape)} with {scored} masked-in tokens"
+        )
+    pg = result.metrics["pg_loss"]
+    return pg + (result.loss - result.loss.detach()), result.metrics
 
 
 # ------------------------------------------------------------------ the drop-in class
 class FusedLinearForPPO(torch.nn.Module):
     """verl's ``FusedLinearForPPO`` (same constructor and call), computed by rlk_mm.
+
+    Under a fused-loss plan (``update_actor`` with ``loss_mode=rlk_mm``) it computes the
+    actor loss with ``linear_policy_loss`` and returns the log-probs and entropies detached
+    (the loss carries the gradient; see the module docstring).
 
     ``forward(hidden_states [B, L, H] | [T, H], vocab_weights [V, H], input_ids [B, L] | [T],
     temperature)`` returns ``(log_probs fp32, entropy in hidden_states' dtype)`` shaped like
@@ -138,9 +297,13 @@ class FusedLinearForPPO(torch.nn.Module):
         plan = _SCORING.get()
         rows = None if plan is None else plan.rows_for(input_ids.shape, ids.device)
         scored, targets = (torch.arange(ids.numel(), device=ids.device), ids) if rows is None else (rows, ids[rows])
+        loss_plan = _FUSED_LOSS.get()
         try:
-            logp, ent = selected_logprob(hidden, weight, index=scored, targets=targets, temperature=temperature,
-                                         return_entropy=True)
+            if loss_plan is not None and rows is not None and torch.is_grad_enabled():
+                logp, ent = loss_plan.compute(hidden, weight, rows, targets, temperature)
+            else:
+                logp, ent = selected_logprob(hidden, weight, index=scored, targets=targets, temperature=temperature,
+                                             return_entropy=True)
         except TargetError as e:
             place = ", ".join(str(int(i)) for i in torch.unravel_index(scored[e.at].cpu(), tuple(input_ids.shape)))
             raise ValueError(f"input_ids[{place}] = {e.token} {e.problem}") from None
@@ -161,18 +324,32 @@ def _logits_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+
+
 # ------------------------------------------------------------------ enable / disable
+#: (owner, attribute) -> verl's own object there, for ``disable``
 _REPLACED: dict[tuple[object, str], object] = {}
+#: set on each replacement: the verl object it stands for (survives a re-import of this module)
+_STANDS_FOR = "_rlk_mm_stands_for"
 
 
-def _replace(owner: object, name: str, value: object) -> None:
-    _REPLACED.setdefault((owner, name), owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+def _verl_original(value: object) -> object:
+    """verl's own object behind ``value``: ``value`` unless an rlk_mm replacement (from this
+    or an earlier import of this module) is there."""
+    while getattr(value, _STANDS_FOR, None) is not None:
+        value = getattr(value, _STANDS_FOR)
+    return value
+
+
+def _replace(owner: object, name: str, value: object, original: object) -> None:
+    _REPLACED.setdefault((owner, name), original)
     setattr(owner, name, value)
 
 
 def _with_response_scoring(forward_step):
-    """Wrap an engine's ``forward_step``: score only the response rows of RL micro-batches
-    (fused kernels on, no sequence parallelism); everything else runs unchanged."""
+    """Wrap an engine's ``forward_step``: for RL micro-batches (fused kernels on, no sequence
+    parallelism) score only the response rows, and in training compute the loss in the LM
+    head where ``fused_loss_plan`` allows; everything else runs unchanged."""
 
     @functools.wraps(forward_step)
     def wrapped(self, micro_batch, loss_function, forward_only):
@@ -185,46 +362,107 @@ def _with_response_scoring(forward_step):
             plan = response_rows(micro_batch)
         if plan is None:
             return forward_step(self, micro_batch, loss_function, forward_only)
-        with scoring(*plan):
-            return forward_step(self, micro_batch, loss_function, forward_only)
+        loss_plan = None if forward_only else fused_loss_plan(micro_batch, loss_function)
+        token = _FUSED_LOSS.set(loss_plan)
+        try:
+            with scoring(*plan):
+                return forward_step(self, micro_batch, loss_function, forward_only)
+        finally:
+            _FUSED_LOSS.reset(token)
 
+    setattr(wrapped, _STANDS_FOR, forward_step)
     return wrapped
 
 
-def enable(*, response_only: bool = True) -> None:
-    """Use rlk_mm's ``FusedLinearForPPO`` wherever verl looks the class up (idempotent).
-
-    With ``response_only``, also wrap the FSDP engine's ``forward_step`` so that only the
-    response rows are scored (skipped, with scoring of every row, when that engine cannot
-    be imported, e.g. without its optional dependencies).
-    """
-    import importlib
-
-    response_only = bool_arg("response_only", response_only)
-    if _REPLACED:
-        return
+def _swap_class() -> None:
+    """rlk_mm's ``FusedLinearForPPO`` in verl's module and in every verl module that bound the name."""
     module = importlib.import_module(_TORCH_FUNCTIONAL)
-    original = module.FusedLinearForPPO
-    for name, mod in list(sys.modules.items()):  # the home module and any module that bound the name
-        if (name == "verl" or name.startswith("verl.")) and getattr(mod, "FusedLinearForPPO", None) is original:
-            _replace(mod, "FusedLinearForPPO", FusedLinearForPPO)
-    if response_only:
-        try:
-            engine = importlib.import_module(_FSDP_ENGINE).FSDPEngineWithLMHead
-        except ImportError:
-            return
-        _replace(engine, "forward_step", _with_response_scoring(engine.__dict__["forward_step"]))
+    current = module.FusedLinearForPPO
+    if current is FusedLinearForPPO:
+        return
+    original = _verl_original(current)
+    setattr(FusedLinearForPPO, _STANDS_FOR, original)
+    for name, mod in list(sys.modules.items()):
+        if (name == "verl" or name.startswith("verl.")) and getattr(mod, "FusedLinearForPPO", None) in (original, current):
+            _replace(mod, "FusedLinearForPPO", FusedLinearForPPO, original)
+
+
+def _wrap_engine() -> bool:
+    """Wrap ``FSDPEngineWithLMHead.forward_step`` (once). Where the engine cannot be imported
+    now (e.g. while verl, still importing, loads its plugins), warn, and wrap it when verl
+    imports it later; returns whether it is wrapped now."""
+    try:
+        engine = importlib.import_module(_FSDP_ENGINE)
+    except Exception as error:  # its optional dependencies raise more than ImportError
+        if not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _WrapOnImport())
+        warnings.warn(
+            f"rlk_mm: verl's FSDP engine ({_FSDP_ENGINE}) could not be imported ({type(error).__name__}: {error}). "
+            "rlk_mm's FusedLinearForPPO is on, but until the engine is wrapped every row is scored and the policy "
+            "loss is not fused into the LM head; rlk_mm wraps it when verl imports it, or call "
+            "rlk_mm.integrations.verl_fused.enable() again",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+    _wrap(engine.FSDPEngineWithLMHead)
+    return True
+
+
+def _wrap(engine: type) -> None:
+    current = engine.__dict__["forward_step"]
+    if getattr(current, "__code__", None) is _WRAPPER_CODE:  # wrapped by this import of the module
+        return
+    original = _verl_original(current)
+    _replace(engine, "forward_step", _with_response_scoring(original), original)
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Wraps the engine's ``forward_step`` right after verl's engine module is next imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _FSDP_ENGINE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        sys.meta_path.remove(self)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            _wrap(module.FSDPEngineWithLMHead)
+
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
+def enable(*, response_only: bool = True) -> bool:
+    """Use rlk_mm's ``FusedLinearForPPO`` wherever verl looks the class up and, with
+    ``response_only``, wrap the FSDP engine's ``forward_step`` (response rows only, and the
+    loss in the LM head for ``loss_mode=rlk_mm``).
+
+    Completes whatever part is missing, so it is safe to call again: after the engine
+    failed to import (a warning says so), or after this module was imported anew. Returns
+    whether every requested part is on.
+    """
+    response_only = bool_arg("response_only", response_only)
+    _swap_class()
+    return _wrap_engine() if response_only else True
 
 
 def disable() -> None:
-    """Undo ``enable()``: every replaced attribute gets its original object back."""
+    """Undo ``enable()``: every replaced attribute gets verl's original object back, and a
+    pending wrap of the engine is dropped."""
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != _WrapOnImport.__name__]
     while _REPLACED:
         (owner, name), original = _REPLACED.popitem()
         setattr(owner, name, original)
 
 
 def enabled() -> bool:
-    return bool(_REPLACED)
+    """Whether verl's LM head runs this module's ``FusedLinearForPPO``."""
+    module = sys.modules.get(_TORCH_FUNCTIONAL)
+    return module is not None and module.FusedLinearForPPO is FusedLinearForPPO
 
 
 def register() -> bool:
@@ -236,3 +474,7 @@ def register() -> bool:
     elif value not in ("", "0", "false", "no", "off"):
         raise ValueError(f"{ENV_SWITCH}={value!r}: expected 1/true/yes/on or 0/false/no/off")
     return enabled()
+
+
+#: the code object of every wrapper this import of the module makes
+_WRAPPER_CODE = _with_response_scoring(lambda self, micro_batch, loss_function, forward_only: None).__code__

@@ -191,17 +191,23 @@ def _responses(responses, response_mask, B: int, info: LayoutInfo) -> list[Optio
 
 
 def _check_mm_types(mm_types: Tensor, attention: Optional[Tensor], prompts: Sequence[Tensor], info: LayoutInfo) -> None:
-    for b, ids in enumerate(prompts):
-        start = _start(attention, b)
-        types = mm_types[b, start : start + ids.numel()].long().cpu()
+    """Image tokens 1, text 0, video tokens 2 (transformers 5) or, in the whole batch, all 0
+    (transformers 4.5x processors mark only image tokens)."""
+    rows = [mm_types[b, _start(attention, b) :][: ids.numel()].long().cpu() for b, ids in enumerate(prompts)]
+    video_marked = any(bool((types[ids == info.video_token_id] == 2).any()) for ids, types in zip(prompts, rows))
+    video_type = 2 if video_marked else 0
+    for b, (ids, types) in enumerate(zip(prompts, rows)):
         expected = torch.zeros_like(ids)
         expected[ids == info.image_token_id] = 1
-        expected[ids == info.video_token_id] = 2
+        expected[ids == info.video_token_id] = video_type
         bad = torch.nonzero(types != expected).flatten()
         if bad.numel():
             p = int(bad[0])
+            hint = (": video tokens are all 2 (transformers 5) or all 0 (4.5x marks only image tokens), never a mix"
+                    if int(ids[p]) == info.video_token_id else "")
             raise SchemaError(
-                f"mm_token_type_ids: sample {b}, position {p} says {int(types[p])} but token {int(ids[p])} implies {int(expected[p])}"
+                f"mm_token_type_ids: sample {b}, position {p} says {int(types[p])} but token {int(ids[p])} implies "
+                f"{int(expected[p])}{hint}"
             )
 
 
