@@ -75,6 +75,9 @@ def linear_policy_loss(
     batch_num_tokens=None,
     global_batch_size=None,
     loss_scale_factor=None,
+    tp_group=None,
+    vocab_start_index: Optional[int] = None,
+    gather_weight: bool = False,
 ) -> PolicyLossOutput:
     """``policy_loss(selected_logprob(hidden, weight, ...), old_log_probs, advantages, ...)``
     in one op: ``(loss, metrics, log_probs, entropy)``.
@@ -98,9 +101,15 @@ def linear_policy_loss(
 
     Two host syncs before any work: the rows, targets and bias values (as
     ``selected_logprob``), then the loss inputs (as ``policy_loss``).
+
+    ``tp_group``, ``vocab_start_index`` and ``gather_weight`` are ``selected_logprob``'s: a
+    vocabulary-sharded head (``vocab_parallel``), every rank passing the same rows and loss
+    inputs and getting the same loss; d hidden is summed over the group in rank order, each
+    rank gets its shard's d weight. One collective per chunk of rows in the forward.
     """
     rows, tgts = _logprob.scored_rows(hidden, batch, index, targets, padding)
     temperature = _logprob._temperature(temperature)
+    weight, bias, tp_group = _logprob.sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     n = rows.numel()
     tensor_arg("old_log_probs", old_log_probs)
     if old_log_probs.shape != (n,):
@@ -117,7 +126,8 @@ def linear_policy_loss(
             raise ValueError("with batch, each token's sample comes from the batch: leave sample_index and num_samples out")
         sample_index, num_samples = batch.loss_token_sample().to(hidden.device), batch.num_samples
     flat = hidden.flatten(0, -2)
-    _logprob._check(flat, weight, rows, tgts, bias, temperature)
+    if tp_group is None:
+        _logprob._check(flat, weight, rows, tgts, bias, temperature)
     knobs = dict(
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, ratio=ratio,
         log_ratio_clamp=log_ratio_clamp, rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs,
@@ -126,18 +136,27 @@ def linear_policy_loss(
     )
     policy = _checked_policy("old_log_probs", old_log_probs, old_log_probs, advantages, mask, sample_index=sample_index,
                              num_samples=num_samples, entropy=True, **knobs)
+    grad_on = torch.is_grad_enabled()
+    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad)
+    shard = None
     with _logprob.targets_named_by(batch):
-        all_rows = _logprob._check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
+        if tp_group is None:
+            all_rows = _logprob._check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
+        elif policy.ratio is RatioMode.TOKEN:  # (sequence ratios: selected_logprob checks)
+            from . import vocab_parallel
+
+            shard, all_rows = vocab_parallel.agree(
+                flat, weight, rows, tgts, bias, temperature, tp_group, vocab_start_index, any(need),
+                lambda: _logprob._check(flat, weight, rows, tgts, bias, temperature, shard=True))
     if policy.ratio is not RatioMode.TOKEN:  # sequence ratios: every log-prob before any gradient
         logp, entropy = _logprob.selected_logprob(
-            flat, weight, index=rows, targets=tgts, bias=bias, temperature=temperature, return_entropy=True)
+            flat, weight, index=rows, targets=tgts, bias=bias, temperature=temperature, return_entropy=True,
+            tp_group=tp_group, vocab_start_index=vocab_start_index)
         loss, metrics = policy_loss(logp, old_log_probs, advantages, mask, sample_index=sample_index,
                                     num_samples=num_samples, entropy=entropy, **knobs)
         return PolicyLossOutput(loss, metrics, logp.detach(), entropy.detach())
 
-    grad_on = torch.is_grad_enabled()
-    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad)
     grad_rows = policy.grad_rows(_mask_f32(policy.mask, n, hidden.device).sum())
     per_token = [name in _PER_TOKEN for name in _OP_TENSORS]
 
@@ -149,7 +168,12 @@ def linear_policy_loss(
 
     with torch.no_grad():  # the gradients are formed here, not traced
         flat_c, weight_c = _logprob._contiguous_rows(flat), _logprob._contiguous_rows(weight)
-        if use_triton(flat_c, weight_c):
+        if shard is not None:
+            from . import vocab_parallel
+
+            logp, entropy, d_hidden, d_weight, d_bias = vocab_parallel.loss_grads(
+                flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, need, shard)
+        elif use_triton(flat_c, weight_c):
             from ._triton import linear_loss as _backend
 
             logp, entropy, d_rows, d_weight, d_bias = _backend.loss_grads(

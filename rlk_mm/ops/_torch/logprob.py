@@ -86,11 +86,14 @@ def selected_logprob_forward(
     temperature: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
     with_entropy: bool = True,
+    raw_target: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy, log-sum-exp) of ``hidden[rows]`` at ``targets``, each ``[n]``.
 
     ``hidden`` is ``[T, H]``, ``weight`` ``[V, H]``, ``rows``/``targets`` int64 ``[n]``.
     Results are in ``compute_dtype``; without ``with_entropy`` the entropy is left empty.
+    ``raw_target`` (a vocabulary shard, ``vocab_parallel``): the first output is the target's
+    logit instead of its log-prob, 0 where the target lies outside ``[0, V)`` (another shard).
     Per row, over the tiles: the running max ``top``, ``total = Σ exp(z - top)`` and
     ``zsum = Σ exp(z - top)(z - top)`` (the entropy ``log total - zsum / total`` is then
     free of the cancellation ``lse - Σ p z``), each rescaled when ``top`` grows.
@@ -123,7 +126,7 @@ def selected_logprob_forward(
             top = new_top
         log_total = total.log()[: e - s]
         lse[s:e] = top[: e - s] + log_total
-        logp[s:e] = tgt_logit[: e - s] - lse[s:e]
+        logp[s:e] = tgt_logit[: e - s] if raw_target else tgt_logit[: e - s] - lse[s:e]
         if with_entropy:
             entropy[s:e] = log_total - zsum[: e - s] / total[: e - s]
     return logp, entropy, lse
@@ -143,9 +146,13 @@ def selected_logprob_backward(
     temperature: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
     need: tuple[bool, bool, bool] = (True, True, True),
+    per_scored_row: bool = False,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients ``(d hidden [T, H], d weight [V, H], d bias [V])`` in ``compute_dtype``;
     each is None when ``need`` (hidden, weight, bias) does not ask for it (or without bias).
+    ``per_scored_row``: d hidden is ``[n, H]``, one row per scored row, not scattered into
+    ``[T, H]`` (a vocabulary shard's part, summed over the group before the scatter). A
+    target outside ``[0, V)`` (on another shard) adds no one-hot term.
 
     With ``z`` the tempered logits and ``p = softmax(z)``: ``d z = g (onehot - p)`` from the
     log-prob and ``- g_H p (log p + entropy)`` from the entropy; the product rule through
@@ -156,7 +163,8 @@ def selected_logprob_backward(
     w = weight.to(compute_dtype)
     b = _tempered(None if bias is None else bias.to(compute_dtype), temperature)
     V = w.shape[0]
-    d_hidden = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
+    d_shape = (rows.numel(), hidden.shape[1]) if per_scored_row else hidden.shape
+    d_hidden = torch.zeros(d_shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
     d_weight = torch.zeros(w.shape, dtype=compute_dtype, device=hidden.device) if need_weight else None
     d_bias = torch.zeros(V, dtype=compute_dtype, device=hidden.device) if need_bias and bias is not None else None
 
@@ -188,6 +196,8 @@ def selected_logprob_backward(
                 d_weight[c : c + VOCAB_TILE] += dz @ h_t.T
             if d_bias is not None:
                 d_bias[c : c + VOCAB_TILE] += dz.sum(1)
-        if d_hidden is not None:
+        if d_hidden is not None and per_scored_row:
+            d_hidden[s:e] = _tempered(d_h_t, temperature).T[: e - s]
+        elif d_hidden is not None:
             d_hidden.index_add_(0, rows[s:e], _tempered(d_h_t, temperature).T[: e - s])
     return d_hidden, d_weight, _tempered(d_bias, temperature)

@@ -30,9 +30,14 @@ from .logprob import (
 )
 
 Tensor = torch.Tensor
+#: a vocabulary shard's (target logit, entropy, log-sum-exp) of a chunk's rows, fp32 [m] -> the
+#: group's (log-prob, entropy, log-sum-exp) (``vocab_parallel.combine``: collective, in rank order)
+Combine = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 #: (chunk start, chunk end, log-prob [m], entropy [m]) -> (d loss / d log-prob, d loss / d entropy
 #: or None when the loss has no entropy term), fp32 [m]
 Upstream = Callable[[int, int, Tensor, Tensor], tuple[Tensor, Optional[Tensor]]]
+#: rows per ``_dz_kernel`` program: a memory-bound pass, so a small tile (no register spills)
+DZ_BLOCK_M, DZ_WARPS = 16, 8
 
 
 @triton.jit
@@ -75,12 +80,14 @@ def chunk_rows(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
 def loss_grads(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
     all_rows: bool, upstream: Upstream, need_hidden: bool, need_weight: bool, need_bias: bool,
-    config: Optional[LogprobConfig] = None,
+    config: Optional[LogprobConfig] = None, combine: Optional[Combine] = None, chunk_vocab: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(log-prob [n], entropy [n], d hidden of the scored rows fp32 [n, H], d weight [V, H],
     d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each gradient
     None when not needed. Inputs are validated by the caller; ``all_rows`` as in
-    ``logprob.forward``."""
+    ``logprob.forward``. A vocabulary shard (``vocab_parallel``) gives ``combine``, called
+    once per chunk between the reduction and the gradient (targets off the shard are -1),
+    and ``chunk_vocab``, the group's largest shard: every rank then cuts the same chunks."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     cfg = config or default_config(weight.dtype, dev)
@@ -94,13 +101,15 @@ def loss_grads(
         return logp, entropy, d_sel, d_weight, d_bias
     ops = _Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     n_vblocks = triton.cdiv(V, cfg.block_n)
-    step = chunk_rows(n, V, weight.dtype, cfg)
+    step = chunk_rows(n, chunk_vocab or V, weight.dtype, cfg)
     z = torch.empty(step * V, dtype=weight.dtype, device=dev)
     part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
     part_sum, part_zsum = torch.empty_like(part_max), torch.empty_like(part_max)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
         m = min(step, n - s)
+        if combine is not None:  # only the program holding a row's target writes its logit
+            tgt_logit.zero_()
         h_src, w_src, rows_s = ops.args(s, m)
         _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
@@ -113,15 +122,17 @@ def loss_grads(
         )
         _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             part_max, part_sum, part_zsum, tgt_logit, logp[s:], entropy[s:], lse[s:], m, n_vblocks,
-            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll, RAW_TARGET=combine is not None,
         )
+        if combine is not None:
+            logp[s : s + m], entropy[s : s + m], lse[s : s + m] = combine(logp[s : s + m], entropy[s : s + m], lse[s : s + m])
         if not (need_hidden or need_weight or need_bias):
             continue
         g, ge = upstream(s, s + m, logp[s : s + m], entropy[s : s + m])
         ge = torch.zeros_like(g) if ge is None else ge
-        _dz_kernel[(triton.cdiv(m, cfg.block_m), n_vblocks)](
+        _dz_kernel[(triton.cdiv(m, DZ_BLOCK_M), n_vblocks)](
             z, part_max, lse[s:], entropy[s:], g.float().contiguous(), ge.float().contiguous(), targets[s:],
-            m, V, 1.0 / temperature, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            m, V, 1.0 / temperature, BLOCK_M=DZ_BLOCK_M, BLOCK_N=cfg.block_n, num_warps=DZ_WARPS,
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:

@@ -166,9 +166,10 @@ def _forward_tiles_kernel(
 def _combine_kernel(
     part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
     logp_ptr, entropy_ptr, lse_ptr, n_rows, n_vblocks,
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr, RAW_TARGET: tl.constexpr = False,
 ):
-    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials.
+    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials
+    (with ``RAW_TARGET``, the target logit in place of the log-prob: a vocabulary shard's part).
 
     Each row is one thread's sequential online sum over blocks 0, 1, 2, ... (no
     cross-thread reduction, whose tree would follow the layout Triton picks for this
@@ -203,7 +204,8 @@ def _combine_kernel(
     log_total = tl.log(total)
     lse = top + log_total
     tl.store(lse_ptr + offs, lse, mask=ok)
-    tl.store(logp_ptr + offs, tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0) - lse, mask=ok)
+    tgt_logit = tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0)
+    tl.store(logp_ptr + offs, tgt_logit if RAW_TARGET else tgt_logit - lse, mask=ok)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + offs, log_total - zsum / total, mask=ok)
 
@@ -287,11 +289,12 @@ class _Operands:
 def forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
     bias: Optional[Tensor], temperature: float, with_entropy: bool, all_rows: bool,
-    config: Optional[LogprobConfig] = None,
+    config: Optional[LogprobConfig] = None, raw_target: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
     ``all_rows`` whether the rows are 0, 1, ..., T - 1. ``config`` replaces
-    ``default_config`` (tile sweeps)."""
+    ``default_config`` (tile sweeps). ``raw_target``: the target logit in place of the
+    log-prob, 0 for a target outside ``[0, V)`` (a vocabulary shard, ``vocab_parallel``)."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -310,6 +313,8 @@ def forward(
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
         m = min(step, n - s)
+        if raw_target:  # only the program holding a row's target writes its logit
+            tgt_logit.zero_()
         h_src, w_src, rows_s = ops.args(s, m)
         _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
@@ -323,7 +328,7 @@ def forward(
         _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             part_max, part_sum, part_zsum, tgt_logit,
             logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, n_vblocks,
-            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll, RAW_TARGET=raw_target,
         )
     return logp, entropy, lse
 

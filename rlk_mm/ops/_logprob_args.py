@@ -1,0 +1,179 @@
+"""``selected_logprob``'s argument checks and their errors, shared with ``vocab_parallel``
+(which checks each rank's shard with them): one home, no import cycle."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from ..schema import RLBatch
+from ..schema.checks import INTEGER_DTYPES, bool_arg, first_true, tensor_arg
+
+Tensor = torch.Tensor
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
+#: below it samplers decode greedily (vLLM), and logits / temperature can overflow float32
+MIN_TEMPERATURE = 1e-5
+
+
+class TargetError(ValueError):
+    """A target outside the vocabulary or masked by the bias. ``at`` is its place in
+    ``targets``: a caller that knows where the token came from re-raises naming that place."""
+
+    def __init__(self, at: int, token: int, problem: str):
+        super().__init__(f"targets[{at}] = {token} {problem}")
+        self.at, self.token, self.problem = at, token, problem
+
+
+def _temperature(value) -> float:
+    """``value`` (a number or a 0-d float tensor; never a bool or a string) as a float > 0."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    _check_temperature(value)
+    return value
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be a finite number >= {MIN_TEMPERATURE}; got {temperature} (the rollout's sampling "
+            "temperature: logits are divided by it; 1.0 leaves them as they are)"
+        )
+
+
+def _as_index(name: str, t) -> Tensor:
+    tensor_arg(name, t)
+    if t.dtype not in INTEGER_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (int64 or int32); got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [n]; got shape {tuple(t.shape)}")
+    return t.to(torch.int64).contiguous()
+
+
+def _refuse_padding(padding) -> None:
+    raise ValueError(
+        f"padding={padding!r} applies only to [B, L, H] hidden states with a batch; packed hidden states and "
+        "index= rows (rows of the flattened hidden states) have no padding side: leave padding out"
+    )
+
+
+def _rows_from_batch(batch: RLBatch, hidden: Tensor, padding) -> tuple[Tensor, Tensor]:
+    """(rows, targets) on hidden's device from the batch's loss spans, checked against hidden's layout."""
+    if hidden.dim() == 2:
+        if padding is not None:
+            _refuse_padding(padding)
+        if hidden.shape[0] != batch.num_tokens:
+            raise ValueError(
+                f"hidden is packed [T={hidden.shape[0]}, H] but the batch has {batch.num_tokens} tokens: "
+                "pass one hidden state per packed token of the batch"
+            )
+        rows, targets = batch.loss_token_index()
+        return rows.to(hidden.device), targets.to(hidden.device)
+    B, L = hidden.shape[:2]
+    if B != batch.num_samples:
+        raise ValueError(f"hidden is padded [B={B}, L, H] but the batch has {batch.num_samples} samples")
+    if padding is None:
+        raise ValueError(
+            f"hidden is padded [B={B}, L={L}, H] and its padding side is ambiguous: pass padding='right' "
+            "(each sample's tokens start its row) or padding='left' (they end it)"
+        )
+    try:
+        rows, targets = batch.loss_token_index(padded_length=L, padding=padding)
+    except ValueError as error:  # name the argument the caller gave
+        raise ValueError(f"hidden is padded [B={B}, L={L}, H]: {error}") from None
+    return rows.to(hidden.device), targets.to(hidden.device)
+
+
+# ------------------------------------------------------------------ checks (all backends)
+def _check(hidden, weight, rows, targets, bias, temperature, shard: bool = False) -> None:
+    """Types, shapes, dtypes, devices and temperature, read on the host; raised before any kernel runs.
+    A vocabulary ``shard`` may be empty (V = 0 rows on this rank)."""
+    tensor_arg("weight", weight)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H]; got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H] (the LM head); got shape {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden is [T, {hidden.shape[1]}] but weight is [V, {weight.shape[1]}]")
+    if hidden.shape[1] == 0:
+        raise ValueError("hidden and weight have hidden size H = 0: pass the model's hidden states and its LM head")
+    if weight.shape[0] == 0 and not shard:
+        raise ValueError("weight has an empty vocabulary (V = 0)")
+    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"hidden and weight must share one of float32/bfloat16/float16; got {hidden.dtype} and {weight.dtype}"
+        )
+    if bias is not None:
+        tensor_arg("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be [V={weight.shape[0]}]; got shape {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+    for name, t in (("index", rows), ("targets", targets)):
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise TypeError(f"{name} must be int64 [n]; got {t.dtype} {tuple(t.shape)}")
+    if rows.shape != targets.shape:
+        raise ValueError(f"index has {rows.numel()} rows but targets has {targets.numel()} entries")
+    named = [("weight", weight), ("index", rows), ("targets", targets)] + ([("bias", bias)] if bias is not None else [])
+    for name, t in named:
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    _check_temperature(temperature)
+
+
+def _check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[Tensor]) -> bool:
+    """Every row in [0, T); every target in [0, V) and not masked by the bias; every bias
+    entry finite or -inf, not all -inf. The error names the first offender. Returns whether
+    the rows are exactly 0, 1, ..., T - 1. All of it is read in one host sync."""
+    n = rows.numel()
+    stats = [*torch.aminmax(rows), *torch.aminmax(targets)] if n else []
+    if n and n == T:
+        stats.append((rows == torch.arange(T, device=rows.device)).all().to(rows.dtype))
+    if bias is not None:  # max: nan or +inf if any, -inf if all masked; min at the targets: -inf if one is masked
+        at_targets = bias[targets.clamp(0, V - 1)].amin() if n else bias.new_zeros(())
+        stats = [s.double() for s in (*stats, bias.amax(), at_targets)]
+    values = torch.stack(stats).tolist() if stats else []  # the one sync
+    if n:
+        _check_ranges(T, V, rows, targets, *values[:4])
+    if bias is not None:
+        _check_bias(bias, targets, *values[-2:])
+    return n == T and n > 0 and bool(values[4])
+
+
+def _check_ranges(T: int, V: int, rows: Tensor, targets: Tensor, lo_r, hi_r, lo_t, hi_t) -> None:
+    if lo_r < 0 or hi_r >= T:
+        i = first_true((rows < 0) | (rows >= T))[0]
+        raise ValueError(f"index[{i}] = {int(rows[i])} is out of range: there are {T} rows of hidden")
+    if lo_t < 0 or hi_t >= V:
+        i = first_true((targets < 0) | (targets >= V))[0]
+        token = int(targets[i])
+        hint = ""
+        if token == _IGNORE_INDEX:
+            hint = f"; {token} is an ignore index: leave such positions out of index and targets"
+        raise TargetError(i, token, f"is out of range: there are {V} vocabulary entries (rows of weight){hint}")
+
+
+def _check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
+    if not top < math.inf:
+        i = first_true(torch.isnan(bias) | (bias == math.inf))[0]
+        raise ValueError(f"bias[{i}] = {float(bias[i])}: a bias entry must be finite, or -inf to mask its token")
+    if top == -math.inf:
+        raise ValueError("bias is -inf at every vocabulary entry: no token can be scored; keep some entries finite")
+    if target_low == -math.inf:
+        i = first_true(bias[targets] == -math.inf)[0]
+        token = int(targets[i])
+        raise TargetError(i, token, f"is masked: bias[{token}] = -inf (probability 0); score only tokens it can give")
+
+
+def _contiguous_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ------------------------------------------------------------------ the custom ops
