@@ -7,12 +7,12 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from rlk_mm import smoke
 from rlk_mm.fixtures import Sample, processor_inputs, tiny_qwen2_5_vl
-from rlk_mm.smoke.rollout import _Sampler
 from rlk_mm.smoke.tasks import _colour_pixels
 
 # Short runs: the gates and a couple of GRPO steps. Warm-up length matters: the policy must
@@ -120,19 +120,6 @@ def test_rewards():
     assert smoke.geo3k_reward("\\boxed{1} then \\boxed{{80}}", num) == pytest.approx(0.1)  # last box, braces kept
 
 
-def test_sampler_samples_the_tempered_softmax_and_records_its_logprobs():
-    torch.manual_seed(0)
-    scores = torch.randn(1, 6).repeat(40_000, 1) * 2
-    expected = torch.log_softmax(scores / 0.7, -1)
-    sampler = _Sampler(0.7, torch.Generator().manual_seed(1))
-    out = sampler(None, scores.clone())
-    token = out.argmax(-1)  # generate's greedy step picks the sample
-    assert bool((out.gather(1, token[:, None]) == 0).all()) and bool(torch.isinf(out).sum(-1).eq(5).all())
-    torch.testing.assert_close(sampler.logprobs[0], expected.gather(1, token[:, None]).squeeze(1), rtol=0, atol=1e-6)
-    freq = torch.bincount(token, minlength=6).double() / token.numel()
-    assert (freq - expected[0].exp().double()).abs().max() < 0.01  # ~4.5 standard errors at 40k draws
-
-
 def test_distinct_image_encoding_matches_encoding_every_copy():
     policy = smoke.load_policy(None, 3, torch.device("cpu"), torch.float32)
     plain = tiny_qwen2_5_vl(3, **smoke.TINY_MODEL)
@@ -155,3 +142,52 @@ def test_lr_ramps_up_then_decays_to_the_floor():
     assert all(a >= b for a, b in zip(factors[40:], factors[41:]))  # then the cosine falls
     assert math.isclose(factors[-1], smoke.LR_FLOOR)
     assert smoke.lr_factor(5, 0, 10) <= 1.0  # no warm-up: decay from the first step
+
+
+def test_video_direction_passes_gates_and_runs_a_step(tmp_path):
+    args = smoke.parse_args(["--task", "video-direction", "--steps", "1", "--prompts", "2", "--samples", "4",
+                             "--warmup-steps", "2", "--quiet", "--out", str(tmp_path)])
+    assert smoke.run_smoke(args) == 0
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    assert report["task"] == "video-direction" and [g["ok"] for g in report["gates"]] == [True] * 4
+    assert report["gates"][0]["detail"].endswith("8 media items agree")  # 2 prompts x 4 answers, one clip each
+    assert len(report["steps"]) == 1 and report["steps"][0]["max_ratio_dev"] <= report["gates"][3]["data"]["tolerance"]
+
+
+def test_direction_clips_move_the_shape_the_way_they_say():
+    from rlk_mm.smoke.tasks import DIRECTIONS, VIDEO_FRAMES, direction_sample
+
+    rng = random.Random(0)
+    for i in range(12):
+        sample = direction_sample(rng, f"d{i}")
+        frames = sample.videos[0]
+        assert sample.answer in DIRECTIONS and len(frames) == VIDEO_FRAMES
+        centres = []
+        for frame in frames:
+            rgb = np.asarray(frame, dtype=np.int32)
+            shape = (rgb != rgb[0, 0]).any(-1)  # the background is one colour, the corner is background
+            ys, xs = np.nonzero(shape)
+            centres.append((xs.mean(), ys.mean()))
+        dx, dy = centres[-1][0] - centres[0][0], centres[-1][1] - centres[0][1]
+        moved = {"left": -dx, "right": dx, "up": -dy, "down": dy}
+        assert max(moved, key=moved.get) == sample.answer and moved[sample.answer] > 20
+    left = Sample("x", sample.messages, videos=sample.videos, answer="left")
+    assert [smoke.colour_reward(t, left) for t in (" Left.", "right", "left left")] == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--task", "geo3k"], "--task geo3k needs --data"),
+        (["--task", "colour", "--data", "."], "--data is for --task geo3k"),
+        (["--task", "video-direction", "--break", "image-swap", "--prompts", "5"], "has videos only"),
+    ],
+)
+def test_task_options_that_do_not_fit_are_refused(argv, message):
+    from rlk_mm.command import UsageError
+    from rlk_mm.smoke.options import check_args, task_name
+
+    with pytest.raises(UsageError, match=message):
+        check_args(smoke.parse_args(argv))
+    assert task_name(smoke.parse_args([])) == "colour" and task_name(smoke.parse_args(["--data", "."])) == "geo3k"
+    assert task_name(smoke.parse_args(["--task", "video-direction"])) == "video-direction"

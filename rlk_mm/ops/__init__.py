@@ -17,7 +17,9 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .logprob import selected_logprob  # noqa: F401
     from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss  # noqa: F401
     from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
+    from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
     from .rewards import Estimator, RewardPlacement, SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
+    from .sampling import SampleResult, group_seeds, sample, sample_from_hidden  # noqa: F401
 
 _EXPORTS = {
     "selected_logprob": "logprob",
@@ -35,6 +37,9 @@ _EXPORTS = {
     "overlong_penalty": "rewards",
     "Estimator": "rewards",
     "RewardPlacement": "rewards",
+    "Lagrangian": "lagrangian",
+    "LagrangianAdvantages": "lagrangian",
+    "lagrangian_advantages": "lagrangian",
     "pack": "packing",
     "unpack": "packing",
     "PackedBatch": "packing",
@@ -42,6 +47,10 @@ _EXPORTS = {
     "pack_padded": "packing",
     "unpack_to_padded": "packing",
     "batch_invariant": "invariant.mode",
+    "sample": "sampling",
+    "sample_from_hidden": "sampling",
+    "group_seeds": "sampling",
+    "SampleResult": "sampling",
 }
 #: names that moved to rlk_mm.models.qwen2_5_vl (model runners are not ops); still served here
 _MOVED = ("batch_logprobs", "forward_hidden", "VisionCache", "group_logprobs")

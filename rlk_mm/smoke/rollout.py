@@ -12,33 +12,26 @@ import torch
 from torch import Tensor
 
 from ..fixtures import Sample, processor_inputs
+from ..ops.sampling import group_seeds, sample
 from ..schema import RLBatch, SpanTable
 from .policy import Policy
 from .tasks import Task
 
 
-class _Sampler:
-    """A logits processor that samples (inverse CDF at `temperature`) and records the
-    sampled token's log-prob; it returns scores whose argmax is the sample, so greedy
-    `generate` keeps its KV cache, stopping rules and bookkeeping."""
+class SeededSampler:
+    """A logits processor that draws each row's token with `rlk_mm.ops.sample` (the row's own
+    seeded stream, decoding step by step) and records its log-prob; it returns scores whose
+    argmax is the draw, so greedy `generate` keeps its KV cache, stopping rules and bookkeeping."""
 
-    def __init__(self, temperature: float, generator: torch.Generator):
+    def __init__(self, temperature: float, seeds: Tensor):
         self.temperature = temperature
-        self.generator = generator
+        self.seeds = seeds
         self.logprobs: list[Tensor] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        z = scores.float()  # fp32 scores: z is scores, overwritten below anyway
-        if self.temperature != 1.0:  # dividing by 1 is exact: skip a pass over the [rows, V] scores
-            z = z.div_(self.temperature)
-        top = z.amax(-1, keepdim=True)
-        cdf = (z - top).exp_().cumsum_(-1)
-        total = cdf[:, -1:]
-        u = torch.rand(total.shape, generator=self.generator, device=z.device, dtype=z.dtype) * total
-        # right=True never picks a zero-probability token; the clamp only catches u rounding up to the total
-        token = torch.searchsorted(cdf, u, right=True).clamp_(max=z.shape[-1] - 1)
-        self.logprobs.append((z.gather(1, token) - top - total.log()).squeeze(1))
-        return scores.fill_(-math.inf).scatter_(1, token, 0.0)
+        drawn = sample(scores, temperature=self.temperature, seeds=self.seeds, step=len(self.logprobs))
+        self.logprobs.append(drawn.log_probs)
+        return scores.fill_(-math.inf).scatter_(1, drawn.tokens[:, None], 0.0)
 
 
 class _PositionRecorder:
@@ -72,29 +65,25 @@ class Rollout:
     seconds: float = 0.0
 
 
-def _repeat_rows(inputs, samples: list[Sample], G: int) -> dict:
-    """The processor output with each prompt repeated G times (pixel rows included)."""
-    out = {k: inputs[k].repeat_interleave(G, 0) for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inputs}
-    if inputs.get("image_grid_thw") is not None:
-        grid = inputs["image_grid_thw"]
-        chunks = torch.split(inputs["pixel_values"], grid.prod(-1).tolist())
-        owner = [b for b, s in enumerate(samples) for _ in s.images]
-        order = [k for b in range(len(samples)) for _ in range(G) for k in range(len(owner)) if owner[k] == b]
-        out["pixel_values"] = torch.cat([chunks[k] for k in order])
-        out["image_grid_thw"] = grid[order]
-    return out
+_MEDIA_INPUTS = (("pixel_values", "image_grid_thw", "images"), ("pixel_values_videos", "video_grid_thw", "videos"))
+"""(pixel rows, grids, the `Sample` attribute) of each media kind in a processor output."""
 
 
-def _select_rows(inputs: dict, samples: list[Sample], keep: list[int]) -> dict:
-    """Rows `keep` of a processor output (with their images' pixel rows)."""
-    out = {k: inputs[k][keep] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inputs}
-    if inputs.get("image_grid_thw") is not None:
-        grid = inputs["image_grid_thw"]
-        chunks = torch.split(inputs["pixel_values"], grid.prod(-1).tolist())
-        owner = [b for b, s in enumerate(samples) for _ in s.images]
-        order = [k for b in keep for k in range(len(owner)) if owner[k] == b]
-        out["pixel_values"] = torch.cat([chunks[k] for k in order])
-        out["image_grid_thw"] = grid[order]
+def _take_rows(inputs: dict, samples: list[Sample], rows: list[int]) -> dict:
+    """Rows `rows` (indices into `samples`, repeats allowed) of a processor output, with
+    their images' and videos' pixel rows, grids and seconds per temporal patch."""
+    out = {k: inputs[k][rows] for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inputs}
+    for pixels, grids, kind in _MEDIA_INPUTS:
+        if inputs.get(grids) is None:
+            continue
+        grid = inputs[grids]
+        chunks = torch.split(inputs[pixels], grid.prod(-1).tolist())
+        owner = [b for b, s in enumerate(samples) for _ in getattr(s, kind)]
+        order = [k for b in rows for k in range(len(owner)) if owner[k] == b]
+        out[pixels] = torch.cat([chunks[k] for k in order])
+        out[grids] = grid[order]
+        if kind == "videos" and inputs.get("second_per_grid_ts") is not None:
+            out["second_per_grid_ts"] = inputs["second_per_grid_ts"][order]
     return out
 
 
@@ -107,8 +96,10 @@ def rollout(policy: Policy, task: Task, prompts: list[Sample], G: int, *, temper
     model, tok = policy.model, policy.tokenizer
     rows = [s for s in prompts for _ in range(G)]
     groups = [f"{step}:{s.id}" for s in rows]
-    inputs = _repeat_rows(processor_inputs(policy.processor, prompts, padding_side="left"), prompts, G)
-    sampler = _Sampler(temperature, generator)
+    inputs = _take_rows(processor_inputs(policy.processor, prompts, padding_side="left"), prompts, [b for b in range(len(prompts)) for _ in range(G)])
+    # one stream per answer: the run's generator gives the step's seed, group_seeds one per group member
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    sampler = SeededSampler(temperature, group_seeds(seed, groups, step).to(policy.device))
     recorder = _PositionRecorder(model.model.language_model)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=task.max_new_tokens, eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
@@ -149,7 +140,7 @@ def rollout(policy: Policy, task: Task, prompts: list[Sample], G: int, *, temper
     return Rollout(
         samples=kept_rows,
         group_ids=[groups[r] for r in keep],
-        inputs=_select_rows(inputs, rows, keep),
+        inputs=_take_rows(inputs, rows, keep),
         prompt_ids=[d[0] for d in data],
         responses=[d[1] for d in data],
         logprobs=[d[2] for d in data],
@@ -173,6 +164,9 @@ def rollout_batch(policy: Policy, ro: Rollout) -> RLBatch:
         processor=policy.processor,
         image_grid_thw=ro.inputs.get("image_grid_thw"),
         pixel_values=ro.inputs.get("pixel_values"),
+        video_grid_thw=ro.inputs.get("video_grid_thw"),
+        pixel_values_videos=ro.inputs.get("pixel_values_videos"),
+        second_per_grid_ts=ro.inputs.get("second_per_grid_ts"),
         position_ids=ro.positions,
         group_ids=ro.group_ids,
         rewards=ro.rewards,

@@ -1,0 +1,1 @@
+"""The FlashInfer backend (``pip install rlk-mm[gpu]``); imported only when asked for."""

@@ -1,0 +1,452 @@
+"""Triton kernels of rollout sampling: the semantics and the RNG of ``_torch/sampling.py``.
+
+``sample_logits``: each row's vocabulary is cut into blocks of ``split_block`` entries (their
+number depends on V alone), one program per (row, block), then one per row combines the
+blocks' partials in block order. Launch 1: each block's max (and NaN/+inf entries, reported
+as the row's status; with top-k the max of every ``sub_block`` entries, whose k-th largest,
+per row, bounds the k-th largest entry from below). Launch 2, under the row's max: each
+block's integer mass; for plain temperature its best noise block (Gumbel-max over the
+blocks' log-masses); with top-k the indices of its (at most k) largest entries at or above
+the bound, and the largest such entry it leaves out. Launch 3: the row's
+mass; the plain draw finishes inside the best noise block (the first on a tie, as over the
+whole row); top-k, top-p, min-p and the draw run in registers on the blocks' candidates,
+which hold every token top-k keeps unless a block left out an entry equal to the k-th
+largest (a tie at the boundary). On such a tie, with more than ``candidate_cap`` slots, or
+for top-p or min-p without top-k, each threshold is found by bisection over an
+order-preserving integer key of ``z`` (top-k: counts; top-p: exact integer masses), a pass
+over the row per step. Integer masses and first-on-tie choices make every way the torch
+backend's result, bit for bit; a row's arithmetic never depends on the other rows or on B.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .._torch import sampling as _ref
+
+Tensor = torch.Tensor
+
+NOISE_BLOCK: tl.constexpr = tl.constexpr(_ref.NOISE_BLOCK)
+SALT_TOKEN: tl.constexpr = tl.constexpr(_ref.SALT_TOKEN)
+SALT_BLOCK: tl.constexpr = tl.constexpr(_ref.SALT_BLOCK)
+
+
+def row_block(device: torch.device) -> int:
+    """Entries per chunk of a pass over a whole row (the bisection): small in Triton's
+    interpreter, so that the tests walk several chunks."""
+    return 4096 if device.type == "cuda" else 64
+
+
+def split_block(device: torch.device) -> int:
+    """Entries per vocabulary block of ``sample_logits`` (a multiple of NOISE_BLOCK; the
+    number of blocks depends on V alone): small in the interpreter, so that rows span blocks."""
+    return 4096 if device.type == "cuda" else 32
+
+
+def sub_block(device: torch.device) -> int:
+    """Entries per sub-block of a vocabulary block: the k-th largest sub-block max bounds the
+    k-th largest entry from below, so top-k candidates are looked for only above it."""
+    return 64 if device.type == "cuda" else 8
+
+
+def candidate_cap(device: torch.device) -> int:
+    """Most top-k candidate slots (blocks x k) a row merges in registers (more: the bisection
+    over the row); small in the interpreter, so that the tests take both ways."""
+    return 4096 if device.type == "cuda" else 32
+
+
+# ------------------------------------------------------------------ the RNG (as _torch.sampling)
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_keys(seed, step, SALT: tl.constexpr):
+    """A row's two uint32 keys from its int64 seed and step (``_torch.sampling.row_keys``)."""
+    a = _mix32(seed.to(tl.uint32) ^ tl.full([], 0x9E3779B9, tl.uint32))
+    a = _mix32(a ^ (seed >> 32).to(tl.uint32))
+    a = _mix32(a ^ step.to(tl.uint32))
+    ka = _mix32(a ^ tl.full([], SALT, tl.uint32))
+    return ka, _mix32(ka ^ tl.full([], 0x27D4EB2F, tl.uint32))
+
+
+@triton.jit
+def _gumbel(index, ka, kb):
+    """float64 Gumbel noise of non-negative int ``index`` under uint32 keys ``ka``, ``kb``."""
+    bits = _mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8
+    u = (bits | 1).to(tl.float64) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))
+
+
+# ------------------------------------------------------------------ from logits
+@triton.jit
+def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
+    z = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+    if SCALE_T:
+        z = z * inv_t
+    return z
+
+
+@triton.jit
+def _mass(z, m):
+    """int64 ``trunc(exp(z - m) · 2^40)``, the exp in float64 (0 for z = -inf)."""
+    return (tl.exp((z - m).to(tl.float64)) * 1099511627776.0).to(tl.int64)
+
+
+@triton.jit
+def _no_nan(score):
+    """NaN scores (a bad row, reported by its status) as -inf, so that argmax is defined."""
+    return tl.where(score == score, score, -float("inf"))
+
+
+@triton.jit
+def _key(z):
+    """An int64 key ordered as the fp32 values ``z`` are (-0.0 and 0.0 equal)."""
+    bits = z.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(z == 0.0, 0, key).to(tl.int64)
+
+
+@triton.jit
+def _log_ratio(z_tok, m, mass):
+    return (z_tok.to(tl.float64) - m.to(tl.float64) - tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))).to(tl.float32)
+
+
+@triton.jit
+def _count_from(x_row, V, inv_t, t, SCALE_T: tl.constexpr, BLOCK: tl.constexpr):
+    """How many finite entries of the row have key >= t."""
+    n = tl.zeros([], tl.int64)
+    for c in range(0, V, BLOCK):
+        z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
+        n += tl.sum(((z > -float("inf")) & (_key(z) >= t)).to(tl.int64), 0)
+    return n
+
+
+@triton.jit
+def _mass_above(x_row, V, inv_t, m, t_kept, t, SCALE_T: tl.constexpr, BLOCK: tl.constexpr):
+    """Σ masses of the finite entries with key >= t_kept and key > t."""
+    s = tl.zeros([], tl.int64)
+    for c in range(0, V, BLOCK):
+        z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
+        key = _key(z)
+        s += tl.sum(tl.where((z > -float("inf")) & (key >= t_kept) & (key > t), _mass(z, m), 0), 0)
+    return s
+
+
+@triton.jit
+def _top_k_threshold(key, fin, top_k):
+    """The largest key t with at least ``top_k`` of the finite candidates at key >= t (the
+    smallest key when fewer are finite: every one is kept)."""
+    lo = tl.full([], -(2**31), tl.int64)
+    hi = tl.max(tl.where(fin, key, -(2**31)), 0) + 1
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum((fin & (key >= mid)).to(tl.int64), 0) >= top_k
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return lo
+
+
+@triton.jit
+def _top_p_threshold(key, fin, ce, t, top_p_bits):
+    """The smallest key t' with the mass of the kept candidates (key >= t) above t' below
+    ``top_p`` of their mass (``ce``: the candidates' masses)."""
+    kept = fin & (key >= t)
+    need = top_p_bits.to(tl.float64, bitcast=True) * tl.sum(tl.where(kept, ce, 0), 0).to(tl.float64)
+    lo = t - 1
+    hi = tl.max(tl.where(fin, key, -(2**31)), 0)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        ok = tl.sum(tl.where(kept & (key > mid), ce, 0), 0).to(tl.float64) < need
+        hi = tl.where(ok, mid, hi)
+        lo = tl.where(ok, lo, mid)
+    return hi
+
+
+@triton.jit
+def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, min_p_log, given_ptr, tka, tkb,
+                       SCALE_T: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+                       GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+    """The filters' thresholds by bisection over the whole row (a pass per step), then a last
+    pass: the kept mass and the Gumbel-max over the kept tokens (or the given token's score)."""
+    t = tl.full([], -(2**31), tl.int64)  # keys of finite values are above it
+    if TOP_K:
+        if top_k < n_finite:  # largest t with count(key >= t) >= top_k
+            lo = t
+            hi = _key(m) + 1
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                ok = _count_from(x_row, V, inv_t, mid, SCALE_T, BLOCK) >= top_k
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            t = lo
+    if TOP_P:  # smallest t with mass(key > t) < top_p · kept mass
+        need = top_p_bits.to(tl.float64, bitcast=True) * _mass_above(x_row, V, inv_t, m, t, t - 1, SCALE_T, BLOCK).to(tl.float64)
+        lo = t - 1
+        hi = _key(m)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            ok = _mass_above(x_row, V, inv_t, m, t, mid, SCALE_T, BLOCK).to(tl.float64) < need
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid)
+        t = hi
+    # last pass: the kept mass and the Gumbel-max over the kept tokens
+    kept_mass = tl.zeros([], tl.int64)
+    best = tl.full([], -float("inf"), tl.float64)
+    token = tl.zeros([], tl.int64)
+    for c in range(0, V, BLOCK):
+        offs = c + tl.arange(0, BLOCK)
+        z = _load_z(x_row, offs, V, inv_t, SCALE_T)
+        kept = (z > -float("inf")) & (_key(z) >= t)
+        if MIN_P:
+            kept = kept & ((z - m) >= min_p_log)
+        kept_mass += tl.sum(tl.where(kept, _mass(z, m), 0), 0)
+        if not GIVEN:
+            score = tl.where(kept, z.to(tl.float64) + _gumbel(offs, tka, tkb), -float("inf"))
+            chunk_best = tl.max(score, 0)
+            better = chunk_best > best
+            token = tl.where(better, c + tl.argmax(score, 0), token).to(tl.int64)
+            best = tl.where(better, chunk_best, best)
+    if GIVEN:
+        token = tl.load(given_ptr)
+    z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
+    lp = _log_ratio(z_tok, m, total)
+    slp = _log_ratio(z_tok, m, kept_mass)
+    if GIVEN:
+        kept_tok = (z_tok > -float("inf")) & (_key(z_tok) >= t)
+        if MIN_P:
+            kept_tok = kept_tok & ((z_tok - m) >= min_p_log)
+        slp = tl.where(kept_tok, slp, -float("inf"))
+    return token, lp, slp
+
+
+@triton.jit
+def _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP: tl.constexpr):
+    """A row's max (0 for a bad row), status and finite entries, from its blocks' partials."""
+    b = tl.arange(0, NBP)
+    ok = b < n_blocks
+    at = row * n_blocks + b
+    m = tl.max(tl.load(part_max_ptr + at, mask=ok, other=-float("inf")), 0)
+    bad = tl.sum(tl.load(part_bad_ptr + at, mask=ok, other=0), 0)
+    n_finite = tl.sum(tl.load(part_fin_ptr + at, mask=ok, other=0).to(tl.int64), 0)
+    status = tl.where(bad > 0, 1, tl.where(n_finite == 0, 2, 0))
+    return tl.where(status == 0, m, 0.0), status, n_finite
+
+
+@triton.jit
+def _block_max_kernel(x_ptr, stride, V, inv_t, part_max_ptr, part_bad_ptr, part_fin_ptr, sub_max_ptr, n_blocks,
+                      SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr):
+    """Per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the finite
+    ones; with ``CANDIDATES`` the max of each ``SUB`` entries."""
+    row, blk = tl.program_id(0), tl.program_id(1)
+    z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + tl.arange(0, SPLIT), V, inv_t, SCALE_T)
+    part = row * n_blocks + blk
+    z_num = tl.where(z == z, z, -float("inf"))
+    tl.store(part_max_ptr + part, tl.max(z_num, 0))
+    if CANDIDATES:
+        subs = tl.max(tl.reshape(z_num, (SPLIT // SUB, SUB)), 1)
+        tl.store(sub_max_ptr + part.to(tl.int64) * (SPLIT // SUB) + tl.arange(0, SPLIT // SUB), subs)
+    tl.store(part_bad_ptr + part, tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), 0))
+    tl.store(part_fin_ptr + part, tl.sum((z > -float("inf")).to(tl.int32), 0))
+
+
+@triton.jit
+def _bound_kernel(sub_max_ptr, bound_ptr, n_subs, top_k, LANES: tl.constexpr):
+    """Per row: the key of the k-th largest sub-block max (distinct entries, so at most the
+    k-th largest entry's key; the smallest key when fewer than k are finite)."""
+    row = tl.program_id(0)
+    lanes = tl.arange(0, LANES)
+    v = tl.load(sub_max_ptr + row.to(tl.int64) * n_subs + lanes, mask=lanes < n_subs, other=-float("inf"))
+    tl.store(bound_ptr + row, _top_k_threshold(_key(v), v > -float("inf"), top_k))
+
+
+@triton.jit
+def _block_stats_kernel(
+    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, top_k,
+    part_max_ptr, part_bad_ptr, part_fin_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr,
+    bound_ptr, cand_ptr, part_cnt_ptr, n_blocks,
+    SCALE_T: tl.constexpr, DRAW: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr,
+):
+    """Per (row, vocabulary block), under the row's max: the block's integer mass; with
+    ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES`` the
+    indices of its (at most ``top_k``) largest entries at or above the row's bound, their
+    number, and the largest such entry it leaves out."""
+    row, blk = tl.program_id(0), tl.program_id(1)
+    m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
+    lanes = tl.arange(0, SPLIT)
+    z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + lanes, V, inv_t, SCALE_T)
+    part = row * n_blocks + blk
+    tl.store(part_mass_ptr + part, tl.sum(_mass(z, m), 0))
+    if DRAW:
+        zb = tl.reshape(z, (SPLIT // NOISE_BLOCK, NOISE_BLOCK))
+        mb = tl.max(zb, 1)
+        safe = tl.where(mb == -float("inf"), 0.0, mb)
+        ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, None]), 1)))
+        blocks = blk * (SPLIT // NOISE_BLOCK) + tl.arange(0, SPLIT // NOISE_BLOCK)
+        bka, bkb = _row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_BLOCK)
+        score = _no_nan(ell.to(tl.float64) + _gumbel(blocks, bka, bkb))
+        tl.store(part_best_ptr + part, tl.max(score, 0))
+        tl.store(part_best_block_ptr + part, blk * (SPLIT // NOISE_BLOCK) + tl.argmax(score, 0))
+    if CANDIDATES:  # largest first
+        work = tl.where((z > -float("inf")) & (_key(z) >= tl.load(bound_ptr + row)), z, -float("inf"))
+        n = tl.minimum(tl.sum((work > -float("inf")).to(tl.int32), 0), top_k)
+        slots = cand_ptr + part.to(tl.int64) * top_k
+        for i in range(0, n):
+            j = tl.argmax(work, 0)
+            tl.store(slots + i, blk * SPLIT + j)
+            work = tl.where(lanes == j, -float("inf"), work)
+        tl.store(part_cnt_ptr + part, n)
+        tl.store(part_drop_ptr + part, tl.max(work, 0))
+
+
+@triton.jit
+def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_log, tka, tkb,
+                          cand_row, cnt_row, drop_row, n_blocks,
+                          SCALE_T: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+                          NBP: tl.constexpr, LANES: tl.constexpr):
+    """Top-k (then top-p, min-p) and the draw over the blocks' candidates (each block's k
+    largest entries above the row's bound). They hold every token top-k keeps unless a block left out an
+    entry equal to the k-th largest (a tie at the boundary): ``inexact`` says when."""
+    lanes = tl.arange(0, LANES)
+    blk = lanes // top_k
+    in_range = blk < n_blocks
+    valid = in_range & (lanes - blk * top_k < tl.load(cnt_row + blk, mask=in_range, other=0))
+    ci = tl.load(cand_row + lanes, mask=valid, other=0)
+    cz = tl.where(valid, _load_z(x_row, ci, V, inv_t, SCALE_T), -float("inf"))
+    fin = cz > -float("inf")
+    key = _key(cz)
+    ce = _mass(cz, m)
+    t = _top_k_threshold(key, fin, top_k)
+    b = tl.arange(0, NBP)
+    drop = tl.load(drop_row + b, mask=b < n_blocks, other=-float("inf"))
+    inexact = tl.sum(((drop > -float("inf")) & (_key(drop) >= t)).to(tl.int32), 0) > 0
+    if TOP_P:
+        t = _top_p_threshold(key, fin, ce, t, top_p_bits)
+    kept = fin & (key >= t)
+    if MIN_P:
+        kept = kept & ((cz - m) >= min_p_log)
+    score = tl.where(kept, cz.to(tl.float64) + _gumbel(ci, tka, tkb), -float("inf"))
+    best = tl.max(score, 0)
+    token = tl.min(tl.where(score == best, ci, 2**31 - 1), 0).to(tl.int64)  # the first by index on a tie
+    z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
+    return token, _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, tl.sum(tl.where(kept, ce, 0), 0)), inexact
+
+
+@triton.jit
+def _draw_kernel(
+    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, top_k, top_p_bits, min_p_log, given_ptr,
+    part_max_ptr, part_bad_ptr, part_fin_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr,
+    cand_ptr, part_cnt_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
+    SCALE_T: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+    GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
+):
+    """Per row, the blocks' partials combined in block order: the mass, the draw (plain: the
+    first best noise block, then Gumbel-max inside it; top-k: over the candidates; otherwise,
+    or on a tie at the top-k boundary, by bisection over the row) and the log-probs."""
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride
+    tka, tkb = _row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_TOKEN)
+    m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
+    b = tl.arange(0, NBP)
+    at = row * n_blocks + b
+    total = tl.sum(tl.load(part_mass_ptr + at, mask=b < n_blocks, other=0), 0)
+    if PLAIN:
+        if GIVEN:
+            token = tl.load(given_ptr + row)
+        else:
+            w = tl.argmax(tl.load(part_best_ptr + at, mask=b < n_blocks, other=-float("inf")), 0)  # the first on a tie
+            best_block = tl.load(part_best_block_ptr + row * n_blocks + w)
+            cols = best_block * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
+            zc = _load_z(x_row, cols, V, inv_t, SCALE_T)
+            token = (best_block * NOISE_BLOCK + tl.argmax(_no_nan(zc.to(tl.float64) + _gumbel(cols, tka, tkb)), 0))
+            token = token.to(tl.int64)
+        z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
+        lp = _log_ratio(z_tok, m, total)
+        slp = lp
+    elif CANDIDATES:
+        part = row * n_blocks
+        token, lp, slp, inexact = _draw_from_candidates(
+            x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_log, tka, tkb,
+            cand_ptr + part.to(tl.int64) * top_k, part_cnt_ptr + part, part_drop_ptr + part, n_blocks,
+            SCALE_T, TOP_P, MIN_P, NBP, LANES)
+        if inexact:
+            token, lp, slp = _draw_by_bisection(
+                x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, min_p_log, given_ptr + row, tka, tkb,
+                SCALE_T, TOP_K, TOP_P, MIN_P, GIVEN, BLOCK)
+    else:
+        token, lp, slp = _draw_by_bisection(
+            x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, min_p_log, given_ptr + row, tka, tkb,
+            SCALE_T, TOP_K, TOP_P, MIN_P, GIVEN, BLOCK)
+    tl.store(tok_ptr + row, token)
+    tl.store(lp_ptr + row, tl.where(status == 0, lp, float("nan")))
+    tl.store(slp_ptr + row, tl.where(status == 0, slp, float("nan")))
+    tl.store(status_ptr + row, status.to(tl.int8))
+
+
+def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Tensor, steps: Tensor,
+                  given: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(tokens int64, log_probs fp32, sampled_log_probs fp32, status int8), each ``[B]``;
+    ``logits [B, V]`` with unit stride along V, ``seeds``/``steps`` int64 ``[B]``."""
+    B, V = logits.shape
+    dev = logits.device
+    tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+    log_probs = torch.empty(B, dtype=torch.float32, device=dev)
+    sampled = torch.empty(B, dtype=torch.float32, device=dev)
+    status = torch.empty(B, dtype=torch.int8, device=dev)
+    if B == 0:
+        return tokens, log_probs, sampled, status
+    split = split_block(dev)
+    n_blocks = triton.cdiv(V, split)  # V alone sets the blocks: a row's arithmetic never depends on B
+    top_k = filters.top_k or 0
+    draw = filters.plain and given is None
+    candidates = filters.top_k is not None and given is None and n_blocks * top_k <= candidate_cap(dev)
+
+    def parts(dtype, used=True, per=1):  # an unused one: any tensor (its kernel code is compiled out)
+        return torch.empty(B * n_blocks * per, dtype=dtype, device=dev) if used else tokens
+
+    part_max, part_mass = parts(torch.float32), parts(torch.int64)
+    part_bad, part_fin = parts(torch.int32), parts(torch.int32)
+    part_best, part_best_block = parts(torch.float64, draw), parts(torch.int32, draw)
+    part_drop, cand = parts(torch.float32, candidates), parts(torch.int32, candidates, max(top_k, 1))
+    part_cnt = parts(torch.int32, candidates)
+    bound = torch.empty(B, dtype=torch.int64, device=dev) if candidates else tokens
+    sub = sub_block(dev)
+    sub_max = parts(torch.float32, candidates, split // sub)
+    top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
+    scale_t = inv_t != 1.0
+    nbp = max(2, triton.next_power_of_2(n_blocks))
+    block_warps = 4 if dev.type == "cuda" else 1
+    # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
+    _block_max_kernel[(B, n_blocks)](
+        logits, logits.stride(0), V, inv_t, part_max, part_bad, part_fin, sub_max, n_blocks,
+        SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, num_warps=block_warps, enable_fp_fusion=False)
+    if candidates:
+        n_subs = n_blocks * (split // sub)
+        _bound_kernel[(B,)](sub_max, bound, n_subs, top_k, LANES=triton.next_power_of_2(n_subs),
+                            num_warps=8 if dev.type == "cuda" else 1)
+    _block_stats_kernel[(B, n_blocks)](
+        logits, logits.stride(0), V, inv_t, seeds, steps, top_k,
+        part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, bound, cand, part_cnt, n_blocks,
+        SCALE_T=scale_t, DRAW=draw, CANDIDATES=candidates, SPLIT=split, NBP=nbp,
+        num_warps=block_warps, enable_fp_fusion=False)
+    _draw_kernel[(B,)](
+        logits, logits.stride(0), V, inv_t, seeds, steps, top_k, top_p_bits, filters.min_p_log or 0.0,
+        tokens if given is None else given,
+        part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, cand, part_cnt,
+        tokens, log_probs, sampled, status, n_blocks,
+        SCALE_T=scale_t, PLAIN=filters.plain, TOP_K=filters.top_k is not None, TOP_P=filters.top_p is not None,
+        MIN_P=filters.min_p_log is not None, GIVEN=given is not None, CANDIDATES=candidates, BLOCK=row_block(dev),
+        NBP=nbp, LANES=max(16, triton.next_power_of_2(n_blocks * top_k)),
+        num_warps=8 if dev.type == "cuda" else 1, enable_fp_fusion=False,
+    )
+    return tokens, log_probs, sampled, status

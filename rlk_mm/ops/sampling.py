@@ -1,0 +1,251 @@
+"""Rollout sampling with seeded, batch-invariant streams and the log-probs training reproduces.
+
+``sample`` draws one token per row of ``logits [B, V]``; ``sample_from_hidden`` fuses the LM
+head with the draw (no ``[B, V]`` logits for plain temperature; filters read back logits
+written a row chunk at a time, a second pass). Both return a ``SampleResult``: the tokens,
+their log-probs under the plain temperature distribution (what training's
+``selected_logprob`` computes; for ``sample_from_hidden`` bitwise its value) and under the
+truncated, renormalized distribution they were drawn from (rollout importance correction
+needs both).
+
+Randomness is counter-based: a pure function of (the row's seed, its step, the vocabulary
+index), so a row's token never depends on the batch, its position in it or the batch size,
+and the same seeds give the same tokens on every run and device. ``group_seeds`` gives every
+member of a GRPO group its own stream. What is drawn, exactly, is written in
+``_torch/sampling.py``. Backends: Triton (CUDA, the default there), torch (CPU), and
+``"flashinfer"`` (``flashinfer.sampling``; its own Philox stream, seeded from the batch:
+reproducible, not batch-invariant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..schema.checks import INTEGER_DTYPES, first_true, float_arg, group_id_list, int_arg, tensor_arg
+from . import logprob as _lp
+from ._backend import use_triton
+from ._torch import sampling as _ref
+
+Tensor = torch.Tensor
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BACKENDS = (None, "torch", "triton", "flashinfer")
+#: the integer masses (units of 2^-40 of the top token's) are summed in int64: V < 2^23
+MAX_VOCAB = 1 << 23
+
+
+class SampleResult(NamedTuple):
+    """One drawn token per row, and its log-probs (fp32)."""
+
+    tokens: Tensor  # int64 [B]
+    log_probs: Tensor  # fp32 [B]: under softmax(logits / temperature)
+    sampled_log_probs: Tensor  # fp32 [B]: under the filtered, renormalized distribution drawn from
+
+
+def sample(
+    logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Optional[str] = None,
+) -> SampleResult:
+    """Draw one token per row of ``logits [B, V]`` (fp32/bf16/fp16; -inf masks an entry).
+
+    ``temperature`` > 0 divides the logits (for greedy decoding take ``argmax``). Filters,
+    applied in this order on the tempered logits: ``top_k`` (int >= 1: the k largest, ties
+    at the boundary kept), ``top_p`` in (0, 1] (the smallest top set holding that share of
+    the survivors' mass), ``min_p`` in [0, 1] (tokens with probability >= min_p x the top
+    one's). ``seeds``: one integer seed per row (``group_seeds``); ``step``: the decoding
+    step, an int or one per row. ``backend``: None (Triton on CUDA, torch elsewhere;
+    ``RLK_MM_BACKEND`` forces one), "torch", "triton" or "flashinfer".
+    """
+    tensor_arg("logits", logits)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V] (one row per sample); got shape {tuple(logits.shape)}")
+    if logits.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
+    B, V = logits.shape
+    inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
+    seeds, steps = _seeds_and_steps(seeds, step, B, logits.device)
+    backend = _backend_arg(backend)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if backend == "flashinfer":
+        from ._flashinfer import sampling as _fi
+
+        tokens = _fi.draw(logits, inv_t, filters, seeds, steps)
+        out = _score(logits, inv_t, filters, seeds, steps, tokens)
+    elif _triton_for(backend, logits):
+        from ._triton import sampling as _tri
+
+        out = _tri.sample_logits(logits, inv_t, filters, seeds, steps)
+    else:
+        out = _ref.sample_rows(logits, inv_t, filters, seeds, steps)
+    return _result(out, lambda r: _logits_problem(logits, r, inv_t, temperature))
+
+
+def sample_from_hidden(
+    hidden: Tensor, weight: Tensor, *, bias: Optional[Tensor] = None, temperature: float = 1.0,
+    top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+    seeds: Tensor, step=0, backend: Optional[str] = None,
+) -> SampleResult:
+    """``sample`` of the logits ``(hidden · weightᵀ + bias) / temperature``, the LM head fused
+    with the draw: ``hidden [B, H]``, ``weight [V, H]``, ``bias [V]`` (finite, or -inf to mask
+    a token), one dtype. ``log_probs`` equal ``selected_logprob(hidden, weight, index=rows,
+    targets=tokens, temperature=..., bias=...)`` bitwise on the same backend (under
+    ``batch_invariant()`` too). Plain temperature never writes ``[B, V]`` logits (Triton);
+    filters take a second pass over logits written a row chunk at a time. Backends as
+    ``sample``, without "flashinfer" (it samples from logits only)."""
+    tensor_arg("hidden", hidden)
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [B, H] (one hidden state per sample); got shape {tuple(hidden.shape)}")
+    B = hidden.shape[0]
+    rows = torch.arange(B, device=hidden.device)
+    tensor_arg("weight", weight)
+    _lp._check(hidden, weight, rows, rows, bias, 1.0)  # shapes, dtypes, devices
+    V = weight.shape[0]
+    inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
+    temperature = float(temperature)
+    seeds, steps = _seeds_and_steps(seeds, step, B, hidden.device)
+    backend = _backend_arg(backend)
+    if backend == "flashinfer":
+        raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
+    if bias is not None:
+        _lp._check_bias(bias, rows[:0], float(bias.amax()), 0.0)
+    hidden, weight = _lp._contiguous_rows(hidden), _lp._contiguous_rows(weight)
+    if _triton_for(backend, hidden):
+        from ._triton import sample_hidden as _tri_hidden
+
+        out = _tri_hidden.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps)
+    else:
+        out = _ref.sample_hidden_rows(hidden, weight, bias, temperature, filters, seeds, steps)
+    return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias")
+
+
+def group_seeds(seed: int, group_ids, step: int) -> Tensor:
+    """One int64 seed per sample (CPU ``[B]``), distinct for every member of a group.
+
+    ``group_ids``: the samples' group ids (str or int; verl's ``uid``); members of a group are
+    numbered in order of appearance. ``seed``: the run's seed; ``step``: the training step
+    (any counter that changes between rollouts), so a prompt drawn again gets new streams.
+    Each seed is a BLAKE2b hash of (seed, step, group id, member number): stable across
+    processes, machines and Python versions."""
+    seed = int_arg("seed", seed)
+    step = int_arg("step", step, min=0)
+    ids = group_id_list(group_ids)
+    members: dict = {}
+    out = []
+    for g in ids:
+        j = members.get(g, 0)
+        members[g] = j + 1
+        text = f"rlk_mm.group_seeds:{seed}:{step}:{type(g).__name__}:{g}:{j}".encode()
+        out.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+# ------------------------------------------------------------------ arguments
+def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Filters]:
+    """(fp32 1 / temperature, the filters; None where one keeps every token), all checked."""
+    if V > MAX_VOCAB:
+        raise ValueError(f"the vocabulary has {V} entries; sampling supports up to {MAX_VOCAB}")
+    if isinstance(temperature, Tensor) and temperature.dim() == 0 and temperature.is_floating_point():
+        temperature = float(temperature)
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")
+    temperature = float(temperature)
+    if not (math.isfinite(temperature) and temperature >= _lp.MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature={temperature}: it must be a finite number >= {_lp.MIN_TEMPERATURE}. For greedy decoding "
+            "(temperature 0) do not sample: take logits.argmax(-1)"
+        )
+    inv_t = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+    if top_k is not None:
+        top_k = int_arg("top_k", top_k, min=1)
+    if top_p is not None:
+        top_p = float_arg("top_p", top_p, min=0.0, max=1.0, min_open=True)
+    min_p_log = None
+    if min_p is not None:
+        min_p = float_arg("min_p", min_p, min=0.0, max=1.0)
+        min_p_log = float(torch.tensor(math.log(min_p), dtype=torch.float32)) if min_p > 0 else None
+    filters = _ref.Filters(
+        top_k if top_k is not None and top_k < V else None,
+        top_p if top_p is not None and top_p < 1.0 else None,
+        min_p_log,
+    )
+    return inv_t, filters
+
+
+def _seeds_and_steps(seeds, step, B: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """int64 ``[B]`` seeds and steps on ``device``."""
+    if not isinstance(seeds, Tensor):
+        raise TypeError(f"seeds must be an integer tensor [B] (one seed per row; group_seeds(...) derives them), "
+                        f"got {type(seeds).__name__}")
+    if seeds.dtype not in INTEGER_DTYPES or seeds.dim() != 1:
+        raise TypeError(f"seeds must be a 1-D integer tensor [B]; got {seeds.dtype} of shape {tuple(seeds.shape)}")
+    if seeds.numel() != B:
+        raise ValueError(f"seeds has {seeds.numel()} entries but there are {B} rows: pass one seed per row "
+                         "(group_seeds(seed, group_ids, step) gives one per sample)")
+    if isinstance(step, Tensor) and step.dim() == 1:
+        if step.dtype not in INTEGER_DTYPES:
+            raise TypeError(f"step must be an int or an integer tensor [B]; got {step.dtype}")
+        if step.numel() != B:
+            raise ValueError(f"step has {step.numel()} entries but there are {B} rows: pass one step per row, or an int")
+        bad = (step < 0) | (step >= 2**32)
+        if bool(bad.any()):
+            i = first_true(bad)[0]
+            raise ValueError(f"step[{i}] = {int(step[i])} is out of range: steps must be in [0, 2^32)")
+        steps = step.to(device=device, dtype=torch.int64)
+    else:
+        steps = torch.full((B,), int_arg("step", step, min=0, max=2**32 - 1), dtype=torch.int64, device=device)
+    return seeds.to(device=device, dtype=torch.int64), steps
+
+
+def _backend_arg(backend) -> Optional[str]:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'torch', 'triton' or 'flashinfer'; got {backend!r}")
+    return backend
+
+
+def _triton_for(backend: Optional[str], t: Tensor) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "triton" and not t.is_cuda:
+        from ._backend import triton_interpreting
+
+        if not triton_interpreting():
+            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (set before rlk_mm is "
+                             "imported), or move the tensors to CUDA")
+        return True
+    return backend == "triton" or use_triton(t)
+
+
+def _score(logits, inv_t, filters, seeds, steps, tokens):
+    """Log-probs of given ``tokens`` (the flashinfer backend's draws), with our filters."""
+    if logits.is_cuda:
+        from ._triton import sampling as _tri
+
+        return _tri.sample_logits(logits, inv_t, filters, seeds, steps, given=tokens)
+    return _ref.sample_rows(logits, inv_t, filters, seeds, steps, given=tokens)
+
+
+# ------------------------------------------------------------------ results and errors
+def _result(out, problem) -> SampleResult:
+    """The backend's output as a ``SampleResult``; a row with a bad status raises ``problem(row)``."""
+    tokens, log_probs, sampled, status = out
+    if status.numel() and bool((status != _ref.OK).any()):
+        raise ValueError(problem(first_true(status != _ref.OK)[0]))
+    return SampleResult(tokens, log_probs, sampled)
+
+
+def _logits_problem(logits: Tensor, r: int, inv_t: float, temperature: float) -> str:
+    row = logits[r]
+    if bool(torch.isnan(row).any()):
+        return f"logits[{r}, {first_true(torch.isnan(row))[0]}] is NaN: sample only finite logits (-inf masks a token)"
+    if bool((row == math.inf).any()):
+        return f"logits[{r}, {first_true(row == math.inf)[0]}] is +inf: sample only finite logits (-inf masks a token)"
+    if bool((row == -math.inf).all()):
+        return f"logits row {r} is -inf at every entry: every token is masked, so nothing can be drawn"
+    z = row.float() * inv_t
+    return (f"logits[{r}, {first_true(torch.isinf(z))[0]}] / temperature={temperature} overflows float32: "
+            "use a larger temperature")
