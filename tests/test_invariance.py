@@ -9,7 +9,7 @@ import pytest
 
 from rlk_mm import fixtures
 from rlk_mm.cli import main as cli_main
-from rlk_mm.parity.invariance import CASES, MODES, InvarianceReport, invariance_sweep
+from rlk_mm.parity.invariance import CASES, MODES, VIDEO_CASES, InvarianceReport, invariance_sweep
 
 #: the torch reference matmul is many small fixed-shape products: one thread is fastest
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,9 +20,9 @@ def test_sweep_torch_path_is_bitwise_in_every_case(tiny_model, processor, tmp_pa
     samples = fixtures.synthetic_image_text(3, seed=0)
     report = invariance_sweep(model, processor, samples, backend="torch", group_size=3, response_length=6)
     rows = {(r.case, r.detail, r.mode) for r in report.results}
-    assert {r.case for r in report.results} == set(CASES)
+    assert {r.case for r in report.results} == set(CASES) - set(VIDEO_CASES)  # image samples: the video cases do not apply
     assert {r.mode for r in report.results} == set(MODES)
-    assert len(rows) == len(report.results) == 2 * (len(CASES) + 2)  # neighbour_images has 3 rows
+    assert len(rows) == len(report.results) == 2 * (len(CASES) - len(VIDEO_CASES) + 2)  # neighbour_images has 3 rows
     for r in report.results:
         assert r.tokens > 0
         if r.mode == "batch_invariant":
@@ -35,6 +35,19 @@ def test_sweep_torch_path_is_bitwise_in_every_case(tiny_model, processor, tmp_pa
     assert InvarianceReport.from_dict(data).results == report.results
     assert report.save_png(tmp_path / "inv.png").stat().st_size > 10_000
     assert "group_cache" in report.table()
+
+
+def test_video_case_whole_vs_frame_by_frame_is_bitwise(tiny_model, processor):
+    samples = fixtures.synthetic_video_text(2, seed=0, num_frames=4, with_image=True) + fixtures.synthetic_image_text(1, seed=1)
+    report = invariance_sweep(tiny_model, processor, samples, cases=["video_frames"], backend="torch", response_length=4)
+    by_mode = {r.mode: r for r in report.results}
+    assert set(by_mode) == set(MODES) and all(r.case == "video_frames" and r.detail == "2 with video" for r in report.results)
+    invariant = by_mode["batch_invariant"]
+    assert invariant.bitwise and invariant.max_abs_diff == 0.0 and invariant.tokens == 2 * 4
+    control = by_mode["default"]
+    assert control.bitwise or control.divergence is not None  # a CPU drift, if any, is located
+    with pytest.raises(ValueError, match=r"\['video_frames'\] need samples with videos"):
+        invariance_sweep(tiny_model, processor, fixtures.synthetic_image_text(2, seed=0), cases=["video_frames"])
 
 
 def test_sweep_triton_path_is_bitwise(tiny_model, processor):

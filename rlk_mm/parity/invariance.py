@@ -19,12 +19,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.qwen2_5_vl import check_model
+from ..models.qwen2_5_vl import VisionCache, check_model, forward_hidden
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, RLBatch
 from ..schema.checks import bool_arg, int_arg, sequence_arg
-from ._probe import Run, first_divergence, forward_run, group_run, vision_cache_run
+from ..schema.video import VideoLayout
+from ._probe import Run, Views, cached_views, first_divergence, forward_run, forward_views, group_run, vision_cache_run
 from .invariance_report import CaseResult, InvarianceReport, Mode
 
 
@@ -173,6 +174,28 @@ def _group_cache(r: _Runs):
     return [(f"G={r.group_size}", _each(r.group_full, r.group("group_cached", group_run), r.group_size))]
 
 
+def _frame_cache_run(model, batch: RLBatch) -> Run:
+    """Videos through the tower frame by frame: ``VideoLayout.frame_batch`` into ``VisionCache``."""
+    rows, _ = batch.loss_token_index()
+    frames = VideoLayout(batch).frame_batch()
+
+    def execute():
+        return forward_hidden(model, batch, layout="packed", media_embeds=VisionCache(model)(frames))[rows]
+
+    def views(s):
+        cached = cached_views(frames, s)
+        return Views(cached.vision, forward_views(batch, "packed", s).text, cached.merge)
+
+    return Run(batch, execute, views)
+
+
+def _video_frames(r: _Runs):
+    items = [it for it in r.items if getattr(it.sample, "videos", None)]
+    whole = _RunRef("video_whole", lambda: vision_cache_run(r.model, r.build(items)))
+    frames = _RunRef("video_frames", lambda: _frame_cache_run(r.model, r.build(items)))
+    return [(f"{len(items)} with video", _each(whole, frames, len(items)))]
+
+
 @dataclass(frozen=True)
 class Case:
     """An invariance case: what it compares, and the pairs of runs it compares (by detail)."""
@@ -191,16 +214,21 @@ CASES = {
     "vision_cache": Case("vision tower inside the forward vs VisionCache (one pass per media key)", _vision_cache),
     "prefix_cache": Case("one forward vs prompt prefilled into a KV cache, then the response", _prefix_cache),
     "group_cache": Case("a GRPO group scored in full vs media-prefix cache (vision once, prompt KV once)", _group_cache),
+    "video_frames": Case("videos through the vision tower whole vs frame by frame (VideoLayout.frame_batch, each distinct "
+                         "frame once)", _video_frames),
 }
+VIDEO_CASES = ("video_frames",)
+"""Cases that need samples with videos (left out of a sweep of all cases when none has one)."""
 
 
 # --------------------------------------------------------------------------- the sweep
 
 
 def _cases_arg(cases, samples) -> list[str]:
-    """The cases to run, in registry order (None: all)."""
+    """The cases to run, in registry order (None: all that apply to the samples)."""
+    has_videos = any(getattr(s, "videos", None) for s in samples)
     if cases is None:
-        return list(CASES)
+        return [c for c in CASES if has_videos or c not in VIDEO_CASES]
     cases = sequence_arg("cases", cases, "case names (e.g. ['packed'])")
     if not cases:
         raise ValueError(f"cases is empty: name at least one of {list(CASES)} (or None for all)")
@@ -209,6 +237,8 @@ def _cases_arg(cases, samples) -> list[str]:
         raise ValueError(f"unknown invariance cases {unknown}; choose from {list(CASES)}")
     if "neighbour_images" in cases and not any(getattr(s, "images", None) for s in samples):
         raise ValueError("neighbour_images needs samples with images (it puts other samples' images next to the first)")
+    if not has_videos and any(c in VIDEO_CASES for c in cases):
+        raise ValueError(f"{[c for c in cases if c in VIDEO_CASES]} need samples with videos (e.g. fixtures.synthetic_video_text)")
     return [c for c in CASES if c in cases]
 
 

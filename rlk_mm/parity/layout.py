@@ -5,6 +5,10 @@ all tokens: token ids, valid-token counts, media placeholder spans, M-RoPE posit
 (t, h, w separately), loss spans, media ids and cache keys, and the processor
 fingerprint. Padding is stripped when a batch is built, so the same content left- or
 right-padded compares equal. Every log-prob comparison must pass it first.
+
+The first mismatch carries a diagnosis when media items differ: the item, both sides'
+placeholder counts, grids and recorded resize settings, and the likely cause (the rollout
+resized with other settings; placeholders expanded twice).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..schema.batch import batch_arg
-from ..schema import Modality, RLBatch, Span
+from ..schema import Modality, RLBatch, Span, key_settings
 
 #: compared per-token fields, in the order used to break ties at one position
 _TOKEN_FIELDS = ("input_ids", "modality_spans", "position_ids.t", "position_ids.h", "position_ids.w", "loss_spans")
@@ -44,6 +48,7 @@ class Mismatch:
     span: Optional[str] = None  # the rollout-side span holding the position, e.g. "image #0[14, 30)"
     context_rollout: Optional[str] = None
     context_training: Optional[str] = None
+    diagnosis: Optional[str] = None  # the likely cause, on the first mismatch where media items differ
 
     def describe(self) -> str:
         where = "batch" if self.sample is None else f"sample {self.sample}" + ("" if self.position is None else f", position {self.position}")
@@ -52,7 +57,7 @@ class Mismatch:
         text = f"{self.field}: {where}{span}: rollout {self.rollout!r} vs training {self.training!r}{more}"
         if self.context_rollout is not None:
             text += f"\n    rollout : {self.context_rollout}\n    training: {self.context_training}"
-        return text
+        return text if self.diagnosis is None else f"{self.diagnosis}\n    ({text})"
 
 
 @dataclass
@@ -225,6 +230,8 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
         if m.sample is not None and m.position is not None:
             m.span = _span_at(tb, m.sample, m.position) or _span_at(ra, m.sample, m.position)
     first = next((m for m in found if m.sample is not None), None)
+    if first is not None:
+        first.diagnosis = _diagnose(ra, tb, first.sample, rollout.processor_fingerprint != training.processor_fingerprint)
     if first is not None and first.position is not None:
         first.context_rollout = _context(ra, first.sample, first.position, decode)
         first.context_training = _context(tb, first.sample, first.position, decode)
@@ -259,3 +266,67 @@ def _compare_media(ra: RLBatch, tb: RLBatch, name: str, B: int) -> list[Mismatch
         position = (mb[k] if k < len(mb) else ma[k])[0]
         out.append(Mismatch(name, b, position, va[k], vb[k], count=len(differing)))
     return out
+
+
+# ----------------------------------------------------------------------------- drift diagnosis
+@dataclass
+class _Item:
+    label: str  # "image #0": the sample's first image
+    modality: int
+    start: int
+    end: int
+    grid: list[int]
+    key: str
+
+    def describe(self) -> str:
+        settings = key_settings(self.key)
+        extra = "" if settings is None else ", " + settings.describe()
+        return f"{self.end - self.start} placeholder tokens (grid {'×'.join(map(str, self.grid))}{extra})"
+
+
+def _items(batch: RLBatch, b: int) -> list[_Item]:
+    """Sample ``b``'s media items in sequence order."""
+    out, seen = [], {}
+    for s in batch.modality_spans_of(b):
+        if s.media_index < 0:
+            continue
+        n = seen.setdefault(s.modality, 0)
+        seen[s.modality] += 1
+        out.append(_Item(f"{Modality(s.modality).label} #{n}", int(s.modality), s.start, s.end,
+                         batch.media_grid_thw[s.media_index].tolist(), batch.media_cache_keys[s.media_index]))
+    return out
+
+
+def _runs(items: list[_Item]) -> list[list[_Item]]:
+    """Items in runs of adjacent placeholders of one modality (one run per placeholder as written)."""
+    runs: list[list[_Item]] = []
+    for item in items:
+        if runs and runs[-1][-1].end == item.start and runs[-1][-1].modality == item.modality:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+def _diagnose(ra: RLBatch, tb: RLBatch, b: int, fingerprints_differ: bool) -> Optional[str]:
+    """The first media item of sample ``b`` that differs, and the likely cause; None when
+    the media agree (the mismatch is elsewhere)."""
+    if b >= ra.num_samples or b >= tb.num_samples:
+        return None
+    for rr, rt in zip(_runs(_items(ra, b)), _runs(_items(tb, b))):
+        for side, many, one in (("rollout", rr, rt), ("training", rt, rr)):
+            if len(one) == 1 and len(many) > 1 and all(i.grid == one[0].grid for i in many):
+                times = "twice" if len(many) == 2 else f"{len(many)} times"
+                return (f"sample {b}, {one[0].label}: {side} {many[-1].end - many[0].start} placeholder tokens where its grid "
+                        f"{'×'.join(map(str, one[0].grid))} implies {one[0].end - one[0].start}: placeholders expanded {times}")
+        for ir, it in zip(rr, rt):
+            if ir.grid == it.grid and ir.key == it.key:
+                continue
+            head = f"sample {b}, {it.label}: rollout {ir.describe()} vs training {it.describe()}"
+            sr, st = key_settings(ir.key), key_settings(it.key)
+            if ir.grid != it.grid or (sr is not None and st is not None and sr != st):
+                cause = ("the rollout's processor has other settings (the processor fingerprints differ)" if fingerprints_differ
+                         else "the rollout resized with other processor settings")
+                return f"{head}: {cause}"
+            return f"{head}: same grid, other pixel values: another image, or other resampling or normalization"
+    return None

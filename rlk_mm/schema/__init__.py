@@ -4,8 +4,9 @@ Imports nothing else of rlk_mm. Modules, bottom up: ``checks`` and ``_args`` (ar
 checks), ``spans``, ``choice``, ``media``, ``grounding``; ``_assemble`` (per-sample parts ↔
 fields), ``_inputs`` (the builders' arguments), ``_build`` (the builders' core),
 ``_validate`` (the contract's invariants, docs/batch_contract.md), ``io`` (save/load);
-``qwen_vl`` and ``verl`` (builders); ``batch`` (the ``RLBatch`` model, its views and
-constructors).
+``qwen_vl``, ``verl`` and ``messages`` (builders; ``messages``: chat messages through
+qwen-vl-utils); ``batch`` (the ``RLBatch`` model, its views and constructors); ``video``
+(``VideoLayout``: a batch's videos frame by frame).
 """
 
 from ._build import mrope_positions
@@ -13,7 +14,11 @@ from .batch import PaddingSide, RLBatch, dense_group_index
 from .choice import Choice
 from .grounding import CoordinateSystem, convert_boxes, convert_points
 from .io import BatchFileError
-from .media import MediaItem, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
+from .video import VideoLayout
+from .media import MediaItem, ResizeSettings, key_settings, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
+from .trajectories import Step, Trajectory, step_group_index
+from .media_fallback import mask_unsupported_media
+from .support import SUPPORTED_MODALITIES, UnsupportedModalityError
 from .spans import (
     Modality,
     SchemaError,
@@ -32,11 +37,13 @@ from .spans import (
 from_qwen_vl = RLBatch.from_qwen_vl
 from_token_lists = RLBatch.from_token_lists
 from_verl = RLBatch.from_verl
+from_messages = RLBatch.from_messages
+from_trajectories = RLBatch.from_trajectories
 
 __all__ = [
-    "BatchFileError", "Choice", "CoordinateSystem", "MediaItem", "Modality", "PaddingSide", "RLBatch", "SchemaError", "Span",
-    "SpanTable", "complement", "convert_boxes", "convert_points", "dense_group_index", "from_qwen_vl",
-    "from_token_lists", "from_verl", "intersect", "mask_from_spans", "media_cache_key", "media_token_counts",
-    "mrope_positions", "normalize", "processor_fingerprint", "spans_from_mask", "subtract", "union",
-    "vision_token_offsets",
+    "BatchFileError", "Choice", "CoordinateSystem", "MediaItem", "Modality", "ResizeSettings", "PaddingSide", "RLBatch", "SchemaError", "Span",
+    "SpanTable", "SUPPORTED_MODALITIES", "VideoLayout", "UnsupportedModalityError", "complement", "convert_boxes", "convert_points", "dense_group_index", "from_qwen_vl",
+    "from_messages", "from_token_lists", "from_verl", "key_settings", "intersect", "mask_from_spans", "media_cache_key", "media_token_counts",
+    "mask_unsupported_media", "mrope_positions", "normalize", "processor_fingerprint", "spans_from_mask", "subtract", "union",
+    "vision_token_offsets", "Step", "Trajectory", "from_trajectories", "step_group_index",
 ]

@@ -24,8 +24,11 @@ from ._assemble import SAMPLE_FIELDS, assemble, present_fields, sample_parts
 from ._validate import check, schema_error
 from .io import BatchFileError
 from .media import token_counts
+from .messages import fields_from_messages
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
+from .support import require_supported
+from .trajectories import fields_from_trajectories
 from .verl import fields_from_verl
 
 Tensor = torch.Tensor
@@ -50,10 +53,10 @@ def dense_group_index(group_ids: Sequence, device=None) -> Tensor:
 
 
 def batch_arg(name: str, value) -> "RLBatch":
-    """``value`` itself when it is an ``RLBatch`` (the check every function taking one makes first)."""
+    """``value`` itself when it is an ``RLBatch`` of modalities the ops support (the check every function taking one makes first)."""
     if not isinstance(value, RLBatch):
         raise TypeError(f"{name} must be an RLBatch (rlk_mm.RLBatch, e.g. RLBatch.from_qwen_vl(...)), got {type(value).__name__}")
-    return value
+    return require_supported(name, value)
 
 
 def _builder(fields_from):
@@ -364,6 +367,8 @@ class RLBatch(BaseModel):
     from_qwen_vl = _builder(fields_from_qwen_vl)
     from_token_lists = _builder(fields_from_token_lists)
     from_verl = _builder(fields_from_verl)
+    from_trajectories = _builder(fields_from_trajectories)
+    from_messages = _builder(fields_from_messages)
 
 
 def _last(text: str, width: int) -> str:

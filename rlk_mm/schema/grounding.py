@@ -50,7 +50,7 @@ def _coordinates(name: str, value, width: int, layout: str) -> torch.Tensor:
 def _convert(points: torch.Tensor, source, target, original_size, resized_size) -> torch.Tensor:
     source = CoordinateSystem.parse(source, "source", SchemaError)
     target = CoordinateSystem.parse(target, "target", SchemaError)
-    sizes = {name: None if size is None else _size_arg(name, size)
+    sizes = {name: None if size is None else size_arg(name, size)
              for name, size in (("original_size", original_size), ("resized_size", resized_size))}
     factor = _scale(target, **sizes) / _scale(source, **sizes)
     return (points.double() * factor).to(points.dtype if points.is_floating_point() else torch.float32)
@@ -73,7 +73,7 @@ def convert_boxes(boxes: torch.Tensor, source, target, *, original_size=None, re
     return _convert(pts, source, target, original_size, resized_size).reshape(boxes.shape)
 
 
-def _size_arg(name: str, value) -> tuple[int, int]:
+def size_arg(name: str, value) -> tuple[int, int]:
     """An image size ``(width, height)`` of two positive ints."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, torch.Tensor, np.ndarray)):
         raise TypeError(f"{name} must be (width, height), got {type(value).__name__} {value!r}")

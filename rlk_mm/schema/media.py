@@ -8,13 +8,16 @@
   batches built by differently configured processors never compare equal.
 - ``media_cache_key`` hashes the vision-tower input of one item (its processed pixel
   rows and grid) together with the fingerprint: equal key ⇒ identical vision input.
+- ``ResizeSettings`` are the resize settings an item was processed with (``from_messages``
+  records them): ``settings_key`` appends them to its cache key, readable, so equal keys
+  also mean equal settings, and ``key_settings`` reads them back (drift diagnosis).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 import numpy as np
@@ -252,3 +255,67 @@ def content_key(pixel_rows: torch.Tensor, grid: list[int], modality: str, finger
 def default_media_id(cache_key: str, modality: str) -> str:
     """Derived media id when the caller gives none: stable for the same content."""
     return f"{modality}-{cache_key[:16]}"
+
+
+@dataclass(frozen=True)
+class ResizeSettings:
+    """The resize settings one media item was processed with: the requested pixel limits
+    (``total_pixels``: a video's budget over all frames), the size it was resized to and,
+    for a video, the frame rate of its frames and the indices of the frames used."""
+
+    min_pixels: int
+    max_pixels: int
+    resized_height: int
+    resized_width: int
+    total_pixels: Optional[int] = None
+    fps: Optional[float] = None
+    frames: Optional[tuple[int, ...]] = None
+
+    def tag(self) -> str:
+        """``name=value`` pairs joined by ``;`` (frames as ``0,1,2``), the given fields only."""
+        words = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                words.append(f"{f.name}={','.join(map(str, value)) if f.name == 'frames' else value}")
+        return ";".join(words)
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "ResizeSettings":
+        """The settings ``tag()`` wrote; a malformed tag is refused."""
+        kinds = {"fps": float, "frames": lambda v: tuple(int(x) for x in v.split(",") if x)}
+        values = {}
+        try:
+            for word in tag.split(";"):
+                name, value = word.split("=", 1)
+                values[name] = kinds.get(name, int)(value)
+            return cls(**values)
+        except (TypeError, ValueError):
+            raise ValueError(f"{tag!r} is not a ResizeSettings tag (name=value pairs joined by ';')") from None
+
+    def describe(self) -> str:
+        """For people: "resized 336×224, max_pixels 12544" (min, total, fps, frames as given)."""
+        parts = [f"resized {self.resized_width}×{self.resized_height}", f"min_pixels {self.min_pixels}", f"max_pixels {self.max_pixels}"]
+        if self.total_pixels is not None:
+            parts.append(f"total_pixels {self.total_pixels}")
+        if self.fps is not None:
+            parts.append(f"fps {self.fps:g}")
+        if self.frames is not None:
+            parts.append(f"frames {list(self.frames)}")
+        return ", ".join(parts)
+
+
+SETTINGS_SEPARATOR = "#"
+
+
+def settings_key(cache_key: str, settings: ResizeSettings) -> str:
+    """A cache key that also names the resize settings: ``<content key>#<settings tag>``."""
+    return f"{cache_key}{SETTINGS_SEPARATOR}{settings.tag()}"
+
+
+def key_settings(cache_key: str) -> Optional[ResizeSettings]:
+    """The resize settings a ``settings_key`` names; None for a key that names none."""
+    if not isinstance(cache_key, str):
+        raise TypeError(f"cache_key must be a str, got {type(cache_key).__name__}")
+    _, sep, tag = cache_key.partition(SETTINGS_SEPARATOR)
+    return ResizeSettings.from_tag(tag) if sep else None

@@ -14,7 +14,7 @@ def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `smoke` sub-command to an argparse sub-parser set."""
     p = subparsers.add_parser(
         "smoke",
-        help="image-text GRPO smoke test: gates (layout, log-probs, masking, ratio) then training",
+        help="GRPO smoke test (--task colour, geo3k or video-direction): gates (layout, log-probs, masking, ratio) then training",
         description="Prove layout and log-prob parity and loss masking, then train a tiny Qwen2.5-VL with GRPO and check it learns.",
     )
     add_arguments(p)

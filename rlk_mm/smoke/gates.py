@@ -33,7 +33,7 @@ class Gate:
 def gate_layout(policy: Policy, rb: RLBatch, tb: RLBatch) -> Gate:
     report = check_layout_parity(rb, tb, tokenizer=policy.tokenizer)
     if report.ok:
-        return Gate("(a) layout parity", True, f"{tb.num_samples} samples, {tb.num_tokens} tokens, {tb.num_media} images agree")
+        return Gate("(a) layout parity", True, f"{tb.num_samples} samples, {tb.num_tokens} tokens, {tb.num_media} media items agree")
     first = report.first
     return Gate("(a) layout parity", False, f"{len(report.mismatches)} mismatches; first: {first.describe()}", report.to_dict())
 
@@ -86,7 +86,7 @@ def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_
     same = all(torch.equal(a, b) for a, b in zip(*results))
     ok = in_prompt == 0 and in_media == 0 and padding == 0 and same
     detail = (
-        f"{sample.numel()} scored targets: {in_prompt} prompt, {in_media} image, {padding} padding; "
+        f"{sample.numel()} scored targets: {in_prompt} prompt, {in_media} media, {padding} padding; "
         f"{int(changed.sum())} unscored target ids randomized: loss and grads {'bitwise equal' if same else 'CHANGED'}"
     )
     return Gate(name, ok, detail, dict(prompt=in_prompt, image=in_media, padding=padding, bitwise_equal=same))

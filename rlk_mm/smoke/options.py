@@ -9,6 +9,7 @@ import argparse
 from .. import command
 from ..command import UsageError
 from ..ops.logprob import MIN_TEMPERATURE
+from .tasks import DATA_TASKS, TASKS
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
 IMAGE_SWAP_MIN_PROMPTS = 5
@@ -17,7 +18,8 @@ IMAGE_SWAP_MIN_PROMPTS = 5
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     count, positive = command.int_at_least, command.number(0, open_low=True)
-    p.add_argument("--data", type=command.folder, help="a Geo3K folder (problems.jsonl + images), e.g. ../shared/geo3k; default: the colour task")
+    p.add_argument("--task", choices=sorted(TASKS), help="the smoke task (default: colour, or geo3k with --data)")
+    p.add_argument("--data", type=command.folder, help="a Geo3K folder (problems.jsonl + images), e.g. ../shared/geo3k; implies --task geo3k")
     p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
     p.add_argument("--steps", type=count(1), default=250, help="GRPO steps (default 250)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
@@ -38,8 +40,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     command.add_debug_flag(p)
 
 
+def task_name(args) -> str:
+    """The task to run: `--task`, else geo3k with `--data`, else colour."""
+    return args.task or ("geo3k" if args.data else "colour")
+
+
 def check_args(args) -> None:
     """The checks across options (each option alone is checked by its argparse type)."""
+    task = task_name(args)
+    if task in DATA_TASKS and not args.data:
+        raise UsageError(f"--task {task} needs --data DIR (a Geo3K folder: problems.jsonl + images, e.g. ../shared/geo3k)")
+    if args.data and task not in DATA_TASKS:
+        raise UsageError(f"--data is for --task {'/'.join(DATA_TASKS)}; --task {task} draws its own prompts: drop --data")
+    if args.break_mode == "image-swap" and task == "video-direction":
+        raise UsageError("--break image-swap swaps two images; --task video-direction has videos only: choose another --break")
     if args.break_mode == "image-swap" and args.prompts < IMAGE_SWAP_MIN_PROMPTS:
         raise UsageError(f"--break image-swap needs --prompts >= {IMAGE_SWAP_MIN_PROMPTS} (two same-size images in different "
                          f"groups to swap), got {args.prompts}")

@@ -1,4 +1,5 @@
-"""The smoke tasks: the drawn colour task (default) and Geo3K, each with its reward.
+"""The smoke tasks: the drawn colour task (default), Geo3K and the video-direction task,
+each with its reward, and `TASKS`, the registry `--task` chooses from.
 
 A `Task` hands out prompts, scores answers and names the warm-up answer of a label."""
 
@@ -7,13 +8,15 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from ..fixtures import Sample, load_geo3k
+from .point_task import POINT_TASKS
+from .task import Task
 
 
 # ----------------------------------------------------------------------------- the colour task
@@ -135,20 +138,6 @@ def _geo3k_prompt(sample: Sample) -> Sample:
     return Sample(sample.id, [{"role": "user", "content": content}], images=sample.images, answer=sample.answer, meta=sample.meta)
 
 
-@dataclass
-class Task:
-    """Prompts, reward, warm-up answers and response length of one smoke task."""
-
-    name: str
-    draw: Callable[[random.Random, int, str], list[Sample]]  # (rng, n, stream) -> prompts
-    reward: Callable[[str, Sample], float]
-    answer_text: Callable[[str], str]  # a label -> the warm-up answer text
-    max_new_tokens: int
-
-    def batch(self, rng: random.Random, n: int, stream: str) -> list[Sample]:
-        return self.draw(rng, n, stream)
-
-
 def colour_task() -> Task:
     counter = {"n": 0}
 
@@ -172,3 +161,74 @@ def geo3k_task(path) -> Task:
         lambda label: f"\\boxed{{{label}}}",
         max_new_tokens=24,
     )
+
+
+# ----------------------------------------------------------------------------- video direction
+DIRECTIONS = ("left", "right", "up", "down")
+VIDEO_PROMPT = "Which way does the shape move? Answer with one word."
+VIDEO_FRAME_SIZE = (56, 56)
+"""(width, height) of a frame: 2 x 2 merged tokens per temporal patch at the default pixel limits."""
+VIDEO_FRAMES = 4
+"""Frames per clip: 2 temporal patches (Qwen stacks frame pairs), 8 video tokens."""
+VIDEO_SHAPE_SIDE = 14
+
+
+def direction_clip(rng: random.Random, direction: str) -> list[Image.Image]:
+    """`VIDEO_FRAMES` frames of one square moving `direction` across a plain background at
+    a steady pace (random colours, random position across the motion)."""
+    width, height = VIDEO_FRAME_SIZE
+    side = VIDEO_SHAPE_SIDE
+    background = tuple(rng.randrange(200, 256) for _ in range(3))
+    colour = COLOURS[rng.choice(list(COLOURS))]
+    across = rng.randrange(0, (height if direction in ("left", "right") else width) - side + 1)
+    travel = (width if direction in ("left", "right") else height) - side
+    frames = []
+    for f in range(VIDEO_FRAMES):
+        along = travel * f // (VIDEO_FRAMES - 1)
+        if direction in ("left", "up"):
+            along = travel - along
+        x, y = (along, across) if direction in ("left", "right") else (across, along)
+        frame = Image.new("RGB", VIDEO_FRAME_SIZE, background)
+        ImageDraw.Draw(frame).rectangle((x, y, x + side - 1, y + side - 1), fill=colour)
+        frames.append(frame)
+    return frames
+
+
+def direction_sample(rng: random.Random, sample_id: str) -> Sample:
+    """One prompt of the video-direction task: a clip and the question; the answer is the direction."""
+    direction = rng.choice(DIRECTIONS)
+    content = [{"type": "video"}, {"type": "text", "text": VIDEO_PROMPT}]
+    return Sample(sample_id, [{"role": "user", "content": content}], videos=[direction_clip(rng, direction)], answer=direction)
+
+
+def video_direction_task() -> Task:
+    counter = {"n": 0}
+
+    def draw(rng, n, stream):
+        out = []
+        for _ in range(n):
+            out.append(direction_sample(rng, f"video-{stream}-{counter['n']}"))
+            counter["n"] += 1
+        return out
+
+    # the colour reward compares the stripped, lower-cased word with the answer: the same rule fits a direction
+    return Task("video-direction", draw, colour_reward, lambda label: label, max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- the registry
+def _geo3k_from(data: Optional[Path]) -> Task:
+    if data is None:
+        raise ValueError("the geo3k task needs --data DIR (a Geo3K folder: problems.jsonl + images, e.g. ../shared/geo3k)")
+    return geo3k_task(data)
+
+
+
+TASKS: dict[str, Callable[[Optional[Path]], Task]] = {
+    "colour": lambda data: colour_task(),
+    "geo3k": _geo3k_from,
+    "video-direction": lambda data: video_direction_task(),
+    **POINT_TASKS,
+}
+"""`--task` name -> factory(the `--data` folder or None) -> Task. A new task registers here."""
+DATA_TASKS = ("geo3k",)
+"""The tasks that read `--data` (the others refuse it)."""

@@ -18,11 +18,11 @@ from ..ops import group_advantages, linear_policy_loss, scatter_rewards
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
-from .options import to_argv
+from .options import task_name, to_argv
 from .policy import freeze_embeddings_and_head, hidden_states, load_policy, policy_logprobs, swap_pair, warm_up
 from .report import HEADER, device_name, draw_curves, progress_row, versions
 from .rollout import rollout, rollout_batch, training_batch
-from .tasks import colour_task, geo3k_task
+from .tasks import TASKS
 
 
 MALLOPT = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1), "M_TOP_PAD": (-2, 256 << 20)}
@@ -78,7 +78,7 @@ def run_smoke(args) -> int:
     torch.manual_seed(args.seed)
     rng_warm, rng_train = random.Random(f"{args.seed}:warmup"), random.Random(f"{args.seed}:train")
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    task = geo3k_task(args.data) if args.data else colour_task()
+    task = TASKS[task_name(args)](args.data)
     report: dict = {
         "command": "rlk-mm smoke " + " ".join(to_argv(args)),
         "task": task.name, "seed": args.seed, "device": device_name(device), "dtype": args.dtype,

@@ -1,0 +1,275 @@
+"""Boxes and points read from a model's own response tokens, in that model's convention.
+
+Coordinate conventions differ by model, and a reward computed in the wrong one is silently
+wrong, so the convention is always named (``Convention``) and fixes the syntax and the
+``CoordinateSystem`` of what the model writes:
+
+- ``qwen2_vl``: ``<|box_start|>(x1,y1),(x2,y2)<|box_end|>`` (one pair: a point), 0-1000;
+- ``qwen2_5_vl`` (and ``ui_tars_1_5``, which follows it): JSON ``"bbox_2d": [x1, y1, x2, y2]``
+  / ``"point_2d": [x, y]`` in pixels of the smart-resized image;
+- ``qwen3_vl``: the same JSON keys, 0-1000.
+
+``find_regions`` is the syntax alone (bytes in, byte ranges out) and serves decoded text
+too (the smoke task); ``parse_grounding`` reads one sample of an ``RLBatch``: each loss
+span's tokens as bytes, every box or point with the exact token span of its coordinates,
+converted to the original image's pixels through the item's ``image_grid_thw``. Malformed
+or out-of-range output is a recorded ``ParseFailure`` (never clamped); it scores the
+failure reward in ``grounding_rewards``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..schema import Choice, CoordinateSystem, Modality, RLBatch, SchemaError, Span, convert_boxes, convert_points
+from ..schema.batch import batch_arg
+from ..schema.checks import int_arg, sample_index
+from ..schema.grounding import size_arg
+
+
+class Convention(Choice):
+    """How a model writes boxes and points."""
+
+    QWEN2_VL = "qwen2_vl"
+    QWEN2_5_VL = "qwen2_5_vl"
+    QWEN3_VL = "qwen3_vl"
+    UI_TARS_1_5 = "ui_tars_1_5"
+
+
+#: the coordinate system each convention writes in
+CONVENTION_SYSTEM = {
+    Convention.QWEN2_VL: CoordinateSystem.NORMALIZED_1000,
+    Convention.QWEN2_5_VL: CoordinateSystem.RESIZED,
+    Convention.QWEN3_VL: CoordinateSystem.NORMALIZED_1000,
+    Convention.UI_TARS_1_5: CoordinateSystem.RESIZED,
+}
+
+_NUMBER = rb"\s*(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*"
+_JSON_KEY = re.compile(rb'"(bbox_2d|point_2d)"\s*:')
+_JSON_ARRAY = {
+    b"bbox_2d": re.compile(rb"\s*\[" + rb",".join([_NUMBER] * 4) + rb"\]"),
+    b"point_2d": re.compile(rb"\s*\[" + rb",".join([_NUMBER] * 2) + rb"\]"),
+}
+_BOX_TAG = re.compile(rb"<\|box_start\|>(.*?)(<\|box_end\|>|$)", re.DOTALL)
+_PAIR = rb"\(" + _NUMBER + rb"," + _NUMBER + rb"\)"
+_TAG_BODY = re.compile(rb"\s*" + _PAIR + rb"(?:\s*,\s*" + _PAIR + rb")?\s*")
+_SCAN_LIMIT = 64  # bytes of a malformed array named in its failure span
+
+
+@dataclass(frozen=True)
+class Found:
+    """One box or point as ``find_regions`` saw it: ``kind`` ("box"/"point"), the byte range
+    ``[lo, hi)`` of its coordinates (of the whole attempt on a failure), the values as
+    written (None on a failure) and, on a failure, why."""
+
+    kind: str
+    lo: int
+    hi: int
+    values: Optional[tuple[float, ...]] = None
+    reason: str = ""
+
+
+def find_regions(data: bytes, convention) -> list[Found]:
+    """Every box or point ``data`` (a response's bytes) writes in ``convention``'s syntax, in
+    order. Syntax only: ranges are checked by ``check_values``."""
+    if not isinstance(data, bytes):
+        raise TypeError(f"data must be bytes (a response's UTF-8 bytes), got {type(data).__name__}")
+    convention = Convention.parse(convention, "convention", SchemaError)
+    return _find_tags(data) if convention is Convention.QWEN2_VL else _find_json(data)
+
+
+def _numbers(match: re.Match) -> tuple[float, ...]:
+    return tuple(float(g) for g in match.groups() if g is not None)
+
+
+def _find_json(data: bytes) -> list[Found]:
+    out = []
+    keys = list(_JSON_KEY.finditer(data))
+    for k, key in enumerate(keys):
+        name = key.group(1)
+        kind = "box" if name == b"bbox_2d" else "point"
+        array = _JSON_ARRAY[name].match(data, key.end())
+        if array is None:  # the failure covers up to its "]", at most _SCAN_LIMIT bytes, never into the next key
+            stop = data.find(b"]", key.end())
+            limit = min(key.end() + _SCAN_LIMIT, keys[k + 1].start() if k + 1 < len(keys) else len(data))
+            hi = limit if stop < 0 else min(stop + 1, limit)
+            want = "[x1, y1, x2, y2]" if kind == "box" else "[x, y]"
+            out.append(Found(kind, key.start(), hi, reason=f'malformed "{name.decode()}": expected {want} of numbers'))
+            continue
+        out.append(Found(kind, array.start(1), array.end(array.lastindex), _numbers(array)))
+    return out
+
+
+def _find_tags(data: bytes) -> list[Found]:
+    out = []
+    for tag in _BOX_TAG.finditer(data):
+        body = _TAG_BODY.fullmatch(tag.group(1))
+        if not tag.group(2):
+            out.append(Found("box", tag.start(), tag.end(), reason="<|box_start|> without <|box_end|>"))
+        elif body is None:
+            out.append(Found("box", tag.start(), tag.end(), reason="malformed box: expected (x1,y1),(x2,y2) or (x,y)"))
+        else:
+            values = _numbers(body)
+            kind = "box" if len(values) == 4 else "point"
+            out.append(Found(kind, tag.start(1) + body.start(1), tag.start(1) + body.end(body.lastindex), values))
+    return out
+
+
+def check_values(kind: str, values: tuple[float, ...], system, resized_size) -> str:
+    """Why ``values`` (a box or point as written, in ``system``) are out of range, or "".
+    The range is the image: 0..1000, 0..1, or 0..width / 0..height of the resized image
+    (edges included); a box also needs x1 <= x2 and y1 <= y2."""
+    system = CoordinateSystem.parse(system, "system", SchemaError)
+    if system is CoordinateSystem.RESIZED:
+        width, height = size_arg("resized_size", resized_size)
+    else:
+        width = height = {CoordinateSystem.NORMALIZED: 1.0, CoordinateSystem.NORMALIZED_1000: 1000.0}.get(system)
+        if width is None:
+            raise SchemaError(f"system={system.value}: a model writes resized, normalized or normalized_1000 coordinates")
+    if not all(math.isfinite(v) for v in values):
+        return f"non-finite coordinate in {list(values)}"
+    xs, ys = values[0::2], values[1::2]
+    if any(not 0 <= x <= width for x in xs) or any(not 0 <= y <= height for y in ys):
+        return f"{kind} {list(values)} lies outside the image (0..{width:g} x 0..{height:g} in {system.value} coordinates)"
+    if kind == "box" and (values[0] > values[2] or values[1] > values[3]):
+        return f"box {list(values)} has x1 > x2 or y1 > y2"
+    return ""
+
+
+# ----------------------------------------------------------------------------- a batch's tokens
+@dataclass(frozen=True)
+class Region:
+    """A parsed box (x1, y1, x2, y2) or point (x, y): the token span of its coordinates
+    (positions in the sample), the values as written (in ``Grounding.system``) and in
+    pixels of the original image."""
+
+    kind: str
+    span: Span
+    values: tuple[float, ...]
+    absolute: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ParseFailure:
+    """Malformed or out-of-range output: the tokens it covers and why."""
+
+    span: Span
+    reason: str
+
+
+@dataclass(frozen=True)
+class Grounding:
+    """What ``parse_grounding`` read from one sample."""
+
+    sample: int
+    convention: Convention
+    system: CoordinateSystem  # of Region.values
+    original_size: tuple[int, int]  # (width, height) of the image, pixels
+    resized_size: tuple[int, int]  # (width, height) as the processor resized it
+    regions: tuple[Region, ...]
+    failures: tuple[ParseFailure, ...]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of the byte-level BPE alphabet (GPT-2's): a printable character per byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTES = _byte_decoder()
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """The exact bytes of each token of a byte-level BPE tokenizer (Qwen's); added tokens
+    (``<|box_start|>``, ...) are their text."""
+    added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    out = []
+    for i, piece in zip(ids, pieces):
+        if i in added:
+            out.append(added[i].encode())
+        elif piece is None or any(c not in _BYTES for c in piece):
+            raise SchemaError(f"token {i} ({piece!r}) is not a byte-level BPE token: parse_grounding reads Qwen-style tokenizers")
+        else:
+            out.append(bytes(_BYTES[c] for c in piece))
+    return out
+
+
+def _image_of(batch: RLBatch, b: int, image: Optional[int]) -> int:
+    """The batch-wide media index of sample ``b``'s image ``image`` (its only image by default)."""
+    if batch.media_sample is None:
+        items = []
+    else:
+        mine = (batch.media_sample == b) & (batch.media_modality == int(Modality.IMAGE))
+        items = torch.nonzero(mine).flatten().tolist()
+    if image is None:
+        if len(items) != 1:
+            raise SchemaError(f"sample {b} has {len(items)} images: pass image= (0..{len(items) - 1}) to say which one the "
+                              "coordinates refer to" if items else f"sample {b} has no image: coordinates need one")
+        return items[0]
+    image = int_arg("image", image, min=0)
+    if image >= len(items):
+        raise SchemaError(f"image={image}, but sample {b} has {len(items)} images")
+    return items[image]
+
+
+def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", image: Optional[int] = None,
+                    original_size=None) -> Grounding:
+    """Boxes and points in sample ``sample``'s loss spans (its responses), as ``convention`` writes them.
+
+    ``processor``: the batch's processor (its tokenizer decodes the tokens; its image
+    processor's ``patch_size`` gives the resized size from ``image_grid_thw``). ``image``: which
+    of the sample's images the coordinates refer to (default: its only image).
+    ``original_size``: that image's (width, height) in pixels (default: ``batch.screen_size``).
+    Each region's span covers the tokens holding its coordinates' characters; malformed or
+    out-of-range output becomes a ``ParseFailure`` over the tokens it covers."""
+    batch = batch_arg("batch", batch)
+    b = sample_index(sample, batch.num_samples, "batch")
+    convention = Convention.parse(convention, "convention", SchemaError)
+    system = CONVENTION_SYSTEM[convention]
+    tokenizer = getattr(processor, "tokenizer", None)
+    patch = getattr(getattr(processor, "image_processor", None), "patch_size", None)
+    if tokenizer is None or patch is None:
+        raise TypeError(f"processor must be a Qwen-VL processor (with .tokenizer and .image_processor.patch_size), got {type(processor).__name__}")
+    item = _image_of(batch, b, image)
+    _, grid_h, grid_w = batch.media_grid_thw[item].tolist()
+    resized = (grid_w * int(patch), grid_h * int(patch))
+    if original_size is None:
+        if batch.screen_size is None:
+            raise SchemaError(f"sample {b}: the original image size is unknown: pass original_size=(width, height) or build "
+                              "the batch with screen_size")
+        original_size = batch.screen_size[b].tolist()
+    original = size_arg("original_size", original_size)
+    tokens = batch.sample_tokens(b).tolist()
+    regions, failures = [], []
+    for loss in batch.loss_spans_of(b):
+        pieces = token_bytes(tokenizer, tokens[loss.start : loss.end])
+        ends = torch.tensor([len(p) for p in pieces]).cumsum(0)
+
+        def span(lo: int, hi: int) -> Span:  # the tokens holding bytes [lo, hi)
+            first = int(torch.searchsorted(ends, lo, right=True))
+            last = int(torch.searchsorted(ends, max(hi - 1, lo), right=True))
+            return Span(loss.start + first, loss.start + last + 1)
+
+        for found in find_regions(b"".join(pieces), convention):
+            reason = found.reason or check_values(found.kind, found.values, system, resized)
+            if reason:
+                failures.append(ParseFailure(span(found.lo, found.hi), reason))
+                continue
+            values = torch.tensor(found.values, dtype=torch.float64)
+            convert = convert_boxes if found.kind == "box" else convert_points
+            absolute = convert(values, system, CoordinateSystem.ABSOLUTE, original_size=original, resized_size=resized)
+            regions.append(Region(found.kind, span(found.lo, found.hi), found.values, tuple(absolute.tolist())))
+    return Grounding(b, convention, system, original, resized, tuple(regions), tuple(failures))

@@ -1,0 +1,135 @@
+"""The grounding smoke task (`--task point`): click the named shape on a synthetic screen.
+
+A screen holds three coloured shapes (square, circle or triangle), one per vertical strip;
+the prompt names one colour and asks for a point in the model's convention (Qwen2.5-VL:
+``{"point_2d": [x, y]}`` in pixels of the smart-resized image). The reward reads the point
+with ``rlk_mm.grounding`` (the parser of ``parse_grounding``), converts it to the original
+image's pixels, and is 1 when that pixel belongs to the shape (its drawn pixels, not its
+box); malformed or out-of-range answers score 0, never clamped. ``point-shuffled`` is the
+control: the same prompts, but the rewarded shape is drawn at random, independent of the
+one the prompt names, so only a position prior can be learned.
+"""
+
+from __future__ import annotations
+
+import random
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from ..fixtures import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Sample
+from ..grounding import CONVENTION_SYSTEM, Convention, check_values, find_regions
+from ..schema import CoordinateSystem, convert_points
+from .task import Task
+
+SHAPE_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+SCREEN_SIZES = ((120, 90), (100, 100), (90, 120), (126, 84))
+"""(width, height): 9 to 15 image tokens; none a multiple of 28 on both sides, so the processor
+resizes them (the answer's pixels are not the screen's)."""
+PATCH_FACTOR = 28  # Qwen2(.5)-VL: patch 14 x merge 2
+PROMPT = 'Click the {colour} shape. Answer with {{"point_2d": [x, y]}}.'
+PROMPT_1000 = 'Click the {colour} shape. Answer with {{"point_2d": [x, y]}}, x and y from 0 to 1000.'
+JSON_CONVENTIONS = (Convention.QWEN2_5_VL, Convention.UI_TARS_1_5, Convention.QWEN3_VL)
+
+
+def resized_size(size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of a screen as the Qwen-VL image processor resizes it (default pixel limits)."""
+    height, width = smart_resize(size[1], size[0], PATCH_FACTOR, DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    return width, height
+
+
+def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image, dict[str, np.ndarray]]:
+    """A light screen with three large shapes of distinct colours, one per vertical strip; each
+    colour's pixel mask ([height, width] bool)."""
+    width, height = size
+    background = tuple(rng.randrange(225, 256) for _ in range(3))
+    image = Image.new("RGB", size, background)
+    draw = ImageDraw.Draw(image)
+    strip = width // 3
+    colours = rng.sample(list(SHAPE_COLOURS), 3)
+    for i, colour in enumerate(colours):
+        w = rng.randrange(int(0.7 * strip), strip - 1)  # large shapes: a point in the right strip mostly hits
+        h = rng.randrange(height // 2, int(0.85 * height))
+        x = i * strip + rng.randrange(1, strip - w)
+        y = rng.randrange(1, height - h - 1)
+        box, fill = (x, y, x + w - 1, y + h - 1), SHAPE_COLOURS[colour]
+        kind = rng.choice(("square", "circle", "triangle"))
+        if kind == "square":
+            draw.rectangle(box, fill=fill)
+        elif kind == "circle":
+            draw.ellipse(box, fill=fill)
+        else:
+            draw.polygon([(x + w // 2, y), (x, y + h - 1), (x + w - 1, y + h - 1)], fill=fill)
+    pixels = np.asarray(image, dtype=np.int16)
+    masks = {c: (pixels == np.array(SHAPE_COLOURS[c])).all(-1) for c in colours}
+    return image, masks
+
+
+def _centre(mask: np.ndarray) -> tuple[float, float]:
+    ys, xs = np.nonzero(mask)
+    return float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
+
+
+def point_sample(rng: random.Random, sample_id: str, convention: Convention, shuffled: bool) -> Sample:
+    """One prompt; ``answer`` is the target's centre in the convention's coordinates ("x, y"),
+    ``meta`` the rewarded mask and the sizes the reward needs."""
+    size = rng.choice(SCREEN_SIZES)
+    image, masks = draw_screen(rng, size)
+    colour = rng.choice(sorted(masks))
+    rewarded = rng.choice(sorted(masks)) if shuffled else colour
+    system = CONVENTION_SYSTEM[convention]
+    resized = resized_size(size)
+    centre = convert_points(torch.tensor(_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE, system,
+                            original_size=size, resized_size=resized)
+    text = (PROMPT_1000 if system is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    answer = ", ".join(str(int(round(v))) for v in centre.tolist())
+    meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=masks[rewarded], size=size, resized=resized)
+    return Sample(sample_id, messages, images=[image], answer=answer, meta=meta)
+
+
+def point_reward(text: str, sample: Sample) -> float:
+    """1 when the answer's first box-or-point is a point inside the rewarded shape, else 0."""
+    meta = sample.meta
+    convention = Convention(meta["convention"])
+    system = CONVENTION_SYSTEM[convention]
+    found = find_regions(text.encode(), convention)
+    if not found or found[0].kind != "point" or found[0].reason:
+        return 0.0
+    if check_values("point", found[0].values, system, meta["resized"]):
+        return 0.0
+    x, y = convert_points(torch.tensor(found[0].values, dtype=torch.float64), system, CoordinateSystem.ABSOLUTE,
+                          original_size=meta["size"], resized_size=meta["resized"]).tolist()
+    width, height = meta["size"]
+    col, row = min(int(x), width - 1), min(int(y), height - 1)  # x = width is the image's right edge: its last pixel
+    return float(meta["mask"][row, col])
+
+
+def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
+    """The point task in a JSON convention (``qwen2_5_vl`` by default, ``ui_tars_1_5``,
+    ``qwen3_vl``); ``shuffled``: the shuffled-target control."""
+    convention = Convention.parse(convention, "convention")
+    if convention not in JSON_CONVENTIONS:
+        raise ValueError(f"convention={convention.value}: the point task answers in JSON (qwen2_5_vl, ui_tars_1_5, qwen3_vl); "
+                         "the rollout decodes with skip_special_tokens, which would drop Qwen2-VL's <|box_start|> tags")
+    counter = {"n": 0}
+    name = "point-shuffled" if shuffled else "point"
+
+    def draw(rng, n, stream):
+        out = []
+        for _ in range(n):
+            out.append(point_sample(rng, f"{name}-{stream}-{counter['n']}", convention, shuffled))
+            counter["n"] += 1
+        return out
+
+    # '{"point_2d": [x, y]}' is 13-15 tokens, and EOS
+    return Task(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18)
+
+
+POINT_TASKS = {
+    "point": lambda data: point_task(),
+    "point-shuffled": lambda data: point_task(shuffled=True),
+}
+"""The `--task` entries of this module (merged into `tasks.TASKS`)."""
+

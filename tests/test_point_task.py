@@ -1,0 +1,82 @@
+"""`rlk-mm smoke --task point`: the synthetic screens, the reward in each JSON convention (through
+rlk_mm.grounding, original pixels, never clamped), the shuffled-target control, and a short run
+whose four gates pass on CPU."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from rlk_mm import smoke
+from rlk_mm.fixtures import processor_inputs
+from rlk_mm.smoke.point_task import SHAPE_COLOURS, point_reward, point_task, resized_size
+from rlk_mm.smoke.tasks import TASKS
+
+GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
+
+
+def test_screens_masks_and_resized_sizes_agree_with_the_processor(processor):
+    task = point_task()
+    samples = task.batch(random.Random(0), 12, "t")
+    grids = processor_inputs(processor, samples, padding_side="left")["image_grid_thw"]
+    for s, grid in zip(samples, grids.tolist()):
+        assert s.meta["resized"] == resized_size(s.meta["size"]) == (grid[2] * 14, grid[1] * 14)
+        assert s.meta["resized"] != s.meta["size"]  # the answer's pixels are not the screen's
+        assert s.meta["colour"] in s.messages[0]["content"][1]["text"] and s.meta["rewarded"] == s.meta["colour"]
+        mask = s.meta["mask"]
+        assert mask.shape == (s.meta["size"][1], s.meta["size"][0]) and 0 < mask.mean() < 0.3
+        assert s.images[0].getpixel(tuple(int(v) for v in torch.nonzero(torch.from_numpy(mask))[0].flip(0))) == \
+            SHAPE_COLOURS[s.meta["colour"]]
+        assert point_reward(task.answer_text(s.answer), s) == 1.0  # the centre of the target is inside it
+
+
+def test_reward_reads_the_convention_and_never_clamps():
+    task = point_task()
+    s = task.batch(random.Random(1), 1, "t")[0]
+    rw, rh = s.meta["resized"]
+    x, y = (int(v) for v in s.answer.split(", "))
+    assert point_reward('I click {"point_2d": [%d, %d]} now' % (x, y), s) == 1.0
+    outside = [(0, 0), (rw, rh), (rw + 40, y), (x, -3)]
+    for px, py in outside:
+        assert point_reward('{"point_2d": [%d, %d]}' % (px, py), s) == 0.0
+    for text in ["", "%d, %d" % (x, y), '{"bbox_2d": [%d, %d, %d, %d]}' % (x, y, x, y), '{"point_2d": [%d]}' % x,
+                 '{"point_2d": [%d, %d, 3]}' % (x, y), '{"point_2d": [1e9, %d]}' % y]:
+        assert point_reward(text, s) == 0.0, text
+    # the point is converted from resized to original pixels: every pixel of the shape, written in
+    # resized pixels, is a hit; the same numbers written as if the screen were not resized miss somewhere
+    w, h = s.meta["size"]
+    rows, cols = s.meta["mask"].nonzero()
+    resized_hits = [point_reward('{"point_2d": [%.3f, %.3f]}' % ((c + 0.5) * rw / w, (r + 0.5) * rh / h), s) for r, c in zip(rows, cols)]
+    unconverted = [point_reward('{"point_2d": [%.3f, %.3f]}' % (c + 0.5, r + 0.5), s) for r, c in zip(rows, cols)]
+    assert all(v == 1.0 for v in resized_hits) and min(unconverted) == 0.0
+    # Qwen3-VL: 0-1000 coordinates
+    q3 = point_task("qwen3_vl")
+    s3 = q3.batch(random.Random(1), 1, "t")[0]
+    assert "0 to 1000" in s3.messages[0]["content"][1]["text"]
+    assert point_reward(q3.answer_text(s3.answer), s3) == 1.0
+    assert point_reward('{"point_2d": [1000, 1000]}', s3) == float(s3.meta["mask"][-1, -1])  # the corner is in range
+    assert point_reward('{"point_2d": [1001, 5]}', s3) == 0.0
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        point_task("qwen2_vl")
+    with pytest.raises(ValueError, match="convention='qwen9'"):
+        point_task("qwen9")
+
+
+def test_the_shuffled_control_rewards_a_random_shape():
+    samples = point_task(shuffled=True).batch(random.Random(2), 60, "t")
+    same = sum(s.meta["rewarded"] == s.meta["colour"] for s in samples)
+    assert 5 < same < 40  # about a third: the rewarded shape is independent of the one asked for
+    other = next(s for s in samples if s.meta["rewarded"] != s.meta["colour"])
+    assert point_reward(point_task().answer_text(other.answer), other) == 0.0  # clicking the named shape is not rewarded
+    assert {"point", "point-shuffled"} <= set(TASKS) and TASKS["point"](None).name == "point"
+
+
+def test_point_smoke_gates_pass_on_cpu(tmp_path):
+    args = smoke.parse_args(["--task", "point", "--steps", "1", "--prompts", "2", "--samples", "2", "--warmup-steps", "1",
+                             "--quiet", "--out", str(tmp_path)])
+    code = smoke.run_smoke(args)
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    assert code == 0, report.get("learning")
+    assert report["task"] == "point" and {g["name"]: g["ok"] for g in report["gates"]} == dict.fromkeys(GATES, True)
+    assert len(report["steps"]) == 1 and report["steps"][0]["response_tokens"] > 1
