@@ -14,12 +14,13 @@ from .schema import (
     SchemaError,
     Span,
     SpanTable,
+    UnsupportedModalityError,
     processor_fingerprint,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchFileError", "CoordinateSystem", "Modality", "RLBatch", "SchemaError", "Span", "SpanTable",
+    "BatchFileError", "CoordinateSystem", "Modality", "RLBatch", "SchemaError", "Span", "SpanTable", "UnsupportedModalityError",
     "models", "ops", "processor_fingerprint", "__version__",
 ]

@@ -179,6 +179,7 @@ def check_inputs(model, batch, media_embeds=None) -> None:
     """The batch against the model, and ``media_embeds`` (None: the batch's pixels feed the
     vision tower) against both, before any forward. One host sync: token ids within the
     model's vocabulary, and ``media_embeds``' row count."""
+    batch_arg("batch", batch)
     config = model.config
     for name in ("image_token_id", "video_token_id"):
         have, want = getattr(batch, name), getattr(config, name, None)

@@ -11,11 +11,15 @@ def __getattr__(name: str):
         from .invariance import invariance_sweep
 
         return invariance_sweep
+    if name == "codec_invariance":
+        from .codec import codec_invariance
+
+        return codec_invariance
     raise AttributeError(f"module 'rlk_mm.parity' has no attribute {name!r}")
 
 
 __all__ = [
     "CONTRACT", "ELEMENTWISE_LOSS_MAX_ABS", "LOGPROB_GRAD_REL", "LOGPROB_MAX_ABS", "LayoutParityError",
     "LayoutParityReport", "LogprobComparison", "Mismatch", "Tolerance", "check_layout_parity",
-    "compare_logprobs", "invariance_sweep",
+    "codec_invariance", "compare_logprobs", "invariance_sweep",
 ]

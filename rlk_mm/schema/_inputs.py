@@ -19,6 +19,7 @@ import torch
 
 from .checks import INTEGER_DTYPES, describe, first_true, group_id_list, sequence_arg, tensor_arg
 from .spans import SchemaError
+from .support import require_no_audio_inputs
 
 Tensor = torch.Tensor
 
@@ -198,7 +199,7 @@ def processor_outputs(processor_output) -> Mapping:
         raise TypeError(f"processor_output must be a mapping (the processor's BatchFeature or a dict), got {type(processor_output).__name__}")
     if "input_ids" not in processor_output:
         raise SchemaError(f"processor_output has no 'input_ids' (keys: {sorted(processor_output)}): pass the processor's whole output")
-    return processor_output
+    return require_no_audio_inputs(processor_output, "processor_output")
 
 
 def multi_modal_inputs(value, B: int) -> list[dict]:
@@ -209,4 +210,5 @@ def multi_modal_inputs(value, B: int) -> list[dict]:
     for b, item in enumerate(items):
         if item is not None and not isinstance(item, Mapping):
             raise TypeError(f"multi_modal_inputs[{b}] must be a dict (or None for a text-only sample), got {type(item).__name__}")
+        require_no_audio_inputs(item or {}, f"multi_modal_inputs[{b}]")
     return [dict(item or {}) for item in items] or [{} for _ in range(B)]
