@@ -263,6 +263,25 @@ def test_several_chunks_give_one_chunks_results(small_chunks):
     check_against(out, grads, run_oracle(c, **knobs), torch.bfloat16)
 
 
+@pytest.mark.parametrize("ratio", ["token", "gspo"])
+def test_on_policy_old_log_probs_are_this_calls_own(backend, small_chunks, ratio):
+    """old_log_probs=None: the composition with old = the detached log-probs (ratio 1), over
+    several chunks (Triton) and without gradients (where no chunk's upstream runs)."""
+    c = make_case(seed=12, bias=True)
+    with torch.no_grad():
+        own = selected_logprob(c["hidden"], c["weight"], index=c["index"], targets=c["targets"], bias=c["bias"],
+                               temperature=0.8)
+    knobs = dict(ref_log_probs=c["ref_log_probs"], kl_coef=0.1, entropy_coeff=0.01, ratio=ratio)
+    out, grads = run_fused({**c, "old_log_probs": None}, temperature=0.8, **knobs)
+    check_against(out, grads, run_composed({**c, "old_log_probs": own}, temperature=0.8, **knobs), torch.float32)
+    assert out.metrics["pg_clipfrac"].item() == 0.0 and out.metrics["ppo_kl"].item() == 0.0
+    with torch.no_grad():
+        plain = linear_policy_loss(c["hidden"], c["weight"], index=c["index"], targets=c["targets"], bias=c["bias"],
+                                   old_log_probs=None, advantages=c["advantages"], mask=c["mask"], temperature=0.8,
+                                   sample_index=c["sample_index"], num_samples=B, **knobs)
+    assert plain.loss.item() == out.loss.item()
+
+
 def test_log_probs_bitwise_invariant_to_batch_composition_and_order(backend, small_chunks):
     c = make_case(torch.bfloat16, seed=10)
     n = B * R

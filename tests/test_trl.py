@@ -256,12 +256,13 @@ LINEAR_OPTIONS = [  # every loss type once; each option once
     dict(loss_type="dr_grpo", tool_mask=True),
     dict(loss_type="dapo", delta=1.3),
     dict(loss_type="luspo", far_off_policy=True),
+    dict(loss_type="dapo", on_policy=True),  # TRL's defaults: num_iterations=1, no old log-probs
+    dict(loss_type="grpo", importance_sampling_level="sequence", on_policy=True),
 ]
 #: options linear_policy_loss does not express: ours runs selected_logprob + grpo_loss, saying why once
 FALLBACKS = [
     (dict(loss_type="grpo", beta=0.1), "beta=0.1"),
     (dict(loss_type="dapo", entropy_coef=0.05), "entropy_coef=0.05 with loss_type='dapo'"),
-    (dict(loss_type="bnpo", on_policy=True), "the batch has no old log-probs"),
 ]
 
 

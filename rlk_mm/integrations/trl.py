@@ -9,9 +9,8 @@ What changes: TRL's fused LM head (``model(..., labels=..., fused_lm_head=True)`
 and old log-probs alike), and ``_compute_loss`` becomes rlk_mm's; generation, rewards and
 advantages stay TRL's. The training loss runs, by default, in ``linear_policy_loss`` (the LM
 head fused with the loss: three logits-sized products, the gradient formed in the forward)
-wherever TRL's loss is expressible there: the batch has old log-probs (TRL computes them when
-``num_iterations > 1``, steps and generations are misaligned, or with vLLM), ``beta == 0``, and
-``entropy_coef == 0`` unless ``loss_type="bnpo"``. Elsewhere it runs ``grpo_loss`` on
+wherever TRL's loss is expressible there: ``beta == 0`` and ``entropy_coef == 0`` unless
+``loss_type="bnpo"`` (with old log-probs, or on-policy without them: ``num_iterations=1``). Elsewhere it runs ``grpo_loss`` on
 ``selected_logprob``'s log-probs (four products), and says why once. ``linear_loss=False``
 keeps that path throughout.
 
@@ -303,9 +302,6 @@ class RLKGRPOMixin:
         """Why this batch's loss cannot run in ``linear_policy_loss``, or None when it can."""
         if not self._linear_loss:
             return "linear_loss=False"
-        if inputs.get("old_per_token_logps") is None:
-            return ("the batch has no old log-probs (TRL takes them equal to the new ones, which linear_policy_loss "
-                    "needs before its forward; set num_iterations > 1 to have TRL compute them)")
         if self.beta != 0.0:
             return f"beta={self.beta}: TRL's KL form (unclamped k3 times the ratio) is not one of linear_policy_loss's"
         if self.entropy_coef != 0.0 and self.loss_type != "bnpo":
@@ -365,7 +361,8 @@ class RLKGRPOMixin:
 
     def _linear_loss_and_stats(self, model, inputs, mask, num_items, accumulation):
         """TRL's loss in one ``linear_policy_loss`` over the loss tokens (``mask``): (loss, stats, entropies)."""
-        prompt_ids, completion_ids, old = inputs["prompt_ids"], inputs["completion_ids"], inputs["old_per_token_logps"]
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        old = inputs.get("old_per_token_logps")  # None on-policy: TRL's old log-probs are then the new ones
         B, C = completion_ids.shape
         level = self.importance_sampling_level
         _options(self.loss_type, level, self.epsilon_low, self.epsilon_high, self.args.delta, self.beta)
@@ -377,10 +374,12 @@ class RLKGRPOMixin:
         tensor_arg("advantages", advantages, ndim=(1, 2), dtypes=FLOAT_DTYPES)
         if advantages.shape not in ((B,), (B, 1), (B, C)):
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [B={B}] or [B, C={C}]")
-        per_token = {"old_log_probs": old, "advantages": advantages.reshape(B, -1).expand(B, C)}
+        per_token = {"advantages": advantages.reshape(B, -1).expand(B, C)}
+        if old is not None:
+            per_token["old_log_probs"] = old
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token["rollout_is_weights"] = _per_token_is_ratio(inputs["importance_sampling_ratio"], B, C)
-        loss_args = {name: x[b, c] for name, x in per_token.items()}
+        loss_args = {"old_log_probs": None, **{name: x[b, c] for name, x in per_token.items()}}
         loss_args.update(
             sample_index=b, num_samples=B, **_clip_args(self.epsilon_low, self.epsilon_high, self.args.delta, level),
             entropy_coeff=self.entropy_coef, **_aggregation(self.loss_type, B, self.max_completion_length, num_items),
@@ -392,8 +391,8 @@ class RLKGRPOMixin:
                         **media, labels=labels, fused_lm_head=True, policy_loss_args=loss_args)
         loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
         logps = _spread(out.log_probs, scored)
-        stats = {"policy_loss": out.metrics["pg_loss"], "kl": None,
-                 "ratio": _importance_ratio(logps, old.masked_fill(~scored, 0.0), mask, level)}
+        old = logps if old is None else old.masked_fill(~scored, 0.0)
+        stats = {"policy_loss": out.metrics["pg_loss"], "kl": None, "ratio": _importance_ratio(logps, old, mask, level)}
         return loss, stats, _spread(out.entropy, scored)
 
     def _log_loss_metrics(self, mode: str, stats: dict, entropies: Tensor, mask: Tensor, advantages: Tensor) -> None:

@@ -50,7 +50,7 @@ def linear_policy_loss(
     weight: Tensor,
     batch: Optional[RLBatch] = None,
     *,
-    old_log_probs: Tensor,
+    old_log_probs: Optional[Tensor],
     advantages: Tensor,
     index: Optional[Tensor] = None,
     targets: Optional[Tensor] = None,
@@ -92,6 +92,10 @@ def linear_policy_loss(
     computed (it costs no extra product): ``metrics`` has ``entropy_loss``, and
     ``entropy_coeff > 0`` adds the bonus.
 
+    ``old_log_probs=None`` is on-policy: the old log-probs are the ones this call computes,
+    detached (every ratio is 1), as a trainer that updates once per rollout has them (TRL's
+    ``num_iterations=1``); it must be passed explicitly.
+
     Gradients flow to ``hidden``, ``weight`` and ``bias`` (those that require them; a frozen
     head or frozen hidden states skip their product). They are formed in this call, so
     calling ``backward`` on the loss more than once (``retain_graph``) is refused.
@@ -111,6 +115,9 @@ def linear_policy_loss(
     temperature = _logprob._temperature(temperature)
     weight, bias, tp_group = _logprob.sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     n = rows.numel()
+    on_policy = old_log_probs is None
+    if on_policy:  # filled with this call's log-probs (zeros pass the value checks until then)
+        old_log_probs = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     tensor_arg("old_log_probs", old_log_probs)
     if old_log_probs.shape != (n,):
         raise ValueError(
@@ -153,7 +160,8 @@ def linear_policy_loss(
         logp, entropy = _logprob.selected_logprob(
             flat, weight, index=rows, targets=tgts, bias=bias, temperature=temperature, return_entropy=True,
             tp_group=tp_group, vocab_start_index=vocab_start_index)
-        loss, metrics = policy_loss(logp, old_log_probs, advantages, mask, sample_index=sample_index,
+        loss, metrics = policy_loss(logp, logp.detach() if on_policy else old_log_probs, advantages, mask,
+                                    sample_index=sample_index,
                                     num_samples=num_samples, entropy=entropy, **knobs)
         return PolicyLossOutput(loss, metrics, logp.detach(), entropy.detach())
 
@@ -162,6 +170,8 @@ def linear_policy_loss(
 
     def upstream(start: int, end: int, logp: Tensor, entropy: Tensor):
         tensors = [t[start:end] if sliced and t is not None else t for t, sliced in zip(policy.tensors, per_token)]
+        if on_policy:
+            tensors[0].copy_(logp)  # a view of policy.tensors[0]
         grad_partials = grad_rows[:, None].expand(len(Partial), num_blocks(end - start))
         g, ge = _policy_loss_partials_backward(grad_partials, logp, entropy, tensors, policy.floats, policy.ints)
         return g, (ge if policy.entropy_coeff else None)
@@ -184,6 +194,8 @@ def linear_policy_loss(
 
             logp, entropy, d_hidden, d_weight, d_bias = _backend.loss_grads(
                 flat_c, weight_c, rows, tgts, bias, temperature, upstream, *need)
+        if on_policy:  # (also without gradients, where upstream never ran)
+            policy.tensors[0].copy_(logp)
         loss, metrics = policy.losses(_policy_loss_partials(logp, entropy, policy.tensors, policy.floats, policy.ints))
     if any(need):
         grads = (
