@@ -499,7 +499,9 @@ def test_fused_loss_matches_verl_on_any_layout(data):
     expected = _train_step("vanilla", knobs, fused=False, micro_batch=mb)
     actual = _train_step("rlk_mm", knobs, fused=True, micro_batch=mb)
     verl_fused.disable()
-    tol = ELEMENTWISE_LOSS_MAX_ABS.fp32
+    # the loss and metrics are functions of log-probs that agree within LOGPROB_MAX_ABS, not
+    # bitwise (verl's logits and ours reduce in other orders): a k2 KL of 1.02 was seen 1.3e-6 apart
+    tol = LOGPROB_MAX_ABS.fp32
     assert float(actual[0]) == pytest.approx(float(expected[0]), rel=tol, abs=tol)
     for name in expected[1]:
         assert actual[1][name] == pytest.approx(expected[1][name], rel=tol, abs=tol), name
