@@ -21,7 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from ..fixtures import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Sample
 from ..grounding import CONVENTION_SYSTEM, Convention, check_values, find_regions
 from ..schema import CoordinateSystem, convert_points
-from .task import Task
+from .task import Task, draw_shape, numbered_draw
 
 SHAPE_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SCREEN_SIZES = ((120, 90), (100, 100), (90, 120), (126, 84))
@@ -53,14 +53,7 @@ def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image,
         h = rng.randrange(height // 2, int(0.85 * height))
         x = i * strip + rng.randrange(1, strip - w)
         y = rng.randrange(1, height - h - 1)
-        box, fill = (x, y, x + w - 1, y + h - 1), SHAPE_COLOURS[colour]
-        kind = rng.choice(("square", "circle", "triangle"))
-        if kind == "square":
-            draw.rectangle(box, fill=fill)
-        elif kind == "circle":
-            draw.ellipse(box, fill=fill)
-        else:
-            draw.polygon([(x + w // 2, y), (x, y + h - 1), (x + w - 1, y + h - 1)], fill=fill)
+        draw_shape(draw, rng, (x, y, x + w - 1, y + h - 1), SHAPE_COLOURS[colour])
     pixels = np.asarray(image, dtype=np.int16)
     masks = {c: (pixels == np.array(SHAPE_COLOURS[c])).all(-1) for c in colours}
     return image, masks
@@ -113,16 +106,8 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
     if convention not in JSON_CONVENTIONS:
         raise ValueError(f"convention={convention.value}: the point task answers in JSON (qwen2_5_vl, ui_tars_1_5, qwen3_vl); "
                          "the rollout decodes with skip_special_tokens, which would drop Qwen2-VL's <|box_start|> tags")
-    counter = {"n": 0}
     name = "point-shuffled" if shuffled else "point"
-
-    def draw(rng, n, stream):
-        out = []
-        for _ in range(n):
-            out.append(point_sample(rng, f"{name}-{stream}-{counter['n']}", convention, shuffled))
-            counter["n"] += 1
-        return out
-
+    draw = numbered_draw(name, lambda rng, sample_id: point_sample(rng, sample_id, convention, shuffled))
     # '{"point_2d": [x, y]}' is 13-15 tokens, and EOS
     return Task(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18)
 

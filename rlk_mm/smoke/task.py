@@ -6,6 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
+from PIL import ImageDraw
+
 from ..fixtures import Sample
 from ..schema.support import require_supported_messages
 
@@ -26,3 +28,30 @@ class Task:
         for s in prompts:
             require_supported_messages(s.messages, f"smoke task {self.name!r}, prompt {s.id!r}")
         return prompts
+
+
+def numbered_draw(prefix: str, make: Callable[[random.Random, str], Sample]):
+    """A task's ``draw``: ``n`` prompts from ``make(rng, id)``, ids ``{prefix}-{stream}-{k}``
+    numbered across calls."""
+    counter = {"n": 0}
+
+    def draw(rng: random.Random, n: int, stream: str) -> list[Sample]:
+        out = []
+        for _ in range(n):
+            out.append(make(rng, f"{prefix}-{stream}-{counter['n']}"))
+            counter["n"] += 1
+        return out
+
+    return draw
+
+
+def draw_shape(draw: ImageDraw.ImageDraw, rng: random.Random, box: tuple[int, int, int, int], fill) -> None:
+    """A rectangle, an ellipse or a triangle (``rng``'s choice) filling ``box`` (inclusive corners)."""
+    x0, y0, x1, y1 = box
+    kind = rng.choice(("rectangle", "ellipse", "triangle"))
+    if kind == "rectangle":
+        draw.rectangle(box, fill=fill)
+    elif kind == "ellipse":
+        draw.ellipse(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1 + 1) // 2, y0), (x0, y1), (x1, y1)], fill=fill)

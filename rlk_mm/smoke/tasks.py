@@ -16,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from ..fixtures import Sample, load_geo3k
 from .point_task import POINT_TASKS
-from .task import Task
+from .task import Task, draw_shape, numbered_draw
 
 
 # ----------------------------------------------------------------------------- the colour task
@@ -45,14 +45,7 @@ def _draw_colour_image(rng: random.Random, size, colour: str) -> Image.Image:
         w = max(4, int(width * rng.uniform(frac_lo, frac_hi)))
         h = max(4, int(height * rng.uniform(frac_lo, frac_hi)))
         x, y = rng.randrange(0, width - w + 1), rng.randrange(0, height - h + 1)
-        box = (x, y, x + w - 1, y + h - 1)
-        kind = rng.choice(("rectangle", "ellipse", "triangle"))
-        if kind == "rectangle":
-            draw.rectangle(box, fill=fill)
-        elif kind == "ellipse":
-            draw.ellipse(box, fill=fill)
-        else:
-            draw.polygon([(x + w // 2, y), (x, y + h - 1), (x + w - 1, y + h - 1)], fill=fill)
+        draw_shape(draw, rng, (x, y, x + w - 1, y + h - 1), fill)
 
     if not on_background:
         shape(COLOURS[colour], 0.75, 0.95)
@@ -139,15 +132,7 @@ def _geo3k_prompt(sample: Sample) -> Sample:
 
 
 def colour_task() -> Task:
-    counter = {"n": 0}
-
-    def draw(rng, n, stream):
-        out = []
-        for _ in range(n):
-            out.append(colour_sample(rng, f"colour-{stream}-{counter['n']}"))
-            counter["n"] += 1
-        return out
-
+    draw = numbered_draw("colour", colour_sample)
     # one word and <|im_end|>: two tokens, so a step's 64 answers fill one 128-row chunk of the CPU head
     return Task("colour", draw, colour_reward, lambda label: label, max_new_tokens=2)
 
@@ -202,15 +187,7 @@ def direction_sample(rng: random.Random, sample_id: str) -> Sample:
 
 
 def video_direction_task() -> Task:
-    counter = {"n": 0}
-
-    def draw(rng, n, stream):
-        out = []
-        for _ in range(n):
-            out.append(direction_sample(rng, f"video-{stream}-{counter['n']}"))
-            counter["n"] += 1
-        return out
-
+    draw = numbered_draw("video", direction_sample)
     # the colour reward compares the stripped, lower-cased word with the answer: the same rule fits a direction
     return Task("video-direction", draw, colour_reward, lambda label: label, max_new_tokens=2)
 
