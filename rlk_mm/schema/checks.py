@@ -30,6 +30,11 @@ Tensor = torch.Tensor
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: the floating dtypes the kernels take (they accumulate in float32; float64 is for references)
+KERNEL_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the smallest sampling temperature: below it samplers decode greedily (vLLM), and
+#: logits / temperature can overflow float32
+MIN_TEMPERATURE = 1e-5
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
@@ -226,3 +231,19 @@ class DeviceChecks:
 def first_true(mask: Tensor) -> tuple[int, ...]:
     """The index of the first True entry of ``mask`` (row-major), for error messages."""
     return tuple(int(i) for i in torch.nonzero(mask)[0].tolist())
+
+
+def temperature_arg(value) -> float:
+    """A sampling temperature (a number or a 0-d float tensor; never a bool or a string) as a
+    float >= ``MIN_TEMPERATURE``: the one rule of every op and runner that divides logits by it."""
+    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be a finite number >= {MIN_TEMPERATURE}; got {value} (logits are divided by it; "
+            "1.0 leaves them as they are; for greedy decoding, temperature 0, take logits.argmax(-1) instead of sampling)"
+        )
+    return value
