@@ -200,6 +200,45 @@ def test_save_load_round_trip(tmp_path_factory, small_batch, indices):
             assert torch.equal(a, b), name
         else:
             assert a == b, name
+    assert back.equals(sub) and back == sub
+
+
+# ----------------------------------------------------------------------------- equality
+@settings(max_examples=20, deadline=None)
+@given(indices=st.lists(st.integers(0, 3), min_size=1, max_size=6), cut=st.integers(0, 6))
+def test_select_concat_round_trips_are_equal_batches(small_batch, indices, cut):
+    """Selecting in two parts and concatenating is the one selection, field for field, bitwise."""
+    cut = min(cut, len(indices))
+    whole = small_batch.select(indices)
+    parts = [small_batch.select(part) for part in (indices[:cut], indices[cut:]) if part]
+    joined = RLBatch.concat(parts)
+    assert joined == whole and joined.equals(whole) and not joined != whole
+    assert small_batch.select(range(small_batch.num_samples)) == small_batch
+    if sorted(set(indices)) != list(range(small_batch.num_samples)) or len(indices) != small_batch.num_samples:
+        assert whole != small_batch
+
+
+def test_equality_compares_every_field_bitwise(small_batch):
+    b = small_batch
+    values = {name: getattr(b, name) for name in type(b).model_fields}
+
+    def changed(**fields):
+        return RLBatch(**{**values, **fields})
+
+    assert changed() == b and b == changed()
+    assert changed(rewards=b.rewards.clone()) == b  # equal values, another tensor
+    assert changed(rewards=b.rewards + 1) != b
+    assert changed(rewards=torch.where(b.rewards == 0, torch.tensor(-0.0), b.rewards)) != b  # -0.0 is not 0.0, bitwise
+    assert changed(rewards=None) != b  # a field one batch lacks
+    assert changed(group_ids=list("abba")) != b
+    assert changed(media_ids=[m + "x" for m in b.media_ids]) != b
+    assert changed(pixel_values=b.pixel_values.double()) != b  # another dtype
+    assert changed(loss_spans=SpanTable.from_lists([[Span(s.start + 1, s.end) for s in b.loss_spans_of(i)] for i in range(4)])) != b
+    assert b.select([1, 0, 2, 3]) != b
+    assert (b == "a batch") is False and b != 1 and not b.equals(None)
+    assert b.to("meta") != b  # another device differs (its values are never read)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(b)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -312,6 +312,25 @@ class RLBatch(BaseModel):
             values[name] = v
         return RLBatch.model_construct(**values)
 
+    # ------------------------------------------------------------------ equality
+    def equals(self, other) -> bool:
+        """True when ``other`` is an ``RLBatch`` whose every field equals this one's bitwise:
+        tensors (span tables included) of one dtype, shape and device holding the same bits
+        (so ``-0.0`` differs from ``0.0``, and a nan equals a nan of the same bits), the same
+        ids, keys, fingerprint and settings, and the same optional fields present (a field
+        one batch has and the other lacks makes them differ). ``==`` is this method; it reads
+        both batches on the host."""
+        if not isinstance(other, RLBatch):
+            return False
+        return all(_same_value(getattr(self, name), getattr(other, name)) for name in type(self).model_fields)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, RLBatch):
+            return NotImplemented
+        return self.equals(other)
+
+    __hash__ = None  # a batch holds mutable tensors: equal batches need not stay equal
+
     # ------------------------------------------------------------------ save / load
     def save(self, path) -> Path:
         """Write one safetensors file: tensors, plus the other fields as JSON metadata."""
@@ -369,6 +388,25 @@ class RLBatch(BaseModel):
     from_verl = _builder(fields_from_verl)
     from_trajectories = _builder(fields_from_trajectories)
     from_messages = _builder(fields_from_messages)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Same dtype, shape and device, and the same bits (floats compared as their bytes)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        a, b = a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _same_value(a, b) -> bool:
+    """One field of two batches, equal bitwise (``RLBatch.equals``)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and _same_tensor(a, b)
+    if isinstance(a, SpanTable) or isinstance(b, SpanTable):
+        return (isinstance(a, SpanTable) and isinstance(b, SpanTable)
+                and all(_same_tensor(getattr(a, k), getattr(b, k)) for k in SpanTable.__slots__))
+    return type(a) is type(b) and a == b
 
 
 def _last(text: str, width: int) -> str:
