@@ -32,7 +32,7 @@ from ..ops.invariant.mode import register_module_patches
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, Modality
-from ..schema.checks import DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg
+from ..schema.checks import DeviceChecks, bool_arg, first_true, int_arg, tensor_arg, temperature_arg
 
 
 class Layout(Choice):
@@ -228,8 +228,9 @@ def _check_pixels(batch) -> None:
 
 def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:
     """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` then the LM head
-    through ``selected_logprob`` (never materialising logits). ``temperature`` > 0 divides the logits."""
-    float_arg("temperature", temperature, min=0, min_open=True)
+    through ``selected_logprob`` (never materialising logits). ``temperature`` (>=
+    ``rlk_mm.schema.checks.MIN_TEMPERATURE``) divides the logits."""
+    temperature_arg(temperature)
     hidden = forward_hidden(model, batch, layout=layout, media_embeds=media_embeds)
     head = model.get_output_embeddings()
     return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
@@ -359,9 +360,10 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     positions and media. Vision rows come from ``vision_cache`` (each unique item once);
     the prompt's keys/values are computed once per group and the group's responses are
     scored against them as one right-padded batch. Under ``batch_invariant()`` the result
-    is bitwise that of ``batch_logprobs`` on the same batch. ``temperature`` > 0 divides the logits.
+    is bitwise that of ``batch_logprobs`` on the same batch. ``temperature`` (>=
+    ``rlk_mm.schema.checks.MIN_TEMPERATURE``) divides the logits.
     """
-    float_arg("temperature", temperature, min=0, min_open=True)
+    temperature_arg(temperature)
     hidden = group_hidden(model, batch, vision_cache=vision_cache)
     targets = batch.loss_token_index()[1].to(hidden.device)
     head = model.get_output_embeddings()

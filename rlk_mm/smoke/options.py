@@ -8,7 +8,7 @@ import argparse
 
 from .. import command
 from ..command import UsageError
-from ..ops.logprob import MIN_TEMPERATURE
+from ..schema.checks import MIN_TEMPERATURE
 from .tasks import DATA_TASKS, TASKS
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
