@@ -17,7 +17,7 @@ from oracles import loss as ref
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
 from rlk_mm.ops._triton import logprob as triton_logprob
-from rlk_mm.ops.loss import AggMode
+from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable

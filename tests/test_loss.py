@@ -13,7 +13,8 @@ import torch
 
 from helpers import use_backend
 from oracles import loss as ref
-from rlk_mm.ops.loss import AggMode, agg_loss, kl_penalty, policy_loss
+from rlk_mm.ops.loss import agg_loss, kl_penalty, policy_loss
+from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
 
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32

@@ -33,7 +33,8 @@ import torch
 from ..ops import loss as _loss
 from ..ops._loss_args import dual_clip
 from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
-from ..ops.loss import AggMode, KLType, agg_loss, policy_loss
+from ..ops.loss import agg_loss, policy_loss
+from ..ops.options import AggMode, KLType
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import FLOAT_DTYPES, float_arg, tensor_arg

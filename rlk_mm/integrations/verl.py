@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..ops.loss import policy_loss
-from ..ops.rewards import Estimator, group_advantages
+from ..ops.options import Estimator
+from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import bool_arg, float_arg
 from ._args import clip_ratios, outcome_inputs, padded_inputs

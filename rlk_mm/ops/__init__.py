@@ -15,10 +15,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .invariant.mode import batch_invariant  # noqa: F401
     from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
-    from .loss import AggMode, KLType, RatioMode, agg_loss, kl_penalty, policy_loss  # noqa: F401
-    from .packing import PackedBatch, PaddingSide, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
+    from .loss import agg_loss, kl_penalty, policy_loss  # noqa: F401
+    from .options import AggMode, Backend, Estimator, KLType, PaddingSide, RatioMode, RewardPlacement  # noqa: F401
+    from .packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
     from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
-    from .rewards import Estimator, RewardPlacement, SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
+    from .rewards import SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
     from .sampling import SampleResult, group_seeds, sample, sample_from_hidden  # noqa: F401
 
 _EXPORTS = {
@@ -28,22 +29,23 @@ _EXPORTS = {
     "PolicyLossOutput": "linear_loss",
     "kl_penalty": "loss",
     "agg_loss": "loss",
-    "AggMode": "loss",
-    "KLType": "loss",
-    "RatioMode": "loss",
+    "AggMode": "options",
+    "KLType": "options",
+    "RatioMode": "options",
+    "Backend": "options",
     "scatter_rewards": "rewards",
     "group_advantages": "rewards",
     "SpanReward": "rewards",
     "overlong_penalty": "rewards",
-    "Estimator": "rewards",
-    "RewardPlacement": "rewards",
+    "Estimator": "options",
+    "RewardPlacement": "options",
     "Lagrangian": "lagrangian",
     "LagrangianAdvantages": "lagrangian",
     "lagrangian_advantages": "lagrangian",
     "pack": "packing",
     "unpack": "packing",
     "PackedBatch": "packing",
-    "PaddingSide": "packing",
+    "PaddingSide": "options",
     "pack_padded": "packing",
     "unpack_to_padded": "packing",
     "batch_invariant": "invariant.mode",

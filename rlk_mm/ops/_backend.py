@@ -10,18 +10,16 @@ import os
 
 import torch
 
-from ..schema import Choice
-
-
-class Backend(Choice):
-    AUTO = "auto"  # Triton on CUDA tensors, torch elsewhere
-    TORCH = "torch"
-    TRITON = "triton"
+from ..schema import Choice  # noqa: F401  (the base of Backend; tests/test_layout.py reads this edge)
+from .options import Backend
 
 
 def backend_name() -> Backend:
     """The backend ``RLK_MM_BACKEND`` asks for (``auto`` when unset)."""
-    return Backend.parse(os.environ.get("RLK_MM_BACKEND", "auto").strip().lower() or "auto", "RLK_MM_BACKEND")
+    name = Backend.parse(os.environ.get("RLK_MM_BACKEND", "auto").strip().lower() or "auto", "RLK_MM_BACKEND")
+    if name is Backend.FLASHINFER:
+        raise ValueError("RLK_MM_BACKEND='flashinfer': expected one of auto, torch, triton (flashinfer: sample(backend=...))")
+    return name
 
 
 def triton_interpreting() -> bool:

@@ -1,5 +1,4 @@
-"""The loss ops' arguments, checked: the option sets (``AggMode``, ``KLType``, ``RatioMode``),
-the token layout (padded ``[B, R]`` or compact ``[n]`` with ``sample_index``), the mask and
+"""The loss ops' arguments, checked: the token layout (padded ``[B, R]`` or compact ``[n]`` with ``sample_index``), the mask and
 the constant inputs (their values gathered into the call's one host sync), the
 aggregation's global counts, and the numeric knobs. Errors name the argument, and for a
 value its sample and position, and say what to change."""
@@ -13,53 +12,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..schema import Choice
 from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, float_arg, int_arg, tensor_arg
 from ._loss_terms import KLEstimator
+from .options import AggMode, KLType
 
 _F32_MAX = torch.finfo(torch.float32).max
-
-
-class AggMode(Choice):
-    """How per-token losses become a scalar (``loss_agg_mode``): verl 0.9.1's modes and EasyR1's."""
-
-    TOKEN_MEAN = "token-mean"
-    TOKEN_SUM = "token-sum"
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
-    TOKEN = "token"  # EasyR1: masked mean
-    SEQ = "seq"  # EasyR1: mean of per-sequence masked means
-
-
-class KLType(Choice):
-    """KL estimators by verl's and EasyR1's names (a trailing ``+``, e.g. ``"k3+"``, takes k2's gradient)."""
-
-    KL = "kl"
-    K1 = "k1"
-    ABS = "abs"
-    MSE = "mse"
-    K2 = "k2"
-    LOW_VAR_KL = "low_var_kl"
-    K3 = "k3"
-
-    @property
-    def estimator(self) -> KLEstimator:
-        return _KL_ESTIMATORS[self]
-
-
-_KL_ESTIMATORS = {
-    KLType.KL: KLEstimator.K1, KLType.K1: KLEstimator.K1, KLType.ABS: KLEstimator.ABS, KLType.MSE: KLEstimator.K2,
-    KLType.K2: KLEstimator.K2, KLType.LOW_VAR_KL: KLEstimator.K3, KLType.K3: KLEstimator.K3,
-}
-
-
-class RatioMode(Choice):
-    """The importance ratio of ``policy_loss``."""
-
-    TOKEN = "token"  # PPO: per token
-    GSPO_TOKEN = "gspo_token"  # GSPO's sequence ratio with each token's own gradient (verl's "gspo", EasyR1's "gspo_token")
-    GSPO = "gspo"  # GSPO with the gradient through the sequence mean (EasyR1's "gspo")
 
 
 # ----------------------------------------------------------------------------- layout and values

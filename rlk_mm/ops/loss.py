@@ -34,12 +34,13 @@ from torch import Tensor
 from ..schema.checks import FLOAT_DTYPES, DeviceChecks, float_arg, tensor_arg
 from . import _loss_terms as terms
 from ._backend import use_triton
-from ._loss_args import (  # noqa: F401  (KLType: public here)
-    Agg, AggMode, KLType, Layout, RatioMode, agg_args, check_data, checked_mask, dual_clip, f32_arg, kl_estimator,
+from ._loss_args import (
+    Agg, Layout, agg_args, check_data, checked_mask, dual_clip, f32_arg, kl_estimator,
     layout_of, like, log_ratio_bounds,
 )
 from ._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, LOG_RATIO_LIMIT, MEAN_EPS, KLEstimator, Partial
 from ._torch import loss as _torch_loss
+from .options import AggMode, KLType, RatioMode  # noqa: F401  (KLType: served here too)
 
 
 # ----------------------------------------------------------------------------- aggregation

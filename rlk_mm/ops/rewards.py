@@ -24,27 +24,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..schema import Choice, RLBatch, SchemaError, SpanTable
+from ..schema import RLBatch, SchemaError, SpanTable
 from ..schema.checks import (
     FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg,
 )
+from .options import Estimator, RewardPlacement
 
 _KEY_SHIFT = 32  # token key = sample << 32 | position: sorts like (sample, position)
-
-
-class Estimator(Choice):
-    """Group-relative advantage estimators of ``group_advantages``."""
-
-    GRPO = "grpo"  # (s - mean_g) / (std_g + eps)
-    DR_GRPO = "dr_grpo"  # s - mean_g
-    RLOO = "rloo"  # s - mean of the group's other scores
-
-
-class RewardPlacement(Choice):
-    """Where ``scatter_rewards`` puts a value over its span's loss tokens."""
-
-    LAST = "last"  # on the last loss token (verl's convention)
-    SPREAD = "spread"  # split evenly over the loss tokens (sums are kept)
 
 
 @dataclass(frozen=True)
