@@ -376,8 +376,8 @@ def _kl_cases() -> list[Case]:
             r"ref_log_probs must have shape \[3, 4\], got \(4,\)"),
         bad("log_probs int", lambda: kl_penalty(LOGP.long(), OLD), TypeError, r"log_probs must be float"),
         bad("ref_log_probs on meta", lambda: kl_penalty(LOGP, OLD.to("meta")), ValueError, r"ref_log_probs is on meta"),
-        bad("kind", lambda: kl_penalty(LOGP, OLD, "k4"), ValueError, r"kind: kl type 'k4' is unknown"),
-        bad("kind None", lambda: kl_penalty(LOGP, OLD, None), ValueError, r"kind: kl type None is unknown"),
+        bad("kl_type", lambda: kl_penalty(LOGP, OLD, "k4"), ValueError, r"kl_type: kl type 'k4' is unknown"),
+        bad("kl_type None", lambda: kl_penalty(LOGP, OLD, None), ValueError, r"kl_type: kl type None is unknown"),
         ok("k3+", lambda: kl_penalty(LOGP, OLD, "k3+"), lambda r: r.shape == LOGP.shape),
         # documented: k3 clamps; k1 propagates a non-finite difference
         ok("k3 of -inf is clamped", lambda: kl_penalty(_with(LOGP, (0, 0), -INF), OLD, "k3"), lambda r: r[0, 0] == 10.0),

@@ -31,7 +31,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..ops import loss as _loss
-from ..ops._loss_args import dual_clip
+from ..ops.loss_config import dual_clip
 from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
 from ..ops.loss import agg_loss, policy_loss
 from ..ops.options import AggMode, KLType

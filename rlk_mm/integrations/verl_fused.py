@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops._loss_args import kl_estimator
+from ..ops.loss_config import kl_estimator
 from ..ops.linear_loss import PolicyLossOutput, linear_policy_loss
 from ..ops.logprob import TargetError, selected_logprob
 from ..schema.checks import INTEGER_DTYPES, bool_arg, int_arg, tensor_arg

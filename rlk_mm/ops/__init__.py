@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
     from .loss import agg_loss, kl_penalty, policy_loss  # noqa: F401
+    from .loss_config import PolicyLoss, PolicyLossConfig  # noqa: F401
     from .options import AggMode, Backend, Estimator, KLType, PaddingSide, RatioMode, RewardPlacement  # noqa: F401
     from .packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
     from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
@@ -28,6 +29,8 @@ _EXPORTS = {
     "linear_policy_loss": "linear_loss",
     "PolicyLossOutput": "linear_loss",
     "kl_penalty": "loss",
+    "PolicyLoss": "loss_config",
+    "PolicyLossConfig": "loss_config",
     "agg_loss": "loss",
     "AggMode": "options",
     "KLType": "options",

@@ -1,7 +1,8 @@
-"""The loss ops' arguments, checked: the token layout (padded ``[B, R]`` or compact ``[n]`` with ``sample_index``), the mask and
-the constant inputs (their values gathered into the call's one host sync), the
-aggregation's global counts, and the numeric knobs. Errors name the argument, and for a
-value its sample and position, and say what to change."""
+"""The loss ops' tensor arguments, checked: the token layout (padded ``[B, R]`` or compact
+``[n]`` with ``sample_index``), the mask and the constant inputs (their values gathered into
+the call's one host sync), and a config's aggregation for a layout (``PolicyLossConfig``
+checks the knobs themselves). Errors name the argument, and for a value its sample and
+position, and say what to change."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, float_arg, int_arg, tensor_arg
-from ._loss_terms import KLEstimator
-from .options import AggMode, KLType
+from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
+from .loss_config import PolicyLossConfig
+from .options import AggMode
 
-_F32_MAX = torch.finfo(torch.float32).max
+__all__ = ["Agg", "Layout", "add_count_check", "agg_args", "check_data", "checked_mask", "layout_of", "like"]
 
 
 # ----------------------------------------------------------------------------- layout and values
@@ -141,23 +142,19 @@ def check_data(layout: Layout, checks: DeviceChecks, scored: Optional[Tensor], n
     _add_value_check(layout, checks, name, flat, bad, f"{rule} where the mask is set: fix the value, or mask the token")
 
 
-def _count_arg(name: str, value, checks: DeviceChecks):
-    """A global count: a number >= 0, or a 0-d tensor (its value checked with ``checks``)."""
-    if value is None:
-        return None
+def add_count_check(name: str, value, checks: DeviceChecks) -> None:
+    """A global count given as a 0-d tensor (``PolicyLossConfig`` checked its type): its value,
+    a finite number >= 0, goes to ``checks``."""
     if not isinstance(value, Tensor):
-        return float_arg(name, value, min=0.0)
-    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
-        raise ValueError(f"{name} must be a number or a 0-d tensor, got {value.dtype} of shape {tuple(value.shape)}")
+        return
 
     def fail():
         raise ValueError(f"{name} is {value.item()}; a count must be a finite number >= 0")
 
     checks.add(~((value >= 0) & (value < math.inf)), fail)
-    return value
 
 
-# ----------------------------------------------------------------------------- aggregation and knobs
+# ----------------------------------------------------------------------------- aggregation
 @dataclass(frozen=True)
 class Agg:
     """A checked aggregation: the mode, dp_size, the global counts and the ``-norm`` divisor."""
@@ -169,20 +166,11 @@ class Agg:
     norm: float
 
 
-def agg_args(layout: Layout, checks: DeviceChecks, mode, dp_size, batch_num_tokens, global_batch_size,
-             loss_scale_factor) -> Agg:
-    """The aggregation arguments checked (tensor counts' values go to ``checks``)."""
-    mode = AggMode.parse(mode, "loss_agg_mode")
-    dp_size = int_arg("dp_size", dp_size, min=1)
-    batch_num_tokens = _count_arg("batch_num_tokens", batch_num_tokens, checks)
-    global_batch_size = _count_arg("global_batch_size", global_batch_size, checks)
-    if loss_scale_factor is not None:
-        loss_scale_factor = float_arg("loss_scale_factor", loss_scale_factor, min=0.0, min_open=True)
-    seq_modes = (AggMode.SEQ_MEAN_TOKEN_SUM, AggMode.SEQ_MEAN_TOKEN_MEAN, AggMode.SEQ_MEAN_TOKEN_SUM_NORM)
-    if dp_size > 1 and mode is AggMode.TOKEN_MEAN and batch_num_tokens is None:
-        raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
-    if dp_size > 1 and mode in seq_modes and global_batch_size is None:
-        raise ValueError("global_batch_size is required when dp_size > 1")
+def agg_args(layout: Layout, checks: DeviceChecks, config: PolicyLossConfig) -> Agg:
+    """``config``'s aggregation for this layout (its tensor counts' values go to ``checks``)."""
+    add_count_check("batch_num_tokens", config.batch_num_tokens, checks)
+    add_count_check("global_batch_size", config.global_batch_size, checks)
+    mode, loss_scale_factor = config.loss_agg_mode, config.loss_scale_factor
     norm = 1.0
     if mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM:
         if loss_scale_factor is None and not layout.padded:
@@ -191,46 +179,4 @@ def agg_args(layout: Layout, checks: DeviceChecks, mode, dp_size, batch_num_toke
                 "(verl's default is the padded response length)"
             )
         norm = layout.row_length if loss_scale_factor is None else loss_scale_factor
-    return Agg(mode, dp_size, batch_num_tokens, global_batch_size, norm)
-
-
-def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False) -> float:
-    """A knob of the float32 math: a number within float32's range (``inf_ok``: or ±inf, no bound)."""
-    value = float_arg(name, value, min=min, finite=not inf_ok)
-    if math.isfinite(value) and abs(value) > _F32_MAX:
-        raise ValueError(f"{name}={value} is out of range: float32 math needs |{name}| <= {_F32_MAX:.7g}")
-    return value
-
-
-def dual_clip(name: str, value) -> float:
-    """The dual-clip bound ``c`` (> 1), ``inf`` for None (off)."""
-    if value is None:
-        return math.inf
-    value = f32_arg(name, value, inf_ok=True)
-    if not value > 1.0:
-        raise ValueError(f"{name}={value}: the dual-clip bound must be > 1 (or None to turn it off)")
-    return value
-
-
-def log_ratio_bounds(value) -> tuple[float, float]:
-    """``log_ratio_clamp`` as (low, high), None meaning unbounded; low <= high."""
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise TypeError(f"log_ratio_clamp must be a pair (low, high) of numbers or None, got {value!r}")
-    lo, hi = (
-        bound if v is None else f32_arg(f"log_ratio_clamp[{k}]", v, inf_ok=True)
-        for k, (v, bound) in enumerate(zip(value, (-math.inf, math.inf)))
-    )
-    if lo > hi:
-        raise ValueError(f"log_ratio_clamp=({lo}, {hi}): the lower bound must be <= the upper")
-    return lo, hi
-
-
-def kl_estimator(kind, argument: str) -> tuple[KLEstimator, bool]:
-    """(estimator, straight-through) of a ``KLType`` name, optionally with a trailing ``+``."""
-    straight = isinstance(kind, str) and kind.endswith("+")
-    try:
-        estimator = KLType(kind[:-1] if straight else kind).estimator
-    except ValueError:
-        message = f"{argument}: kl type {kind!r} is unknown; expected one of {', '.join(KLType)} (or one with a '+')"
-        raise ValueError(message) from None
-    return estimator, straight and estimator != KLEstimator.K2
+    return Agg(mode, config.dp_size, config.batch_num_tokens, config.global_batch_size, norm)

@@ -25,19 +25,21 @@ from ..schema import RLBatch
 from ..schema.checks import tensor_arg
 from . import logprob as _logprob
 from ._backend import use_triton
-from ._loss_terms import LOG_RATIO_LIMIT, Partial, num_blocks
-from .loss import (
-    _OP_TENSORS, RatioMode, _checked_policy, _mask_f32, _policy_loss_partials, _policy_loss_partials_backward,
-    policy_loss,
+from ._loss_terms import Partial, num_blocks
+from ._policy_op import (
+    OP_TENSORS, PER_TOKEN, checked_policy, mask_f32, policy_loss_partials, policy_loss_partials_backward,
 )
+from .loss import policy_loss
+from .loss_config import PolicyLossConfig, policy_loss_config
+from .options import PaddingSide, RatioMode
 
-#: the constant inputs of ``policy_loss``'s op (``_OP_TENSORS``) that are per token; the rest are per sequence
-_PER_TOKEN = ("old_log_probs", "advantages", "mask", "sample_index", "rollout_weights", "ref_log_probs")
+__all__ = ["PolicyLossOutput", "linear_policy_loss"]
 
 
 class PolicyLossOutput(NamedTuple):
-    """``linear_policy_loss``'s result: ``policy_loss``'s ``(loss, metrics)`` and the scored
-    tokens' fp32 log-probs and entropies (detached, in scored-row order) for logging."""
+    """``linear_policy_loss``'s result: ``policy_loss``'s ``PolicyLoss(loss, metrics)`` fields
+    first, then the scored tokens' fp32 log-probs and entropies (detached, in scored-row
+    order) for logging. ``loss, metrics, log_probs, entropy = linear_policy_loss(...)``."""
 
     loss: Tensor
     metrics: dict[str, Tensor]
@@ -54,30 +56,19 @@ def linear_policy_loss(
     advantages: Tensor,
     index: Optional[Tensor] = None,
     targets: Optional[Tensor] = None,
-    padding: Optional[str] = None,
+    padding: PaddingSide | str | None = None,
     temperature: float = 1.0,
     bias: Optional[Tensor] = None,
     mask: Optional[Tensor] = None,
     sample_index: Optional[Tensor] = None,
     num_samples: Optional[int] = None,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: Optional[float] = 3.0,
-    ratio: str = "token",
-    log_ratio_clamp: tuple[Optional[float], Optional[float]] = (-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT),
     rollout_is_weights: Optional[Tensor] = None,
     ref_log_probs: Optional[Tensor] = None,
-    kl_type: str = "low_var_kl",
-    kl_coef: float = 0.0,
-    entropy_coeff: float = 0.0,
-    loss_agg_mode: str = "token-mean",
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    loss_scale_factor=None,
     tp_group=None,
     vocab_start_index: Optional[int] = None,
     gather_weight: bool = False,
+    config: Optional[PolicyLossConfig] = None,
+    **knobs,
 ) -> PolicyLossOutput:
     """``policy_loss(selected_logprob(hidden, weight, ...), old_log_probs, advantages, ...)``
     in one op: ``(loss, metrics, log_probs, entropy)``.
@@ -87,8 +78,11 @@ def linear_policy_loss(
     ``temperature`` and ``bias``. The per-token inputs (``old_log_probs``, ``advantages``,
     ``mask``, ``rollout_is_weights``, ``ref_log_probs``) are compact ``[n]`` in the same
     scored-row order; their samples are ``batch.loss_token_sample()`` with a batch, else
-    ``sample_index`` and ``num_samples`` (as ``policy_loss``'s compact layout). Every other
-    knob is ``policy_loss``'s, with the same checks and errors. The entropy is always
+    ``sample_index`` and ``num_samples`` (as ``policy_loss``'s compact layout). The loss knobs
+    are ``policy_loss``'s: ``config=PolicyLossConfig(...)`` or its fields as keywords (see
+    ``PolicyLossConfig``: clips, ``ratio``, ``log_ratio_clamp``, ``kl_type``, ``kl_coef``,
+    ``entropy_coeff``, ``loss_agg_mode``, ``dp_size`` and the counts), with the same checks
+    and errors. The entropy is always
     computed (it costs no extra product): ``metrics`` has ``entropy_loss``, and
     ``entropy_coeff > 0`` adds the bonus.
 
@@ -111,6 +105,7 @@ def linear_policy_loss(
     inputs and getting the same loss; d hidden is summed over the group in rank order, each
     rank gets its shard's d weight. One collective per chunk of rows in the forward.
     """
+    config = policy_loss_config(config, knobs, "linear_policy_loss")
     rows, tgts = _logprob.scored_rows(hidden, batch, index, targets, padding)
     temperature = _logprob._temperature(temperature)
     weight, bias, tp_group = _logprob.sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
@@ -135,14 +130,9 @@ def linear_policy_loss(
     flat = hidden.flatten(0, -2)
     if tp_group is None:
         _logprob._check(flat, weight, rows, tgts, bias, temperature)
-    knobs = dict(
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c, ratio=ratio,
-        log_ratio_clamp=log_ratio_clamp, rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs,
-        kl_type=kl_type, kl_coef=kl_coef, entropy_coeff=entropy_coeff, loss_agg_mode=loss_agg_mode, dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
-    )
-    policy = _checked_policy("old_log_probs", old_log_probs, old_log_probs, advantages, mask, sample_index=sample_index,
-                             num_samples=num_samples, entropy=True, **knobs)
+    constants = dict(rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs)
+    policy = checked_policy("old_log_probs", old_log_probs, old_log_probs, advantages, mask, sample_index=sample_index,
+                            num_samples=num_samples, entropy=True, config=config, **constants)
     grad_on = torch.is_grad_enabled()
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
@@ -161,19 +151,19 @@ def linear_policy_loss(
             flat, weight, index=rows, targets=tgts, bias=bias, temperature=temperature, return_entropy=True,
             tp_group=tp_group, vocab_start_index=vocab_start_index)
         loss, metrics = policy_loss(logp, logp.detach() if on_policy else old_log_probs, advantages, mask,
-                                    sample_index=sample_index,
-                                    num_samples=num_samples, entropy=entropy, **knobs)
+                                    sample_index=sample_index, num_samples=num_samples, entropy=entropy,
+                                    config=config, **constants)
         return PolicyLossOutput(loss, metrics, logp.detach(), entropy.detach())
 
-    grad_rows = policy.grad_rows(_mask_f32(policy.mask, n, hidden.device).sum())
-    per_token = [name in _PER_TOKEN for name in _OP_TENSORS]
+    grad_rows = policy.grad_rows(mask_f32(policy.mask, n, hidden.device).sum())
+    per_token = [name in PER_TOKEN for name in OP_TENSORS]
 
     def upstream(start: int, end: int, logp: Tensor, entropy: Tensor):
         tensors = [t[start:end] if sliced and t is not None else t for t, sliced in zip(policy.tensors, per_token)]
         if on_policy:
             tensors[0].copy_(logp)  # a view of policy.tensors[0]
         grad_partials = grad_rows[:, None].expand(len(Partial), num_blocks(end - start))
-        g, ge = _policy_loss_partials_backward(grad_partials, logp, entropy, tensors, policy.floats, policy.ints)
+        g, ge = policy_loss_partials_backward(grad_partials, logp, entropy, tensors, policy.floats, policy.ints)
         return g, (ge if policy.entropy_coeff else None)
 
     with torch.no_grad():  # the gradients are formed here, not traced
@@ -196,7 +186,7 @@ def linear_policy_loss(
                 flat_c, weight_c, rows, tgts, bias, temperature, upstream, *need)
         if on_policy:  # (also without gradients, where upstream never ran)
             policy.tensors[0].copy_(logp)
-        loss, metrics = policy.losses(_policy_loss_partials(logp, entropy, policy.tensors, policy.floats, policy.ints))
+        loss, metrics = policy.losses(policy_loss_partials(logp, entropy, policy.tensors, policy.floats, policy.ints))
     if any(need):
         grads = (
             None if d_hidden is None else d_hidden.to(hidden.dtype).view(hidden.shape),

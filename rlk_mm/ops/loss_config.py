@@ -1,0 +1,197 @@
+"""``PolicyLossConfig``: the knobs of the policy loss, typed and checked once; ``PolicyLoss``: its result.
+
+``policy_loss`` and ``linear_policy_loss`` take ``config=PolicyLossConfig(...)``; their keyword
+knobs (``clip_ratio_low=0.28, ...``) are sugar that builds one. A config is frozen and
+checked when built, so one made from a trainer's settings can be reused call after call;
+``dataclasses.replace(config, kl_coef=0.01)`` gives a checked copy with one knob changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..schema.checks import float_arg, int_arg
+from ._loss_terms import LOG_RATIO_LIMIT, KLEstimator
+from .options import AggMode, KLType, RatioMode
+
+__all__ = ["PolicyLoss", "PolicyLossConfig", "SEQ_MODES", "dual_clip", "f32_arg", "kl_estimator", "log_ratio_bounds",
+           "policy_loss_config"]
+
+_F32_MAX = torch.finfo(torch.float32).max
+#: the aggregation modes that average over sequences (their counts: ``global_batch_size``)
+SEQ_MODES = (AggMode.SEQ_MEAN_TOKEN_SUM, AggMode.SEQ_MEAN_TOKEN_MEAN, AggMode.SEQ_MEAN_TOKEN_SUM_NORM)
+
+
+class PolicyLoss(NamedTuple):
+    """``policy_loss``'s result: the float32 scalar loss and its metrics (0-d float32 tensors,
+    named as verl names them)."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """The knobs of ``policy_loss`` and ``linear_policy_loss``, checked when built.
+
+    Fields (defaults are verl's vanilla PPO):
+
+    - ``clip_ratio_low``: the PPO clip's lower side, ``r >= 1 - clip_ratio_low``; in [0, 1].
+    - ``clip_ratio_high``: the PPO clip's upper side, ``r <= 1 + clip_ratio_high``; >= 0 (inf: no bound).
+    - ``clip_ratio_c``: the dual-clip bound for negative advantages, > 1; None turns it off.
+    - ``ratio``: the importance ratio, a ``RatioMode`` (``"token"``, ``"gspo_token"``, ``"gspo"``).
+    - ``log_ratio_clamp``: (low, high) bounds of the log-ratio before ``exp``; None for no bound (kept as ±inf).
+    - ``kl_type``: the KL estimator, a ``KLType`` (a trailing ``+``, e.g. ``"k3+"``: k2's gradient).
+    - ``kl_coef``: the KL term's weight, >= 0 (0: no KL term; > 0 needs ``ref_log_probs``).
+    - ``entropy_coeff``: the entropy bonus's weight, >= 0 (> 0 needs the entropy).
+    - ``loss_agg_mode``: how per-token losses become a scalar, an ``AggMode``.
+    - ``dp_size``: data-parallel ranks the global counts span, >= 1.
+    - ``batch_num_tokens``: the global token count of ``token-mean`` (None: this batch's mask sum);
+      a number >= 0 or a 0-d tensor (its value checked in the op's one host sync).
+    - ``global_batch_size``: the global sequence count of the seq modes (None: this batch's
+      sequences with a token); a number >= 0 or a 0-d tensor.
+    - ``loss_scale_factor``: ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
+
+    Strings are parsed to the enum members, numbers to floats (ints for ``dp_size``); a bad
+    value raises an error naming the field.
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = 3.0
+    ratio: RatioMode | str = RatioMode.TOKEN
+    log_ratio_clamp: tuple[Optional[float], Optional[float]] = (-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    kl_type: KLType | str = KLType.LOW_VAR_KL
+    kl_coef: float = 0.0
+    entropy_coeff: float = 0.0
+    loss_agg_mode: AggMode | str = AggMode.TOKEN_MEAN
+    dp_size: int = 1
+    batch_num_tokens: float | Tensor | None = None
+    global_batch_size: float | Tensor | None = None
+    loss_scale_factor: Optional[float] = None
+
+    def __post_init__(self):
+        checked = dict(
+            ratio=RatioMode.parse(self.ratio, "ratio"),
+            clip_ratio_low=float_arg("clip_ratio_low", self.clip_ratio_low, min=0.0, max=1.0),
+            clip_ratio_high=f32_arg("clip_ratio_high", self.clip_ratio_high, min=0.0, inf_ok=True),
+            clip_ratio_c=None if self.clip_ratio_c is None else dual_clip("clip_ratio_c", self.clip_ratio_c),
+            log_ratio_clamp=log_ratio_bounds(self.log_ratio_clamp),
+            kl_coef=f32_arg("kl_coef", self.kl_coef, min=0.0),
+            entropy_coeff=f32_arg("entropy_coeff", self.entropy_coeff, min=0.0),
+            kl_type=_kl_type(self.kl_type),
+            loss_agg_mode=AggMode.parse(self.loss_agg_mode, "loss_agg_mode"),
+            dp_size=int_arg("dp_size", self.dp_size, min=1),
+            batch_num_tokens=_count_arg("batch_num_tokens", self.batch_num_tokens),
+            global_batch_size=_count_arg("global_batch_size", self.global_batch_size),
+            loss_scale_factor=None if self.loss_scale_factor is None else float_arg(
+                "loss_scale_factor", self.loss_scale_factor, min=0.0, min_open=True),
+        )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        mode, dp_size = self.loss_agg_mode, self.dp_size
+        if dp_size > 1 and mode is AggMode.TOKEN_MEAN and self.batch_num_tokens is None:
+            raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
+        if dp_size > 1 and mode in SEQ_MODES and self.global_batch_size is None:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+
+    @property
+    def kl_estimator(self) -> tuple[KLEstimator, bool]:
+        """(the estimator the kernels compute, straight-through) of ``kl_type``."""
+        return kl_estimator(self.kl_type, "kl_type")
+
+    @property
+    def dual_clip_bound(self) -> float:
+        """``clip_ratio_c`` as the kernels take it: ``inf`` when off."""
+        return math.inf if self.clip_ratio_c is None else self.clip_ratio_c
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+
+
+def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str) -> PolicyLossConfig:
+    """The config of a call: ``config``, or one built from the keyword ``knobs`` (not both)."""
+    if config is None:
+        unknown = sorted(set(knobs) - set(_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"{op}() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the loss knobs are "
+                f"PolicyLossConfig's fields: {', '.join(_FIELDS)}"
+            )
+        return PolicyLossConfig(**knobs)
+    if not isinstance(config, PolicyLossConfig):
+        raise TypeError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    if knobs:
+        raise TypeError(
+            f"{op}: pass the loss knobs either as config= or as keywords, not both (got config= and "
+            f"{', '.join(sorted(knobs))}); dataclasses.replace(config, ...) changes a config's knobs"
+        )
+    return config
+
+
+# ----------------------------------------------------------------------------- the knobs' checks
+def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False) -> float:
+    """A knob of the float32 math: a number within float32's range (``inf_ok``: or ±inf, no bound)."""
+    value = float_arg(name, value, min=min, finite=not inf_ok)
+    if math.isfinite(value) and abs(value) > _F32_MAX:
+        raise ValueError(f"{name}={value} is out of range: float32 math needs |{name}| <= {_F32_MAX:.7g}")
+    return value
+
+
+def dual_clip(name: str, value) -> float:
+    """The dual-clip bound ``c`` (> 1), ``inf`` for None (off)."""
+    if value is None:
+        return math.inf
+    value = f32_arg(name, value, inf_ok=True)
+    if not value > 1.0:
+        raise ValueError(f"{name}={value}: the dual-clip bound must be > 1 (or None to turn it off)")
+    return value
+
+
+def log_ratio_bounds(value) -> tuple[float, float]:
+    """``log_ratio_clamp`` as (low, high), None meaning unbounded; low <= high."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"log_ratio_clamp must be a pair (low, high) of numbers or None, got {value!r}")
+    lo, hi = (
+        bound if v is None else f32_arg(f"log_ratio_clamp[{k}]", v, inf_ok=True)
+        for k, (v, bound) in enumerate(zip(value, (-math.inf, math.inf)))
+    )
+    if lo > hi:
+        raise ValueError(f"log_ratio_clamp=({lo}, {hi}): the lower bound must be <= the upper")
+    return lo, hi
+
+
+def kl_estimator(kl_type, argument: str) -> tuple[KLEstimator, bool]:
+    """(estimator, straight-through) of a ``KLType`` name, optionally with a trailing ``+``."""
+    straight = isinstance(kl_type, str) and kl_type.endswith("+")
+    try:
+        estimator = KLType(kl_type[:-1] if straight else kl_type).estimator
+    except ValueError:
+        message = f"{argument}: kl type {kl_type!r} is unknown; expected one of {', '.join(KLType)} (or one with a '+')"
+        raise ValueError(message) from None
+    return estimator, straight and estimator != KLEstimator.K2
+
+
+def _kl_type(value) -> KLType | str:
+    """``value`` checked: its ``KLType`` member, or the name with its ``+`` (a str) for straight-through."""
+    kl_estimator(value, "kl_type")
+    straight = value.endswith("+")
+    return f"{KLType(value[:-1]).value}+" if straight else KLType(value)
+
+
+def _count_arg(name: str, value):
+    """A global count: None, a number >= 0 (as a float) or a 0-d real tensor (its value is
+    checked by the op, in its one host sync)."""
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
+        return float_arg(name, value, min=0.0)
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        raise ValueError(f"{name} must be a number or a 0-d tensor, got {value.dtype} of shape {tuple(value.shape)}")
+    return value
