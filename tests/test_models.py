@@ -1,14 +1,19 @@
-"""The Qwen2.5-VL runners' arguments (rlk_mm.models.qwen2_5_vl): the one temperature rule of
-every op and runner (schema.checks.temperature_arg)."""
+"""The Qwen2.5-VL runners' arguments (rlk_mm.models.qwen2_5_vl): one padding argument
+(``padding=None`` packed, ``"left"``/``"right"``, ``rlk_mm.schema.PaddingSide``; the old
+``layout=`` warns and still works) and the one temperature rule of every op and runner
+(schema.checks.temperature_arg)."""
 
 import math
+import warnings
 
 import pytest
 import torch
 
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text
-from rlk_mm.models.qwen2_5_vl import batch_logprobs, group_logprobs
+from rlk_mm import models
+from rlk_mm.models.qwen2_5_vl import batch_logprobs, forward_hidden, group_logprobs, layout_inputs
+from rlk_mm.schema import PaddingSide
 from rlk_mm.schema.checks import MIN_TEMPERATURE
 
 IM_END = 151645
@@ -39,3 +44,66 @@ def test_the_smallest_temperature_runs(tiny_model, batch):
     with torch.no_grad():
         logp = batch_logprobs(tiny_model, batch, temperature=MIN_TEMPERATURE)
     assert logp.shape == (int(batch.loss_spans.token_counts().sum()),) and bool((logp <= 0).all())
+
+
+# ----------------------------------------------------------------------------- padding
+def _same_inputs(a, b):
+    assert a[0].keys() == b[0].keys() and torch.equal(a[1], b[1])
+    for key, value in a[0].items():
+        assert (value is None and b[0][key] is None) or torch.equal(value, b[0][key]), key
+
+
+@pytest.mark.parametrize("padding", [None, "left", "right", PaddingSide.LEFT, PaddingSide.RIGHT])
+def test_layout_inputs_padding(batch, padding):
+    inputs, rows = layout_inputs(batch, padding, 7)
+    if padding is None:
+        assert inputs["input_ids"].shape == (1, batch.num_tokens) and inputs["attention_mask"] is None
+        assert torch.equal(rows, torch.arange(batch.num_tokens))
+    else:
+        width = int(batch.seq_lengths().max())
+        assert inputs["input_ids"].shape == (2, width)
+        ids = inputs["input_ids"].flatten()
+        assert torch.equal(ids[rows], batch.input_ids)
+        short = int(torch.argmin(batch.seq_lengths()))
+        pad_at = 0 if PaddingSide(padding) is PaddingSide.LEFT else width - 1
+        assert int(inputs["input_ids"][short, pad_at]) == 7 and int(inputs["attention_mask"][short, pad_at]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new keyword never warns
+        layout_inputs(batch, padding=padding)
+
+
+@pytest.mark.parametrize("old,new", [("packed", None), ("left", "left"), ("right", "right")])
+def test_the_old_layout_keyword_warns_and_gives_the_same_result(tiny_model, batch, old, new):
+    with pytest.warns(DeprecationWarning, match=r"layout_inputs\(layout=\.\.\.\) is deprecated.*use padding="):
+        _same_inputs(layout_inputs(batch, layout=old), layout_inputs(batch, new))
+    with torch.no_grad():
+        want = forward_hidden(tiny_model, batch, padding=new)
+        with pytest.warns(DeprecationWarning, match=r"forward_hidden\(layout=\.\.\.\) is deprecated"):
+            assert torch.equal(forward_hidden(tiny_model, batch, layout=old), want)
+        want = batch_logprobs(tiny_model, batch, padding=new)
+        with pytest.warns(DeprecationWarning, match=r"batch_logprobs\(layout=\.\.\.\) is deprecated"):
+            assert torch.equal(batch_logprobs(tiny_model, batch, layout=old), want)
+    with pytest.warns(DeprecationWarning, match=r"padding='packed'\) is deprecated.*padding=None is the packed layout"):
+        _same_inputs(layout_inputs(batch, "packed"), layout_inputs(batch))  # the old positional form
+
+
+def test_bad_padding_names_the_argument_and_the_choices(tiny_model, batch):
+    with pytest.raises(ValueError, match=r"padding='middle': expected None \(packed: one row, no padding\), 'left' or 'right'"):
+        layout_inputs(batch, "middle")
+    with pytest.raises(ValueError, match=r"padding='up'"):
+        forward_hidden(tiny_model, batch, padding="up")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"layout='packd': expected 'packed', 'right' or 'left'"):
+        forward_hidden(tiny_model, batch, layout="packd")
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"give padding= only"):
+        batch_logprobs(tiny_model, batch, padding="left", layout="left")
+
+
+def test_the_layout_enum_is_gone_with_a_warning():
+    with pytest.warns(DeprecationWarning, match=r"rlk_mm\.models\.Layout is deprecated.*padding=None"):
+        layout = models.Layout
+    with pytest.warns(DeprecationWarning, match=r"qwen2_5_vl\.Layout is deprecated"):
+        assert models.qwen2_5_vl.Layout is layout
+    assert layout.PACKED == "packed" and layout.LEFT == "left" and layout.RIGHT == "right"
+    assert "Layout" not in models.__all__ and "Layout" not in models.qwen2_5_vl.__all__
+    with pytest.raises(AttributeError):
+        models.qwen2_5_vl.Layouts

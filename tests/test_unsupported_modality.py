@@ -104,7 +104,7 @@ def _loss(batch):
 
 
 REFUSED = {
-    "models.layout_inputs": lambda b, model, tmp: models.layout_inputs(b, "packed"),
+    "models.layout_inputs": lambda b, model, tmp: models.layout_inputs(b),
     "models.forward_hidden": lambda b, model, tmp: models.forward_hidden(model, b),
     "models.batch_logprobs": lambda b, model, tmp: models.batch_logprobs(model, b),
     "models.VisionCache.__call__": lambda b, model, tmp: models.VisionCache(model)(b),

@@ -2,10 +2,12 @@
 ``VisionCache`` and GRPO group scoring.
 
 - ``layout_inputs`` / ``forward_hidden`` / ``batch_logprobs``: the batch's tokens as a
-  transformers Qwen2.5-VL forward takes them (packed, right- or left-padded), its last
-  hidden states back in packed token order, and the loss tokens' log-probs through
-  ``selected_logprob`` (no logits).
-- ``VisionCache``: each unique ``media_cache_key`` through the vision tower once.
+  transformers Qwen2.5-VL forward takes them (``padding=None``: packed in one row;
+  ``"left"``/``"right"``: padded, ``rlk_mm.schema.PaddingSide``), its last hidden states
+  back in packed token order, and the loss tokens' log-probs through ``selected_logprob``
+  (no logits).
+- ``VisionCache`` (``vision_cache``): each unique ``media_cache_key`` through the vision
+  tower once.
 - ``group_logprobs``: a GRPO group's shared prompt (images included) prefilled once.
 - The module patches ``batch_invariant()`` applies to Qwen2.5-VL's classes (registered
   on import): its RMSNorm, vision attention (one segment attention over all windows) and
@@ -22,25 +24,69 @@ any forward (``check_inputs``: one host sync, for the token-id range). Non-finit
 from __future__ import annotations
 
 import sys
+import warnings
+from typing import Optional
 
 import torch
 
-from ..schema.batch import batch_arg
+from ..schema.batch import PaddingSide, batch_arg
 from ..ops.invariant.attention import varlen_attention
 from ..ops.invariant.matmul import shared_input_patch
 from ..ops.invariant.mode import register_module_patches
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
-from ..schema import Choice, Modality
-from ..schema.checks import DeviceChecks, bool_arg, first_true, int_arg, tensor_arg, temperature_arg
+from ..schema import Choice
+from ..schema.checks import DeviceChecks, first_true, int_arg, tensor_arg, temperature_arg
+from .vision_cache import VisionCache, check_model, check_pixels
+
+__all__ = [
+    "VisionCache", "batch_logprobs", "check_inputs", "check_model", "forward_hidden", "group_hidden", "group_logprobs",
+    "layout_inputs", "padding_arg", "prompt_lengths",
+]
+
+_NOT_GIVEN = object()  # the deprecated ``layout=`` keyword was not passed
 
 
-class Layout(Choice):
-    """How ``layout_inputs`` lays a batch out for the model."""
+def padding_arg(padding, layout=_NOT_GIVEN, *, where: str) -> Optional[PaddingSide]:
+    """The layout a runner was asked for: None (packed: one row ``[1, T]``, no padding) or the
+    ``PaddingSide`` of a padded ``[B, L]`` layout. ``layout`` is the keyword of the previous
+    release (``"packed"``, ``"right"``, ``"left"``): it still works, with a
+    ``DeprecationWarning`` naming ``padding=``; so does ``padding="packed"``. ``where`` names
+    the caller in messages."""
+    if layout is not _NOT_GIVEN:
+        warnings.warn(f"{where}(layout=...) is deprecated and will be removed in the next release: use padding= "
+                      "(None for the packed layout, 'left' or 'right' for a padded one)", DeprecationWarning, stacklevel=3)
+        if padding is not None:
+            raise TypeError(f"{where}: give padding= only (layout= is its deprecated name), not both")
+        if isinstance(layout, str) and layout in ("packed", "left", "right"):
+            return None if layout == "packed" else PaddingSide(layout)
+        raise ValueError(f"layout={layout!r}: expected 'packed', 'right' or 'left' (layout= is deprecated: pass padding=None "
+                         "for packed, or 'left' / 'right')")
+    if padding is None:
+        return None
+    if isinstance(padding, str) and padding == "packed":
+        warnings.warn(f"{where}(padding='packed') is deprecated and will be removed in the next release: padding=None is "
+                      "the packed layout", DeprecationWarning, stacklevel=3)
+        return None
+    try:
+        return PaddingSide(padding)
+    except ValueError:
+        raise ValueError(f"padding={padding!r}: expected None (packed: one row, no padding), 'left' or 'right'") from None
 
-    PACKED = "packed"  # one row [1, T], per-sample text positions first (transformers' packed form)
-    RIGHT = "right"  # [B, L], right-padded
-    LEFT = "left"  # [B, L], left-padded
+
+_LEGACY: dict = {}
+
+
+def __getattr__(name: str):
+    """``Layout`` (packed/right/left) was this module's padding enum; ``padding=`` and
+    ``rlk_mm.schema.PaddingSide`` replace it (None is packed)."""
+    if name == "Layout":
+        warnings.warn("rlk_mm.models.qwen2_5_vl.Layout is deprecated and will be removed in the next release: pass "
+                      "padding=None (packed), 'left' or 'right' (rlk_mm.schema.PaddingSide)", DeprecationWarning, stacklevel=2)
+        if name not in _LEGACY:
+            _LEGACY[name] = Choice("Layout", [("PACKED", "packed"), ("RIGHT", "right"), ("LEFT", "left")], module=__name__)
+        return _LEGACY[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- batch-invariant module patches
@@ -77,28 +123,29 @@ register_module_patches(_module_patches)
 
 
 # --------------------------------------------------------------------------- running the model on an RLBatch
-def layout_inputs(batch, layout: str, pad_token_id: int = 0) -> tuple[dict, torch.Tensor]:
+def layout_inputs(batch, padding: Optional[str] = None, pad_token_id: int = 0, *, layout=_NOT_GIVEN) -> tuple[dict, torch.Tensor]:
     """A Qwen2.5-VL model's token inputs for ``batch`` in one layout, and each token's row.
 
-    ``packed``: one row ``[1, T]`` with 4-row position ids (per-sample text positions first,
-    which is how transformers recognises packed sequences); ``right`` / ``left``: ``[B, L]``
-    padded with ``pad_token_id`` and an attention mask. ``rows`` (int64 [T]) is each packed
-    token's row in the output flattened to ``[-1, H]``.
+    ``padding=None``: packed, one row ``[1, T]`` with 4-row position ids (per-sample text
+    positions first, which is how transformers recognises packed sequences); ``"right"`` /
+    ``"left"``: ``[B, L]`` padded with ``pad_token_id`` and an attention mask. ``rows``
+    (int64 [T]) is each packed token's row in the output flattened to ``[-1, H]``.
+    ``layout=`` is ``padding``'s deprecated name.
     """
     batch_arg("batch", batch)
-    layout = Layout.parse(layout, "layout")
+    padding = padding_arg(padding, layout, where="layout_inputs")
     pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
     device = batch.input_ids.device
     lengths = batch.seq_lengths().to(device)
     starts = batch.cu_seqlens.long().to(device)[:-1]
     sample = torch.repeat_interleave(torch.arange(batch.num_samples, device=device), lengths)
     pos = torch.arange(batch.num_tokens, device=device) - starts[sample]
-    if layout is Layout.PACKED:
+    if padding is None:
         position_ids = torch.cat([pos[None], batch.position_ids], 0)[:, None, :]
         inputs = dict(input_ids=batch.input_ids[None], position_ids=position_ids, attention_mask=None)
         return inputs, torch.arange(batch.num_tokens, device=device)
     width = int(lengths.max()) if batch.num_samples else 0
-    shift = (width - lengths)[sample] if layout is Layout.LEFT else 0
+    shift = (width - lengths)[sample] if padding is PaddingSide.LEFT else 0
     rows = sample * width + pos + shift
     n = batch.num_samples * width
     ids = torch.full((n,), pad_token_id, dtype=torch.int64, device=device)
@@ -128,8 +175,11 @@ def _media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rows, item[keep], (pos - table.starts.long()[span])[keep]
 
 
-def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -> torch.Tensor:
+def forward_hidden(model, batch, *, padding: Optional[str] = None, media_embeds=None, layout=_NOT_GIVEN) -> torch.Tensor:
     """Last hidden states ``[T, H]`` (packed token order) of a transformers Qwen2.5-VL model.
+
+    ``padding``: the layout the model runs on, None (packed in one row, the default) or
+    ``"left"``/``"right"`` (padded ``[B, L]``); ``layout=`` is its deprecated name.
 
     Without ``media_embeds`` the model's own forward runs the vision tower on the batch's
     pixels. With ``media_embeds`` (a ``VisionCache``'s output: every media item's vision
@@ -138,12 +188,12 @@ def forward_hidden(model, batch, *, layout: str = "packed", media_embeds=None) -
     the language model runs. A batch on another device than the model is moved to it.
     """
     check_model(model)
-    layout = Layout.parse(layout, "layout")
+    padding = padding_arg(padding, layout, where="forward_hidden")
     device = model.get_input_embeddings().weight.device
     if batch_arg("batch", batch).device != device:
         batch = batch.to(device)
     check_inputs(model, batch, media_embeds)
-    inputs, rows = layout_inputs(batch, layout, getattr(model.config.text_config, "pad_token_id", None) or 0)
+    inputs, rows = layout_inputs(batch, padding, getattr(model.config.text_config, "pad_token_id", None) or 0)
     backbone = model.model
     if media_embeds is None:
         out = backbone(**inputs, **_media_inputs(batch), use_cache=False)
@@ -167,14 +217,6 @@ def _fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torc
     return embeds.index_put((rows.to(embeds.device),), media_embeds[src.to(media_embeds.device)].to(embeds.device, embeds.dtype))
 
 
-def check_model(model) -> None:
-    """``model`` must be a transformers Qwen2.5-VL (what these runners drive)."""
-    inner = getattr(model, "model", None)
-    if not (isinstance(model, torch.nn.Module) and hasattr(inner, "language_model") and hasattr(inner, "visual")
-            and callable(getattr(model, "get_output_embeddings", None))):
-        raise TypeError(f"model must be a transformers Qwen2.5-VL model (Qwen2_5_VLForConditionalGeneration), got {type(model).__name__}")
-
-
 def check_inputs(model, batch, media_embeds=None) -> None:
     """The batch against the model, and ``media_embeds`` (None: the batch's pixels feed the
     vision tower) against both, before any forward. One host sync: token ids within the
@@ -187,7 +229,7 @@ def check_inputs(model, batch, media_embeds=None) -> None:
             raise ValueError(f"batch.{name}={have} but the model's {name} is {want}: build the batch with this model's processor")
     checks = DeviceChecks()
     if media_embeds is None:
-        _check_pixels(batch)
+        check_pixels(batch)
     else:
         width = model.get_input_embeddings().embedding_dim
         media_embeds = tensor_arg("media_embeds", media_embeds)
@@ -216,142 +258,19 @@ def _raise_token(batch, outside: torch.Tensor, vocab: int):
                      f"the model's vocabulary of {vocab} tokens: build the batch with this model's processor")
 
 
-def _check_pixels(batch) -> None:
-    """Every media item has its vision-tower input rows in the batch."""
-    images = 0 if batch.image_grid_thw is None else batch.image_grid_thw.shape[0]
-    videos = 0 if batch.video_grid_thw is None else batch.video_grid_thw.shape[0]
-    for kind, first, count, pixels in (("image", 0, images, batch.pixel_values), ("video", images, videos, batch.pixel_values_videos)):
-        if count and pixels is None:
-            raise ValueError(f"media item {first} ({kind}) has no pixel values in the batch: keep the processor's pixel values "
-                             "in the batch, or pass media_embeds (a VisionCache's rows) to forward_hidden / batch_logprobs")
-
-
-def batch_logprobs(model, batch, *, layout: str = "packed", media_embeds=None, temperature: float = 1.0) -> torch.Tensor:
-    """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` then the LM head
-    through ``selected_logprob`` (never materialising logits). ``temperature`` (>=
-    ``rlk_mm.schema.checks.MIN_TEMPERATURE``) divides the logits."""
+def batch_logprobs(model, batch, *, padding: Optional[str] = None, media_embeds=None, temperature: float = 1.0,
+                   layout=_NOT_GIVEN) -> torch.Tensor:
+    """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` (``padding``:
+    None packed, or ``"left"``/``"right"``; ``layout=`` is its deprecated name) then the LM
+    head through ``selected_logprob`` (never materialising logits). ``temperature``
+    (>= ``rlk_mm.schema.checks.MIN_TEMPERATURE``) divides the logits."""
     temperature_arg(temperature)
-    hidden = forward_hidden(model, batch, layout=layout, media_embeds=media_embeds)
+    hidden = forward_hidden(model, batch, padding=padding_arg(padding, layout, where="batch_logprobs"), media_embeds=media_embeds)
     head = model.get_output_embeddings()
     return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
 
 
-# --------------------------------------------------------------------------- media-prefix cache and group scoring
-class _GatherRows(torch.autograd.Function):
-    """``table[index]`` whose backward sums each table row's users in a fixed (item) order."""
-
-    @staticmethod
-    def forward(ctx, table, index, ranks):
-        ctx.ranks, ctx.rows = ranks, table.shape[0]
-        return table.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
-        for dst, src in ctx.ranks:  # rank r: the r-th user of every shared row; dst rows distinct
-            out[dst] += grad[src]
-        return out, None, None
-
-
-class VisionCache:
-    """Vision-tower rows of media items by ``media_cache_key``: each unique item runs once.
-
-    ``cache(batch)`` returns every media item's rows, items in batch order, concatenated
-    (the ``media_embeds`` of ``forward_hidden``). Items sharing a key (a GRPO
-    group's image) go through the tower once and are gathered to each user; the backward
-    of that gather sums the users' gradients in item order (no atomics). With
-    ``keep=True`` rows also stay cached across calls until ``clear()`` (no-grad use, e.g.
-    old/reference log-probs of one step that see the same images).
-
-    Items sharing a key must have one grid, modality and pixel values (checked, one host
-    sync); a key kept from an earlier call must come with the grid it had then (its pixels
-    are not kept: keys that are not content hashes need ``clear()`` between batches).
-    """
-
-    def __init__(self, model, *, keep: bool = False):
-        check_model(model)
-        self.model = model
-        self.keep = bool_arg("keep", keep)
-        self._kept: dict[str, torch.Tensor] = {}
-        self._kept_grid: dict[str, tuple[list[int], int]] = {}  # the (grid, modality) each kept key had
-        self.items_requested = 0
-        self.items_encoded = 0
-
-    def clear(self) -> None:
-        self._kept.clear()
-        self._kept_grid.clear()
-
-    def __call__(self, batch) -> torch.Tensor:
-        visual = self.model.model.visual
-        m = batch_arg("batch", batch).num_media
-        if self.keep and torch.is_grad_enabled():
-            raise RuntimeError("VisionCache(keep=True) keeps rows across calls; use it under torch.no_grad()")
-        if m == 0:
-            return torch.zeros((0, self.model.config.text_config.hidden_size), dtype=visual.dtype, device=visual.device)
-        _check_pixels(batch)
-        keys, pixels = batch.media_cache_keys, batch.media_pixel_rows()
-        grids, modality = batch.media_grid_thw.tolist(), batch.media_modality.tolist()
-        users = self._users(keys, grids, modality, pixels)
-        self.items_requested += m
-        rows = dict(self._kept)
-        missing = [users[k][0] for k in users if k not in rows]
-        for kind in (int(Modality.IMAGE), int(Modality.VIDEO)):
-            todo = [i for i in missing if modality[i] == kind]
-            if not todo:
-                continue
-            grid = torch.tensor([grids[i] for i in todo], device=visual.device)
-            out = visual(torch.cat([pixels[i] for i in todo]).type(visual.dtype), grid_thw=grid)
-            counts = [g[0] * g[1] * g[2] // batch.spatial_merge_size**2 for g in (grids[i] for i in todo)]
-            for i, part in zip(todo, torch.split(out.pooler_output, counts)):
-                rows[keys[i]] = part
-            self.items_encoded += len(todo)
-        if self.keep:
-            self._kept.update({k: v.detach() for k, v in rows.items()})
-            self._kept_grid.update({k: (grids[u[0]], modality[u[0]]) for k, u in users.items()})
-        unique = list(users)
-        table = torch.cat([rows[k] for k in unique])
-        counts = batch.media_token_counts()
-        sizes = torch.tensor([rows[k].shape[0] for k in unique])
-        start_of_key = dict(zip(unique, (torch.cumsum(sizes, 0) - sizes).tolist()))
-        out_start = (torch.cumsum(counts, 0) - counts).tolist()
-        index = torch.cat([torch.arange(start_of_key[k], start_of_key[k] + int(c)) for k, c in zip(keys, counts)])
-        ranks = []
-        for r in range(max(len(u) for u in users.values())):
-            pairs = [(start_of_key[k], out_start[u[r]], int(counts[u[r]])) for k, u in users.items() if len(u) > r]
-            dst = torch.cat([torch.arange(a, a + n) for a, _, n in pairs]).to(table.device)
-            src = torch.cat([torch.arange(b, b + n) for _, b, n in pairs]).to(table.device)
-            ranks.append((dst, src))
-        return _GatherRows.apply(table, index.to(table.device), ranks)
-
-    def _users(self, keys: list[str], grids: list, modality: list, pixels: list) -> dict[str, list[int]]:
-        """The items of each key (first-appearance order), after checking that equal keys mean
-        one vision-tower input: within the batch (grid, modality, pixels) and against kept rows."""
-        users: dict[str, list[int]] = {}
-        checks = DeviceChecks()
-        for item, key in enumerate(keys):
-            first = users.setdefault(key, [item])[0]
-            kept = self._kept_grid.get(key)
-            if kept is not None and kept != (grids[item], modality[item]):
-                raise ValueError(
-                    f"media_cache_keys: item {item}'s key {key!r} is kept from an earlier call with grid {kept[0]} (modality "
-                    f"{kept[1]}) but has grid {grids[item]} (modality {modality[item]}) here; equal keys must mean identical "
-                    "vision-tower input: call clear() between batches whose keys are not content hashes"
-                )
-            if first == item:
-                continue
-            if grids[first] != grids[item] or modality[first] != modality[item]:
-                raise ValueError(
-                    f"media_cache_keys: items {first} and {item} share key {key!r} but have grids {grids[first]} / "
-                    f"{grids[item]} (modality {modality[first]} / {modality[item]}); equal keys must mean identical vision-tower input"
-                )
-            checks.add((pixels[first] != pixels[item]).any(), lambda first=first, item=item, key=key: _raise(
-                f"media_cache_keys: items {first} and {item} share key {key!r} but their pixel values differ; equal keys "
-                "must mean identical vision-tower input"))
-            users[key].append(item)
-        checks.run()
-        return users
-
-
+# --------------------------------------------------------------------------- group scoring
 def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, temperature: float = 1.0) -> torch.Tensor:
     """Selected log-probs ``[n]`` (loss-span order) scoring each GRPO group against one prompt prefill.
 

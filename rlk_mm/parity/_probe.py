@@ -5,7 +5,7 @@ differs between two runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -50,8 +50,8 @@ def item_rows(batch: RLBatch, items: list[int], sample: int, merge: int):
     return p0, cat(patch), cat(merged)
 
 
-def forward_views(batch: RLBatch, layout: str, sample: int) -> Views:
-    inputs, rows = layout_inputs(batch, layout)
+def forward_views(batch: RLBatch, padding: Optional[str], sample: int) -> Views:
+    inputs, rows = layout_inputs(batch, padding)
     shape = inputs["input_ids"].shape
     cu = batch.cu_seqlens.long().tolist()
     merge = batch.spatial_merge_size**2
@@ -107,21 +107,21 @@ def cached_views(batch: RLBatch, sample: int) -> Views:
     return Views(vision, text, merge)
 
 
-def forward_run(model, batch: RLBatch, layout: str) -> Run:
+def forward_run(model, batch: RLBatch, padding: Optional[str]) -> Run:
     rows, _ = batch.loss_token_index()
-    return Run(batch, lambda: forward_hidden(model, batch, layout=layout)[rows],
-                lambda s: forward_views(batch, layout, s))
+    return Run(batch, lambda: forward_hidden(model, batch, padding=padding)[rows],
+                lambda s: forward_views(batch, padding, s))
 
 
 def vision_cache_run(model, batch: RLBatch) -> Run:
     rows, _ = batch.loss_token_index()
 
     def execute():
-        return forward_hidden(model, batch, layout="packed", media_embeds=VisionCache(model)(batch))[rows]
+        return forward_hidden(model, batch, media_embeds=VisionCache(model)(batch))[rows]
 
     def views(s):
         cached = cached_views(batch, s)
-        return Views(cached.vision, forward_views(batch, "packed", s).text, cached.merge)
+        return Views(cached.vision, forward_views(batch, None, s).text, cached.merge)
 
     return Run(batch, execute, views)
 

@@ -108,8 +108,8 @@ class _Runs:
         self.n, self.group_size = len(items), len(group_items)
         self.build = lambda case_items, **kw: _batch(processor, case_items, device, **kw)
 
-    def forward(self, key: str, items: list[_Item], layout: str, **build) -> _RunRef:
-        return _RunRef(key, lambda: forward_run(self.model, self.build(items, **build), layout))
+    def forward(self, key: str, items: list[_Item], padding: Optional[str], **build) -> _RunRef:
+        return _RunRef(key, lambda: forward_run(self.model, self.build(items, **build), padding))
 
     def alone(self, i: int) -> _RunRef:
         return self.forward(f"alone{i}", [self.items[i]], "right")
@@ -144,7 +144,7 @@ def _padding_side(r: _Runs):
 
 
 def _packed(r: _Runs):
-    return [("right vs packed", _each(r.batched, r.forward("packed", r.items, "packed"), r.n))]
+    return [("right vs packed", _each(r.batched, r.forward("packed", r.items, None), r.n))]
 
 
 def _neighbour_images(r: _Runs):
@@ -180,11 +180,11 @@ def _frame_cache_run(model, batch: RLBatch) -> Run:
     frames = VideoLayout(batch).frame_batch()
 
     def execute():
-        return forward_hidden(model, batch, layout="packed", media_embeds=VisionCache(model)(frames))[rows]
+        return forward_hidden(model, batch, media_embeds=VisionCache(model)(frames))[rows]
 
     def views(s):
         cached = cached_views(frames, s)
-        return Views(cached.vision, forward_views(batch, "packed", s).text, cached.merge)
+        return Views(cached.vision, forward_views(batch, None, s).text, cached.merge)
 
     return Run(batch, execute, views)
 

@@ -158,7 +158,7 @@ def hidden_states(model, batch: RLBatch, *, swap_images: Optional[tuple[int, int
     if swap_images is not None and batch.pixel_values is not None:
         swapped = _swap_image_rows(batch.pixel_values, batch.image_grid_thw, *swap_images)
         batch = batch.model_copy(update={"pixel_values": swapped})
-    return forward_hidden(model, batch, layout="right")
+    return forward_hidden(model, batch, padding="right")
 
 
 def _swap_image_rows(pixels: Tensor, grid: Tensor, i: int, j: int) -> Tensor:
