@@ -34,16 +34,12 @@ def batch_of(processor, prompt, responses, *, targets=None, system="absolute", s
     """A batch of one prompt per response text, with screen sizes and (optional) box targets."""
     ids, grid, pixels = prompt
     B = len(responses)
-    built = RLBatch.from_token_lists(
+    boxes = None if targets is None else [[t for owner, t in targets if owner == b] for b in range(B)]
+    return RLBatch.from_token_lists(
         [ids] * B, [processor.tokenizer.encode(r) + [151645] for r in responses], processor=processor,
         image_grid_thw=grid.repeat(B, 1), pixel_values=pixels.repeat(B, 1),
+        screen_size=sizes or [ORIGINAL] * B, bbox_targets=boxes, coordinate_system=None if targets is None else system,
     )
-    fields = {k: getattr(built, k) for k in RLBatch.model_fields}
-    fields["screen_size"] = torch.tensor(sizes or [ORIGINAL] * B)
-    if targets is not None:
-        fields.update(coordinate_system=system, bbox_targets=torch.tensor([t for _, t in targets], dtype=torch.float32),
-                      bbox_sample=torch.tensor([b for b, _ in targets]))
-    return RLBatch(**fields)
 
 
 def span_text(processor, batch, b, span):

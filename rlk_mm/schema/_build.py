@@ -16,11 +16,12 @@ import torch
 
 from .checks import DeviceChecks, FLOAT_DTYPES, INTEGER_DTYPES, float_arg, int_arg, sequence_arg, tensor_arg
 from ._assemble import SampleParts, assemble
-from ._inputs import per_sample_values, str_list
+from ._inputs import coordinate_system_arg, per_sample_targets, per_sample_values, screen_sizes, str_list
 from .media import (
     MediaItem, add_grid_checks, add_pixel_checks, content_key, default_media_id, grid_arg, grid_row, processor_fingerprint,
     token_counts,
 )
+from .grounding import CoordinateSystem
 from .spans import Modality, SchemaError, Span, spans_from_mask
 
 Tensor = torch.Tensor
@@ -260,6 +261,10 @@ def build(
     media_cache_keys: Optional[Sequence[str]] = None,
     media_per_sample: Optional[Sequence[dict]] = None,
     media_source: str = "",
+    bbox_targets=None,
+    point_targets=None,
+    screen_size=None,
+    coordinate_system=None,
 ) -> dict:
     """A batch's fields from checked, unpadded per-sample prompts (placeholders expanded) and responses.
 
@@ -267,7 +272,9 @@ def build(
     prompt + response token; the prompt length then ends at the first scored token).
     ``position_ids``: per-sample (3, L) positions to record instead of computing them.
     ``media_per_sample``: how many items of each modality each sample's inputs hold
-    (``media_source`` names them in errors)."""
+    (``media_source`` names them in errors). ``bbox_targets`` / ``point_targets`` (per
+    sample), ``screen_size`` and ``coordinate_system``: the grounding fields
+    (``_inputs.per_sample_targets``, ``screen_sizes``)."""
     B = len(prompts)
     pools = {
         Modality.IMAGE: _media_pool(Modality.IMAGE, image_grid_thw, pixel_values, None, info),
@@ -276,6 +283,16 @@ def build(
     given = {name: per_sample_values(name, value, B) for name, value in (("group_ids", group_ids), ("rewards", rewards), ("costs", costs))}
     group_ids, rewards, costs = (given[name] or [None] * B for name in ("group_ids", "rewards", "costs"))
     media_ids, media_cache_keys = str_list("media_ids", media_ids), str_list("media_cache_keys", media_cache_keys)
+    grounding = {
+        "bbox_targets": per_sample_targets("bbox_targets", bbox_targets, B, "box"),
+        "point_targets": per_sample_targets("point_targets", point_targets, B, "point"),
+        "screen_size": screen_sizes(screen_size, B),
+    }
+    coordinate_system = coordinate_system_arg(coordinate_system)
+    for name in ("bbox_targets", "point_targets"):
+        if grounding[name] is not None and coordinate_system is None:
+            raise SchemaError(f"{name} given without coordinate_system: say which system the coordinates are in "
+                              f"({', '.join(c.value for c in CoordinateSystem)})")
     positions = None if position_ids is None else _recorded_positions(position_ids, B)
     has_responses = any(r is not None and r.numel() for r in responses)
     previous = _PreviousSample()
@@ -316,6 +333,9 @@ def build(
         parts.append(SampleParts(
             input_ids=ids, position_ids=pos, modality_spans=spans, loss_spans=loss, media=[p.media for p in placed],
             group_id=group_ids[b], reward=rewards[b], cost=costs[b], prompt_length=prompt_length,
+            bboxes=None if grounding["bbox_targets"] is None else grounding["bbox_targets"][b],
+            points=None if grounding["point_targets"] is None else grounding["point_targets"][b],
+            screen_size=None if grounding["screen_size"] is None else grounding["screen_size"][b],
         ))
     for mod, pool in pools.items():
         if pool.remaining:
@@ -325,10 +345,12 @@ def build(
                 "or placeholders were removed"
             )
     _name_media(parts, media_ids, media_cache_keys)
-    present = frozenset([name for name, values in given.items() if values is not None] + (["prompt_lengths"] if has_responses else []))
+    present = frozenset([name for name, values in {**given, **grounding}.items() if values is not None]
+                        + (["prompt_lengths"] if has_responses else []))
     return assemble(
         parts,
         present=present,
+        coordinate_system=coordinate_system,
         processor_fingerprint=info.fingerprint,
         image_token_id=info.image_token_id,
         video_token_id=info.video_token_id,

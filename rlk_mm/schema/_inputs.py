@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .checks import INTEGER_DTYPES, describe, first_true, group_id_list, sequence_arg, tensor_arg
+from .grounding import CoordinateSystem, size_arg
 from .spans import SchemaError
 from .support import require_no_audio_inputs
 
@@ -181,6 +182,76 @@ def per_sample_values(name: str, values, B: int) -> Optional[list]:
     if len(items) != B:
         raise SchemaError(f"{name} has {len(items)} entries; expected one per sample ({B})")
     return items
+
+
+def per_sample_targets(name: str, values, B: int, what: str) -> Optional[list[Tensor]]:
+    """Grounding targets of each sample as float32 ``[k, width]`` CPU tensors; None when
+    ``values`` is None. ``what`` is ``"box"`` (rows ``(x0, y0, x1, y1)``) or ``"point"``
+    (``(x, y)``). One entry per sample: a ``[k, width]`` tensor or array, a list of k rows
+    of numbers, or None / ``[]`` for none. Coordinates are real numbers (never bools or
+    strings) and finite; a box has ``x0 <= x1`` and ``y0 <= y1``. Errors name the sample and
+    the row."""
+    if values is None:
+        return None
+    width = 4 if what == "box" else 2
+    row = "(x0, y0, x1, y1)" if what == "box" else "(x, y)"
+    items = sequence_arg(name, values, f"one entry per sample: a list of {row} rows, a [k, {width}] tensor, or None")
+    if len(items) != B:
+        raise SchemaError(f"{name} has {len(items)} entries; expected one per sample ({B}), each a list of {row} rows (or None)")
+    out = []
+    for b, item in enumerate(items):
+        where = f"{name}: sample {b}"
+        if item is None:
+            out.append(torch.zeros(0, width))
+            continue
+        if isinstance(item, np.ndarray):
+            item = torch.from_numpy(item)
+        if isinstance(item, Tensor):
+            if item.dtype == torch.bool or not (item.is_floating_point() or item.dtype in INTEGER_DTYPES):
+                raise TypeError(f"{where} has dtype {item.dtype}; coordinates are real numbers (a float or int tensor)")
+            if item.numel() == 0:
+                item = item.reshape(0, width)
+            if item.ndim != 2 or item.shape[1] != width:
+                raise SchemaError(f"{where} has shape {tuple(item.shape)}; expected [k, {width}]: one {row} row per {what}")
+            rows = item.detach().cpu().double()
+        else:
+            rows = sequence_arg(f"{name}[{b}]", item, f"{row} rows")
+            for j, r in enumerate(rows):
+                if isinstance(r, (str, bytes)) or not isinstance(r, (Sequence, Tensor, np.ndarray)) or len(r) != width:
+                    raise SchemaError(f"{where}, {what} {j} is {describe(r)}; expected {width} numbers {row}")
+                for v in r.tolist() if isinstance(r, (Tensor, np.ndarray)) else r:
+                    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                        raise TypeError(f"{where}, {what} {j} holds {describe(v)}; coordinates are numbers")
+            rows = torch.tensor([[float(v) for v in (r.tolist() if isinstance(r, (Tensor, np.ndarray)) else r)] for r in rows],
+                                dtype=torch.float64).reshape(-1, width)
+        bad = ~torch.isfinite(rows).all(1)
+        if what == "box":
+            flipped = (rows[:, 0] > rows[:, 2]) | (rows[:, 1] > rows[:, 3])
+        for mask, rule in ((bad, "coordinates must be finite"),
+                           *(((flipped, "a box has x0 <= x1 and y0 <= y1"),) if what == "box" else ())):
+            if bool(mask.any()):
+                j = first_true(mask)[0]
+                raise SchemaError(f"{where}, {what} {j} is {rows[j].tolist()}; {rule}")
+        out.append(rows.float())
+    return out
+
+
+def screen_sizes(values, B: int) -> Optional[Tensor]:
+    """``screen_size``: one ``(width, height)`` of positive ints per sample (a list of pairs or
+    a ``[B, 2]`` integer tensor), as int64 ``[B, 2]``; None when ``values`` is None."""
+    if values is None:
+        return None
+    if isinstance(values, (Tensor, np.ndarray)) and values.ndim != 2:
+        raise SchemaError(f"screen_size must have shape [{B}, 2] (width, height per sample), got {tuple(values.shape)}")
+    items = sequence_arg("screen_size", values, "(width, height) pairs, one per sample")
+    if len(items) != B:
+        raise SchemaError(f"screen_size has {len(items)} entries; expected one (width, height) per sample ({B})")
+    return torch.tensor([size_arg(f"screen_size[{b}]", size) for b, size in enumerate(items)], dtype=torch.int64).reshape(B, 2)
+
+
+def coordinate_system_arg(value) -> Optional[str]:
+    """The name of a ``CoordinateSystem`` (a member or its string); None stays None."""
+    return None if value is None else CoordinateSystem.parse(value, "coordinate_system", SchemaError).value
 
 
 def str_list(name: str, values) -> Optional[list[str]]:

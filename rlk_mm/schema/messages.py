@@ -267,6 +267,10 @@ def fields_from_messages(
     costs=None,
     media_ids: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    bbox_targets=None,
+    point_targets=None,
+    screen_size=None,
+    coordinate_system=None,
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_messages``) from Qwen-VL chat conversations.
 
@@ -323,6 +327,7 @@ def fields_from_messages(
     fields = fields_from_qwen_vl(
         output, processor=processor, responses=responses, response_mask=response_mask, group_ids=group_ids,
         rewards=rewards, costs=costs, media_ids=media_ids, tokens_per_second=tokens_per_second,
+        bbox_targets=bbox_targets, point_targets=point_targets, screen_size=screen_size, coordinate_system=coordinate_system,
     )
     fields["media_cache_keys"] = [settings_key(key, s) for key, (_, s) in zip(fields["media_cache_keys"], recorded)]
     return fields

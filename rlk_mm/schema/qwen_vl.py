@@ -43,6 +43,10 @@ def fields_from_qwen_vl(
     costs=None,
     media_ids: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    bbox_targets=None,
+    point_targets=None,
+    screen_size=None,
+    coordinate_system=None,
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_qwen_vl``) from a Qwen2-VL / Qwen2.5-VL processor output.
 
@@ -61,6 +65,11 @@ def fields_from_qwen_vl(
     - ``group_ids`` (str or int, one per sample: samples of one prompt share one),
       ``rewards``/``costs`` (finite numbers, one per sample), ``media_ids`` (str, one per
       media item, images first).
+    - Grounding targets: ``bbox_targets`` / ``point_targets``, one entry
+      per sample (a list of ``(x0, y0, x1, y1)`` boxes / ``(x, y)`` points, a ``[k, 4]`` /
+      ``[k, 2]`` tensor, or None), in ``coordinate_system`` (``CoordinateSystem`` or its name:
+      needed with targets); ``screen_size``, one ``(width, height)`` per sample (the
+      original image's pixels, which ``absolute`` coordinates refer to).
     """
     info = LayoutInfo.of(processor, tokens_per_second)
     processor_output = processor_outputs(processor_output)
@@ -108,6 +117,10 @@ def fields_from_qwen_vl(
         rewards=rewards,
         costs=costs,
         media_ids=media_ids,
+        bbox_targets=bbox_targets,
+        point_targets=point_targets,
+        screen_size=screen_size,
+        coordinate_system=coordinate_system,
     )
 
 
@@ -228,12 +241,18 @@ def fields_from_token_lists(
     media_ids: Optional[Sequence[str]] = None,
     media_cache_keys: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    bbox_targets=None,
+    point_targets=None,
+    screen_size=None,
+    coordinate_system=None,
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_token_lists``) from raw token lists as a rollout
     engine returns them: unpadded prompt ids (placeholders expanded; at least one token each)
     and generated ids (lists of int ids or 1-D int tensors). ``position_ids``: optional
     per-sample (3, L) int positions the engine used. ``media_cache_keys``: keys to use instead
-    of hashing the pixels (one per media item; equal keys must name equal content)."""
+    of hashing the pixels (one per media item; equal keys must name equal content).
+    ``bbox_targets``, ``point_targets``, ``screen_size``, ``coordinate_system``: the
+    grounding targets, as ``from_qwen_vl`` takes them."""
     info = LayoutInfo.of(processor, tokens_per_second)
     prompts = token_rows("prompt_token_ids", prompt_token_ids, info.vocab_size)
     for b, prompt in enumerate(prompts):
@@ -255,4 +274,5 @@ def fields_from_token_lists(
         second_per_grid_ts=second_per_grid_ts, position_ids=position_ids,
         group_ids=group_ids, rewards=rewards, costs=costs,
         media_ids=media_ids, media_cache_keys=media_cache_keys,
+        bbox_targets=bbox_targets, point_targets=point_targets, screen_size=screen_size, coordinate_system=coordinate_system,
     )
