@@ -426,7 +426,7 @@ REGIONS = SpanTable.from_lists([[Span(0, 4)], [], []])
 
 
 def _sr(**kw):
-    args = dict(loss_spans=LOSS, rewards=REWARDS)
+    args = dict(batch=LOSS, rewards=REWARDS)
     args.update(kw)
     return lambda: scatter_rewards(**args)
 
@@ -434,7 +434,7 @@ def _sr(**kw):
 def _reward_cases() -> list[Case]:
     regions = SpanReward(REGIONS, torch.tensor([1.0]), name="regions")
     return [
-        bad("loss_spans list", _sr(loss_spans=[[Span(2, 5)]]), TypeError, r"loss_spans must be a SpanTable or an RLBatch, got list"),
+        bad("batch list", _sr(batch=[[Span(2, 5)]]), TypeError, r"batch must be an RLBatch or its loss_spans SpanTable, got list"),
         bad("rewards list", _sr(rewards=[1.0, 0.0, 3.0]), TypeError, r"rewards must be a torch.Tensor"),
         bad("rewards shape", _sr(rewards=REWARDS[:2]), SchemaError, r"rewards has shape \(2,\)"),
         bad("rewards int", _sr(rewards=REWARDS.long()), SchemaError, r"rewards must be floating point"),

@@ -138,7 +138,7 @@ def test_padded_errors(backend):
         unpack_to_padded(packed[:5], cu, 5)
     with pytest.raises(ValueError, match=r"sample 0 has 3 rows, more than the padded length 2"):
         unpack_to_padded(packed, cu, 2, "left")
-    with pytest.raises(ValueError, match="side must be 'left', 'right'"):
+    with pytest.raises(ValueError, match="padding must be 'left', 'right'"):
         unpack_to_padded(packed, cu, 5, "up")
     with pytest.raises(ValueError, match=r"sample 1 has 2 set positions but cu_seqlens gives it 3"):
         unpack_to_padded(packed, cu, 5, torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool, device=dev))

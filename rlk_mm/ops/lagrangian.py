@@ -22,8 +22,12 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..schema import RLBatch
 from ..schema.checks import FLOAT_DTYPES, float_arg, tensor_arg
-from .rewards import group_advantages
+from .options import Estimator
+from .rewards import group_advantages, groups_of
+
+__all__ = ["Lagrangian", "LagrangianAdvantages", "lagrangian_advantages"]
 
 
 class LagrangianAdvantages(NamedTuple):
@@ -59,19 +63,26 @@ class Lagrangian:
         updated = (self.value + self.lr * violation).clamp(min=0.0, max=self.max_value)
         return self.value.copy_(updated)
 
-    def advantages(self, rewards: Tensor, costs: Tensor, group_ids: Tensor, *, estimator: str = "grpo",
+    def advantages(self, rewards: Tensor, costs: Tensor, group_ids: Optional[Tensor] = None, *,
+                   batch: Optional[RLBatch] = None, estimator: Estimator | str = Estimator.GRPO,
                    eps: float = 1e-6) -> LagrangianAdvantages:
         """``(A_r - lam * A_c) / (1 + lam)`` of per-sample ``rewards`` and ``costs`` (float ``[B]``)
         with group advantages of each normalized on its own (``group_advantages``; same
-        ``estimator`` and ``eps``). ``rewards`` and ``costs`` must be separate tensors."""
-        return lagrangian_advantages(rewards, costs, group_ids, self.value, estimator=estimator, eps=eps)
+        groups (``group_ids`` or ``batch=``), ``estimator`` and ``eps``). ``rewards`` and
+        ``costs`` must be separate tensors."""
+        return lagrangian_advantages(rewards, costs, group_ids, self.value, batch=batch, estimator=estimator, eps=eps)
 
 
-def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Tensor, lam: Tensor, *, estimator: str = "grpo",
-                          eps: float = 1e-6) -> LagrangianAdvantages:
+def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Optional[Tensor] = None,
+                          lam: Optional[Tensor] = None, *, batch: Optional[RLBatch] = None,
+                          estimator: Estimator | str = Estimator.GRPO, eps: float = 1e-6) -> LagrangianAdvantages:
     """The PPO-Lagrangian advantages (see ``Lagrangian.advantages``) for a multiplier ``lam``
-    (a 0-d float tensor on the scores' device, >= 0 by construction of ``Lagrangian``). Rewards
-    and costs sharing memory are refused (under ``torch.compile`` only the same tensor twice)."""
+    (a 0-d float tensor on the scores' device, >= 0 by construction of ``Lagrangian``;
+    required). The groups: ``group_ids`` or ``batch=``, as ``group_advantages`` takes them;
+    ``estimator`` an ``Estimator`` or its string. Rewards and costs sharing memory are
+    refused (under ``torch.compile`` only the same tensor twice)."""
+    if lam is None:
+        raise TypeError("lagrangian_advantages needs lam, the multiplier (a 0-d float tensor; Lagrangian.value)")
     tensor_arg("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)
     tensor_arg("costs", costs, shape=tuple(rewards.shape), dtypes=FLOAT_DTYPES, device=rewards.device)
     tensor_arg("lam", lam, shape=(), dtypes=FLOAT_DTYPES, device=rewards.device)
@@ -80,6 +91,7 @@ def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Tensor, lam
         raise ValueError("rewards and costs share memory: a cost must never enter a reward column; pass the batch's "
                          "rewards and costs as separate tensors")
     dtype = torch.promote_types(rewards.dtype, costs.dtype)
+    group_ids = groups_of(group_ids, batch, rewards.device)
     both = group_advantages(torch.stack([rewards.to(dtype), costs.to(dtype)], 1), group_ids, estimator=estimator, eps=eps)
     a_r, a_c = both[:, 0], both[:, 1]
     lam = lam.to(dtype)

@@ -7,7 +7,7 @@ Two layers:
   ``align`` tokens (pad tokens never scored, ``valid`` False, positions continuing) and
   split into several packs of at most ``max_tokens_per_pack`` tokens (a sample is never
   split). ``unpack`` gives back the batch (or per-token values) bitwise.
-- ``pack_padded(x, mask)`` / ``unpack_to_padded(packed, cu_seqlens, length, side)``:
+- ``pack_padded(x, mask)`` / ``unpack_to_padded(packed, cu_seqlens, length, padding)``:
   ``[B, L, *]`` with one run of real rows per sample (left, right or middle padding, as
   verl's prompt + response) ↔ ``[T, *]``. Custom ops ``rlk_mm::pack_padded`` and
   ``rlk_mm::unpack_to_padded`` (Triton on CUDA, ``index_select``/``index_copy_``
@@ -34,6 +34,7 @@ from ..schema import PaddingSide, RLBatch, SpanTable
 from ..schema.checks import INTEGER_DTYPES, DeviceChecks, device_arg, int_arg, tensor_arg
 from ._pack_args import DTYPE_NAMES, DTYPES, data_arg, fill_arg
 from ._backend import use_triton
+from ._deprecation import renamed_keywords
 
 Tensor = torch.Tensor
 
@@ -61,13 +62,15 @@ def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.rlk_mm.pack_padded(x, starts, cu, total), cu
 
 
+@renamed_keywords(side="padding")
 def unpack_to_padded(
-    packed: Tensor, cu_seqlens: Tensor, length: int, side: Union[str, Tensor] = "right", *, fill: Union[int, float] = 0
+    packed: Tensor, cu_seqlens: Tensor, length: int, padding: PaddingSide | str | Tensor = PaddingSide.RIGHT, *,
+    fill: Union[int, float] = 0,
 ) -> Tensor:
     """``[B, length, *]`` from ``packed [T, *]``: sample ``b``'s rows ``cu_seqlens[b]:cu_seqlens[b+1]``
-    placed by ``side`` (``"right"`` padding: at 0; ``"left"``: ending at ``length``; or the
-    ``[B, length]`` mask the rows came from), ``fill`` (a value of ``packed``'s dtype)
-    elsewhere. ``cu_seqlens`` (any integer dtype) must run from 0 to ``T`` without
+    placed by ``padding`` (a ``PaddingSide``: ``"right"`` padding, at 0; ``"left"``, ending at
+    ``length``; or the ``[B, length]`` mask the rows came from; ``side=`` is its deprecated old
+    name), ``fill`` (a value of ``packed``'s dtype) elsewhere. ``cu_seqlens`` (any integer dtype) must run from 0 to ``T`` without
     decreasing. One host sync: the ``cu_seqlens`` and mask checks, read together.
     Differentiable."""
     packed = data_arg("packed", packed, 1, "[T, *]")
@@ -83,18 +86,18 @@ def unpack_to_padded(
     lengths = torch.diff(cu)
     checks = DeviceChecks()
     _cu_checks(checks, cu, lengths, T, length)
-    if isinstance(side, Tensor):
-        if side.shape != (B, length):
-            raise ValueError(f"side as a mask must have shape (B, length) = ({B}, {length}); got {tuple(side.shape)}")
-        starts, mask_lengths = _mask_runs(None, side.to(packed.device), checks, "side")
+    if isinstance(padding, Tensor):
+        if padding.shape != (B, length):
+            raise ValueError(f"padding as a mask must have shape (B, length) = ({B}, {length}); got {tuple(padding.shape)}")
+        starts, mask_lengths = _mask_runs(None, padding.to(packed.device), checks, "padding")
         differ = mask_lengths != lengths
         checks.add(differ.any(), lambda: _raise_count(differ, mask_lengths, lengths))
     else:
         try:
-            side = PaddingSide(side)
+            padding = PaddingSide(padding)
         except ValueError:
-            raise ValueError(f"side must be 'left', 'right' or a [B, length] mask; got {side!r}") from None
-        starts = torch.zeros_like(lengths) if side is PaddingSide.RIGHT else length - lengths
+            raise ValueError(f"padding must be 'left', 'right' or a [B, length] mask; got {padding!r}") from None
+        starts = torch.zeros_like(lengths) if padding is PaddingSide.RIGHT else length - lengths
     checks.run()
     return torch.ops.rlk_mm.unpack_to_padded(packed, starts, cu.to(torch.int32), length, fill)
 
@@ -162,7 +165,8 @@ def _cu_checks(checks: DeviceChecks, cu: Tensor, lengths: Tensor, T: int, length
 
 def _raise_count(differ: Tensor, mask_lengths: Tensor, lengths: Tensor) -> NoReturn:
     b = int(torch.nonzero(differ)[0])
-    raise ValueError(f"side: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it {int(lengths[b])} rows")
+    raise ValueError(f"padding: sample {b} has {int(mask_lengths[b])} set positions but cu_seqlens gives it "
+                     f"{int(lengths[b])} rows")
 
 
 def _cu_seqlens(lengths: Tensor) -> Tensor:

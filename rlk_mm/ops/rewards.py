@@ -28,7 +28,10 @@ from ..schema import RLBatch, SchemaError, SpanTable
 from ..schema.checks import (
     FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg,
 )
+from ._deprecation import renamed_keywords
 from .options import Estimator, RewardPlacement
+
+__all__ = ["Estimator", "RewardPlacement", "SpanReward", "group_advantages", "overlong_penalty", "scatter_rewards"]
 
 _KEY_SHIFT = 32  # token key = sample << 32 | position: sorts like (sample, position)
 
@@ -86,11 +89,12 @@ def _overlong(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
     return torch.clamp(((max_length - buffer) - lengths.to(torch.float32)) / buffer, min=-1.0, max=0.0)
 
 
+@renamed_keywords(loss_spans="batch")
 def scatter_rewards(
-    loss_spans,
+    batch: RLBatch | SpanTable,
     rewards: Optional[Tensor] = None,
     *,
-    mode: str = "last",
+    mode: RewardPlacement | str = RewardPlacement.LAST,
     spans: Sequence[SpanReward] = (),
     length_penalty: Optional[tuple[int, int]] = None,
     num_tokens: Optional[int] = None,
@@ -98,11 +102,12 @@ def scatter_rewards(
 ) -> Tensor:
     """Per-loss-token rewards, float32 ``[n]`` in loss-token order.
 
-    ``loss_spans``: the batch's loss ``SpanTable`` (or an ``RLBatch``: then ``rewards``
-    defaults to ``batch.rewards`` and ``spans`` to its region rewards, spread, and turn
-    rewards, on each action's last token). ``rewards``: ``[B]`` sequence rewards, placed by
-    ``mode`` (``"last"``: verl's last-token convention; ``"spread"``: r / n_b on each of the
-    sample's n_b loss tokens, so sums are kept). ``spans``: a list of ``SpanReward``.
+    ``batch``: an ``RLBatch`` (then ``rewards`` defaults to ``batch.rewards`` and ``spans`` to
+    its region rewards, spread, and turn rewards, on each action's last token), or just its
+    loss ``SpanTable`` (``batch.loss_spans``; ``loss_spans=`` is the deprecated old name of this
+    argument). ``rewards``: ``[B]`` sequence rewards, placed by ``mode`` (a
+    ``RewardPlacement``: ``"last"``, verl's last-token convention; ``"spread"``, r / n_b on each
+    of the sample's n_b loss tokens, so sums are kept). ``spans``: a list of ``SpanReward``.
     ``length_penalty=(max_length, buffer)`` adds ``overlong_penalty`` of each sample's
     loss-token count to its sequence reward.
 
@@ -111,7 +116,7 @@ def scatter_rewards(
     tokens (it would be lost), and ``num_tokens`` (if given) equal to the count. With
     ``num_tokens=`` and ``check=False`` nothing is read, and ``num_tokens`` is trusted.
     """
-    table, rewards, spans = _resolve_target(loss_spans, rewards, spans)
+    table, rewards, spans = _resolve_target(batch, rewards, spans)
     mode = RewardPlacement.parse(mode, "mode")
     check = bool_arg("check", check)
     if num_tokens is not None:
@@ -167,7 +172,7 @@ def _resolve_target(target, rewards, spans):
                 spans.append(SpanReward(target.action_spans, target.turn_rewards, "last", "turn_rewards"))
         target = target.loss_spans
     if not isinstance(target, SpanTable):
-        raise TypeError(f"loss_spans must be a SpanTable or an RLBatch, got {type(target).__name__}")
+        raise TypeError(f"batch must be an RLBatch or its loss_spans SpanTable, got {type(target).__name__}")
     if not isinstance(spans, (list, tuple)):
         raise TypeError(f"spans must be a list or tuple of SpanReward, got {type(spans).__name__}")
     for k, sr in enumerate(spans):
@@ -267,17 +272,20 @@ def _raise_problem(what, bad: Tensor, owner: Optional[Tensor], table: SpanTable,
 # ----------------------------------------------------------------------------- advantages
 def group_advantages(
     scores: Tensor,
-    group_ids: Tensor,
+    group_ids: Optional[Tensor] = None,
     *,
-    estimator: str = "grpo",
+    batch: Optional[RLBatch] = None,
+    estimator: Estimator | str = Estimator.GRPO,
     eps: float = 1e-6,
 ) -> Tensor:
     """Group-relative advantages of per-sample scores ``[B]`` or ``[B, K]`` (columns independent).
 
-    ``grpo``: (s - mean_g) / (std_g + eps), std unbiased; ``dr_grpo``: s - mean_g;
-    ``rloo``: (s - mean_g) * n_g / (n_g - 1), the score minus the mean of the others.
-    A group of one follows verl: mean 0 and std 1 (GRPO: s / (1 + eps); RLOO: s).
-    ``group_ids``: integer tensor ``[B]``, any values in any order (equal id = same group).
+    ``estimator`` (an ``Estimator`` or its string): ``grpo``: (s - mean_g) / (std_g + eps),
+    std unbiased; ``dr_grpo``: s - mean_g; ``rloo``: (s - mean_g) * n_g / (n_g - 1), the score
+    minus the mean of the others. A group of one follows verl: mean 0 and std 1 (GRPO:
+    s / (1 + eps); RLOO: s). The groups: ``group_ids``, an integer tensor ``[B]``, any values
+    in any order (equal id = same group), or ``batch=`` an ``RLBatch`` (its
+    ``group_index()``: verl's ``uid``s as dense numbers), one of the two.
     The mean is taken about the group's first score, so a group of equal scores gets
     exactly 0. Same dtype as ``scores`` (computed in at least float32). ``eps`` > 0 in that
     dtype (at least its smallest normal number).
@@ -286,7 +294,7 @@ def group_advantages(
     makes its own group's advantages NaN (other groups are unaffected).
     """
     tensor_arg("scores", scores, dtypes=FLOAT_DTYPES)
-    tensor_arg("group_ids", group_ids)
+    group_ids = groups_of(group_ids, batch, scores.device)
     estimator = Estimator.parse(estimator, "estimator")
     if scores.ndim not in (1, 2):
         raise ValueError(f"scores must be [B] or [B, K], got shape {tuple(scores.shape)}")
@@ -332,3 +340,17 @@ def group_advantages(
     adv = torch.empty_like(adv_sorted)
     adv[order] = adv_sorted
     return adv.reshape(scores.shape).to(scores.dtype)
+
+
+def groups_of(group_ids: Optional[Tensor], batch: Optional[RLBatch], device: torch.device) -> Tensor:
+    """The group ids of an advantage call: ``group_ids`` (checked to be a tensor), or
+    ``batch.group_index()`` on ``device``; exactly one of the two."""
+    if batch is None:
+        if group_ids is None:
+            raise TypeError("give the groups: group_ids (an integer tensor [B]) or batch= (an RLBatch)")
+        return tensor_arg("group_ids", group_ids)
+    if group_ids is not None:
+        raise TypeError("give either group_ids or batch=, not both (with batch=, the groups are batch.group_index())")
+    if not isinstance(batch, RLBatch):
+        raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__}")
+    return batch.group_index().to(device)
