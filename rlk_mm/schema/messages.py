@@ -25,13 +25,16 @@ import math
 import sys
 import types
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .media import ResizeSettings, settings_key
 from .qwen_vl import fields_from_qwen_vl
+
+if TYPE_CHECKING:  # Pillow is the [vl] extra's: imported where an image is opened
+    from PIL import Image
 
 IMAGE_KEYS = {"type", "image", "min_pixels", "max_pixels", "resized_height", "resized_width"}
 VIDEO_KEYS = {"type", "video", "min_pixels", "max_pixels", "total_pixels", "resized_height", "resized_width", "fps", "nframes"}
@@ -267,6 +270,7 @@ def fields_from_messages(
     costs=None,
     media_ids: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    assistant_turns: bool = False,
     bbox_targets=None,
     point_targets=None,
     screen_size=None,
@@ -280,7 +284,10 @@ def fields_from_messages(
     "resized_height", "resized_width"}`` and ``{"type": "video", "video": [frames: paths or
     PIL images], "fps" (the frames' rate) or "nframes" (evenly sampled), "min_pixels",
     "max_pixels", "total_pixels", "resized_height", "resized_width"}``. Pixel limits an item
-    does not give are the processor's. URLs and video files are refused. The other
+    does not give are the processor's. URLs and video files are refused.
+    ``assistant_turns=True`` scores every assistant message of a conversation (its content
+    tokens and its ``<|im_end|>``, as a response is scored) besides the appended
+    ``responses``; for a finished conversation pass ``add_generation_prompt=False``. The other
     arguments are ``from_qwen_vl``'s. Each item's cache key ends with its settings
     (``media.key_settings`` reads them). Errors name the conversation and the item."""
     conversations = _conversation_list(conversations)
@@ -328,6 +335,7 @@ def fields_from_messages(
         output, processor=processor, responses=responses, response_mask=response_mask, group_ids=group_ids,
         rewards=rewards, costs=costs, media_ids=media_ids, tokens_per_second=tokens_per_second,
         bbox_targets=bbox_targets, point_targets=point_targets, screen_size=screen_size, coordinate_system=coordinate_system,
+        assistant_turns=assistant_turns,
     )
     fields["media_cache_keys"] = [settings_key(key, s) for key, (_, s) in zip(fields["media_cache_keys"], recorded)]
     return fields

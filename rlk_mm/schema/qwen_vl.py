@@ -24,8 +24,9 @@ from ._inputs import (
     token_rows,
     unpad,
 )
-from .checks import INTEGER_DTYPES, tensor_arg
+from .checks import INTEGER_DTYPES, bool_arg, tensor_arg
 from .spans import SchemaError
+from .turns import ChatMarkers, assistant_turn_mask
 
 Tensor = torch.Tensor
 
@@ -37,6 +38,7 @@ def fields_from_qwen_vl(
     responses=None,
     response_mask: Optional[Tensor] = None,
     assistant_mask: Optional[Tensor] = None,
+    assistant_turns: bool = False,
     position_ids: Optional[Tensor] = None,
     group_ids=None,
     rewards=None,
@@ -59,6 +61,9 @@ def fields_from_qwen_vl(
     - ``assistant_mask`` (``[B, L]`` like ``input_ids``): multi-turn; the tokens it marks
       are scored too (with ``responses`` the appended responses as well), and
       ``prompt_lengths`` then end at the first scored token.
+    - ``assistant_turns=True``: multi-turn without a mask; every assistant turn of the
+      chat is scored as a response is, its content tokens and its ``<|im_end|>``
+      (``schema.turns``), and the appended ``responses`` as well. Not with ``assistant_mask``.
     - ``position_ids``: the positions a framework actually used, to record instead of
       computing them (e.g. a rollout that fell back to 1-D positions): ``(3, B, L)`` as
       transformers' ``get_rope_index`` returns, or ``(B, L)``.
@@ -93,7 +98,11 @@ def fields_from_qwen_vl(
     if mm_types is not None:
         _check_mm_types(tensor_arg("mm_token_type_ids", mm_types, shape=(B, L), error=SchemaError), attention, prompts, info)
     loss_masks = None
-    if assistant_mask is not None:
+    if bool_arg("assistant_turns", assistant_turns):
+        if assistant_mask is not None:
+            raise SchemaError("assistant_mask and assistant_turns=True both say what to score: give one of them")
+        loss_masks = turn_loss_masks("input_ids", prompts, resp, processor, info)
+    elif assistant_mask is not None:
         marks = mask_matrix("assistant_mask", assistant_mask, (B, L))
         loss_masks = [_assistant_loss_mask(marks, attention, prompts, resp, b, info) for b in range(B)]
     positions = None
@@ -142,6 +151,21 @@ def _assistant_loss_mask(marks: Tensor, attention: Optional[Tensor], prompts, re
                           "token cannot be scored")
     r = resp[b]
     return torch.cat([m, torch.ones(0 if r is None else r.numel(), dtype=torch.bool)])
+
+
+def turn_loss_masks(name: str, prompts: Sequence[Tensor], resp: Sequence[Optional[Tensor]], processor, info: LayoutInfo) -> list[Tensor]:
+    """Per sample: the tokens of the prompt's assistant turns (``schema.turns``), then every
+    appended response token; a turn holding a media placeholder is refused."""
+    markers = ChatMarkers.of(processor)
+    masks = []
+    for b, (prompt, r) in enumerate(zip(prompts, resp)):
+        m = assistant_turn_mask(prompt, markers, name=name, sample=b)
+        media = m & ((prompt == info.image_token_id) | (prompt == info.video_token_id))
+        if bool(media.any()):
+            raise SchemaError(f"{name}: sample {b}, position {int(torch.nonzero(media)[0])} is a media placeholder inside an "
+                              "assistant turn: only text is scored; mark the scored tokens with a mask instead")
+        masks.append(torch.cat([m, torch.ones(0 if r is None else r.numel(), dtype=torch.bool)]))
+    return masks
 
 
 def _check_not_transposed(positions: list[Tensor], prompts: list[Tensor], info: LayoutInfo) -> None:
@@ -241,6 +265,7 @@ def fields_from_token_lists(
     media_ids: Optional[Sequence[str]] = None,
     media_cache_keys: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    assistant_turns: bool = False,
     bbox_targets=None,
     point_targets=None,
     screen_size=None,
@@ -251,6 +276,8 @@ def fields_from_token_lists(
     and generated ids (lists of int ids or 1-D int tensors). ``position_ids``: optional
     per-sample (3, L) int positions the engine used. ``media_cache_keys``: keys to use instead
     of hashing the pixels (one per media item; equal keys must name equal content).
+    ``assistant_turns=True``: the assistant turns inside the prompts are scored too, as
+    ``from_qwen_vl`` scores them.
     ``bbox_targets``, ``point_targets``, ``screen_size``, ``coordinate_system``: the
     grounding targets, as ``from_qwen_vl`` takes them."""
     info = LayoutInfo.of(processor, tokens_per_second)
@@ -267,8 +294,9 @@ def fields_from_token_lists(
             raise SchemaError(f"response_token_ids has {len(resp)} entries; prompt_token_ids has {B}")
         for b, row in enumerate(resp):
             check_response_unpadded("response_token_ids", row, b, info.pad_token_id)
+    loss_masks = turn_loss_masks("prompt_token_ids", prompts, resp, processor, info) if bool_arg("assistant_turns", assistant_turns) else None
     return build(
-        prompts, resp, info,
+        prompts, resp, info, loss_masks=loss_masks,
         image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
         pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
         second_per_grid_ts=second_per_grid_ts, position_ids=position_ids,
