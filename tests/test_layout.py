@@ -162,7 +162,7 @@ def test_reader_resolves_relative_nested_and_type_checking_imports():
         "from . import spans, SchemaError\n"
         "from .. import viz\n"
     )
-    got = sorted((i.target, i.line) for i in imports_in("rlk_mm.schema.grounding", source))
+    got = sorted((i.target, i.line) for i in imports_in("rlk_mm.schema.coordinates", source))
     assert got == sorted([
         ("rlk_mm.ops.loss", 4), ("rlk_mm.schema.spans", 6), ("rlk_mm.models.qwen2_5_vl", 7),
         ("rlk_mm.schema", 9), ("rlk_mm.schema.spans", 9), ("rlk_mm.viz", 10),

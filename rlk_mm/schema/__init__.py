@@ -12,7 +12,7 @@ qwen-vl-utils); ``batch`` (the ``RLBatch`` model, its views and constructors); `
 from ._build import mrope_positions
 from .batch import PaddingSide, RLBatch, dense_group_index
 from .choice import Choice
-from .grounding import CoordinateSystem, convert_boxes, convert_points
+from .coordinates import CoordinateSystem, convert_boxes, convert_points
 from .io import BatchFileError
 from .video import VideoLayout
 from .media import MediaItem, ResizeSettings, key_settings, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets

@@ -21,7 +21,7 @@ from .media import (
     MediaItem, add_grid_checks, add_pixel_checks, content_key, default_media_id, grid_arg, grid_row, processor_fingerprint,
     token_counts,
 )
-from .grounding import CoordinateSystem
+from .coordinates import CoordinateSystem
 from .spans import Modality, SchemaError, Span, spans_from_mask
 
 Tensor = torch.Tensor

@@ -15,7 +15,7 @@ import torch
 from pydantic import ValidationError
 
 from .checks import FLOAT_DTYPES, DeviceChecks, first_true
-from .grounding import CoordinateSystem
+from .coordinates import CoordinateSystem
 from .media import add_grid_checks, add_pixel_checks, offsets, token_counts
 from .spans import Modality, SchemaError, Span, SpanTable, refuse
 
