@@ -24,7 +24,7 @@ from rlk_mm.fixtures import Sample, processor_inputs, qwen_vl_processor, synthet
 from rlk_mm.models import qwen2_5_vl
 from rlk_mm.schema import Modality, RLBatch, SpanTable, UnsupportedModalityError, mask_unsupported_media
 from rlk_mm.schema.media import offsets, token_counts
-from rlk_mm.schema.support import RFC_PATH, require_supported, require_supported_messages
+from rlk_mm.schema.unsupported import RFC_PATH, require_supported, require_supported_messages
 
 AUDIO_PLACEHOLDER = 151646
 NUM_SAMPLES = 4
@@ -123,6 +123,9 @@ TOKEN_LAYOUT_OPS = {
     "ops.pack": lambda b: ops.pack(b, align=8).input_ids,
     "ops.unpack": lambda b: ops.unpack(ops.pack(b, align=8)).input_ids,
     "models.qwen2_5_vl.prompt_lengths": lambda b: torch.tensor(qwen2_5_vl.prompt_lengths(b)),
+    "ops.group_advantages": lambda b: ops.group_advantages(torch.arange(b.num_samples, dtype=torch.float32), batch=b),
+    "ops.lagrangian_advantages": lambda b: ops.lagrangian_advantages(
+        torch.arange(b.num_samples, dtype=torch.float32), torch.ones(b.num_samples), lam=torch.tensor(0.5), batch=b).advantages,
 }
 
 
@@ -290,3 +293,18 @@ def test_mask_unsupported_media_refuses_a_non_batch():
 def test_error_is_a_not_implemented_error_exported_at_the_top():
     assert rlk_mm.UnsupportedModalityError is UnsupportedModalityError
     assert issubclass(UnsupportedModalityError, NotImplementedError)
+
+
+@pytest.mark.parametrize("old", ["support", "media_fallback"])
+def test_the_old_module_paths_warn_and_serve_the_same_names(old):
+    """schema/support.py and schema/media_fallback.py are now one module, schema/unsupported.py."""
+    import importlib
+
+    import rlk_mm.schema.unsupported as unsupported
+
+    module = importlib.import_module(f"rlk_mm.schema.{old}")
+    for name in ("require_supported", "mask_unsupported_media", "UnsupportedModalityError", "SUPPORTED_MODALITIES"):
+        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.schema\.{old} is deprecated.*import {name} from rlk_mm\.schema\.unsupported"):
+            assert getattr(module, name) is getattr(unsupported, name)
+    with pytest.raises(AttributeError):
+        module.torch

@@ -1,12 +1,14 @@
-"""Typed batch objects: spans, media identity, grounding and RLBatch.
+"""Typed batch objects: spans, media identity, coordinates and RLBatch.
 
-Imports nothing else of rlk_mm. Modules, bottom up: ``checks`` and ``_args`` (argument
-checks), ``spans``, ``choice``, ``media``, ``grounding``; ``_assemble`` (per-sample parts ↔
-fields), ``_inputs`` (the builders' arguments), ``_build`` (the builders' core),
-``_validate`` (the contract's invariants, docs/batch_contract.md), ``io`` (save/load);
-``qwen_vl``, ``verl`` and ``messages`` (builders; ``messages``: chat messages through
-qwen-vl-utils); ``batch`` (the ``RLBatch`` model, its views and constructors); ``video``
-(``VideoLayout``: a batch's videos frame by frame).
+Imports nothing else of rlk_mm. Modules, bottom up: ``checks`` (argument checks), ``spans``,
+``choice``, ``media``, ``coordinates`` (coordinate systems and their conversions),
+``unsupported`` (the modalities the ops support, the check and the fallback), ``turns``
+(assistant turns of a chat in token ids); ``_assemble`` (per-sample parts ↔ fields),
+``_inputs`` (the builders' arguments), ``_build`` (the builders' core), ``_validate`` (the
+contract's invariants, docs/batch_contract.md), ``io`` (save/load); ``qwen_vl``, ``verl`` and
+``messages`` (builders; ``messages``: chat messages through qwen-vl-utils); ``batch`` (the
+``RLBatch`` model, its views and constructors); ``video`` (``VideoLayout``: a batch's videos
+frame by frame); ``trajectories`` (GUI episodes).
 """
 
 from ._build import mrope_positions
@@ -17,8 +19,7 @@ from .io import BatchFileError
 from .video import VideoLayout
 from .media import MediaItem, ResizeSettings, key_settings, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
 from .trajectories import Step, Trajectory, step_group_index
-from .media_fallback import mask_unsupported_media
-from .support import SUPPORTED_MODALITIES, UnsupportedModalityError
+from .unsupported import SUPPORTED_MODALITIES, UnsupportedModalityError, mask_unsupported_media
 from .spans import (
     Modality,
     SchemaError,

@@ -20,7 +20,7 @@ import torch
 from .checks import INTEGER_DTYPES, describe, first_true, group_id_list, sequence_arg, tensor_arg
 from .coordinates import CoordinateSystem, size_arg
 from .spans import SchemaError
-from .support import require_no_audio_inputs
+from .unsupported import require_no_audio_inputs
 
 Tensor = torch.Tensor
 

@@ -27,7 +27,7 @@ from .media import token_counts
 from .messages import fields_from_messages
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
-from .support import require_supported
+from .unsupported import require_supported
 from .trajectories import fields_from_trajectories
 from .verl import fields_from_verl
 

@@ -1,112 +1,19 @@
-"""Which modalities rlk_mm's operators support, and the one check the ops make.
-
-An ``RLBatch`` may hold audio items (``Modality.AUDIO``): such a batch builds, saves,
-loads, selects and packs like any other. No model runner handles them: scoring or
-training on audio needs the design of ``docs/rfc/continuous_latent_rl.md``. So every
-function whose result depends on what the model sees at a media span (the model runners,
-``VisionCache``, the parity checks, ``draw_layout``) refuses such a batch through
-``batch_arg`` -> ``require_supported``, with ``UnsupportedModalityError`` naming the item,
-the RFC and the fallback, ``mask_unsupported_media`` (the text scored, the media span
-masked). Ops that read the token layout alone (``selected_logprob``,
-``linear_policy_loss``, ``scatter_rewards``, ``pack``/``unpack``) accept it: loss spans are
-text, so their result is the fallback batch's. Chat prompts with an audio part
-(``require_supported_messages``: the smoke test's prompts) and processor outputs with
-audio features (``require_no_audio_inputs``: the builders) are refused the same way.
-"""
+"""Deprecated: ``rlk_mm.schema.support`` is now part of ``rlk_mm.schema.unsupported`` (unsupported
+modalities: the check, the error and the fallback, in one module). Its names are served here
+with a ``DeprecationWarning`` for one release."""
 
 from __future__ import annotations
 
-import torch
+import warnings
 
-from .checks import sequence_arg
-from .spans import Modality
+from . import unsupported
 
-#: the modalities every rlk_mm operator handles; an item of another one is refused
-SUPPORTED_MODALITIES = frozenset({Modality.TEXT, Modality.IMAGE, Modality.VIDEO})
-#: where the status of the other modalities, and the plan for them, is written down
-RFC_PATH = "docs/rfc/continuous_latent_rl.md"
-#: chat content-part types (transformers, OpenAI) that carry an item of each unsupported modality
-_PART_TYPES = {"audio": Modality.AUDIO, "input_audio": Modality.AUDIO, "audio_url": Modality.AUDIO}
+__all__: list[str] = []
 
 
-class UnsupportedModalityError(NotImplementedError):
-    """An op got a media item of a modality it has no support for (``modality``).
-
-    The message names the item (``where``), the RFC with the status and the plan, and the
-    fallback: score the text only, with the media span masked."""
-
-    def __init__(self, modality: Modality, where: str, fallback: str):
-        self.modality, self.where = modality, where
-        label = modality.label
-        super().__init__(
-            f"{where} is {label}, a modality rlk_mm's operators do not support (supported: "
-            f"{', '.join(m.label for m in sorted(SUPPORTED_MODALITIES))}; status and plan: {RFC_PATH}). "
-            f"Fallback: score the text only, with the {label} span masked: {fallback}"
-        )
-
-
-def _fallback_for_batch(label: str) -> str:
-    return (f"rlk_mm.schema.mask_unsupported_media(batch) keeps every token in place and turns each {label} span into "
-            "unscored text (the model then sees its placeholder ids, not the content)")
-
-
-def unsupported_item_count(batch) -> int:
-    """Media items of ``batch`` whose modality no op supports, counted on the host (no device
-    read): a valid batch has one ``image_grid_thw`` row per image and one ``video_grid_thw``
-    row per video, so every other media item is of an unsupported modality."""
-    rows = sum(0 if grid is None else grid.shape[0] for grid in (batch.image_grid_thw, batch.video_grid_thw))
-    return len(batch.media_ids) - rows
-
-
-def require_supported(name: str, batch):
-    """``batch`` itself when every media item is an image or a video; else
-    ``UnsupportedModalityError`` naming the argument, the sample, the item and its tokens.
-
-    No host-device sync on the way through (only the failure reads the device)."""
-    if unsupported_item_count(batch) == 0:
-        return batch
-    kinds = [Modality(m) for m in batch.media_modality.tolist()]
-    g = next(g for g, kind in enumerate(kinds) if kind not in SUPPORTED_MODALITIES)
-    table = batch.modality_spans
-    i = int(torch.nonzero(table.media_index.cpu() == g)[0])
-    where = (f"{name}: sample {int(table.span_sample()[i])}, media item {g} (id {batch.media_ids[g]!r}, tokens "
-             f"[{int(table.starts[i])}, {int(table.ends[i])}))")
-    raise UnsupportedModalityError(kinds[g], where, _fallback_for_batch(kinds[g].label))
-
-
-def require_supported_messages(messages, where: str):
-    """``messages`` (chat messages: dicts whose ``content`` is a string or a list of typed
-    parts) when no part is of an unsupported modality (``{"type": "audio"}``,
-    ``"input_audio"``, ``"audio_url"``); else ``UnsupportedModalityError`` naming
-    ``where``, the message and the part. Other part types are the chat template's business."""
-    for m, message in enumerate(sequence_arg(f"{where} messages", messages, "chat messages (dicts)")):
-        if not isinstance(message, dict):
-            raise TypeError(f"{where}: messages[{m}] is {type(message).__name__}; a chat message is a dict with 'role' and 'content'")
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            modality = _PART_TYPES.get(kind) if isinstance(kind, str) else None
-            if modality is not None:
-                raise UnsupportedModalityError(
-                    modality, f"{where}: messages[{m}].content[{p}] (type {part['type']!r})",
-                    f"drop the {modality.label} part from the prompt (keep its text), or transcribe it to text first")
-    return messages
-
-
-#: processor-output keys of audio inputs (Whisper, Qwen2-Audio, Qwen2.5-Omni feature extractors)
-AUDIO_INPUT_KEYS = ("input_features", "feature_attention_mask", "audio_feature_lengths", "input_values", "audio_values")
-
-
-def require_no_audio_inputs(inputs, where: str):
-    """``inputs`` (a processor output or one sample's media inputs) when it holds no audio
-    inputs; else ``UnsupportedModalityError``. A builder that ignored them would build the
-    audio placeholders as plain text without saying so."""
-    found = [key for key in AUDIO_INPUT_KEYS if inputs.get(key) is not None]
-    if found:
-        raise UnsupportedModalityError(
-            Modality.AUDIO, f"{where} holds audio inputs ({', '.join(found)}); their modality",
-            f"build the batch from the output without {', '.join(found)}: the audio placeholder tokens are then unscored "
-            "text, as rlk_mm.schema.mask_unsupported_media(batch) makes them")
-    return inputs
+def __getattr__(name: str):
+    if name in unsupported.__all__:
+        warnings.warn(f"rlk_mm.schema.support is deprecated and will be removed in the next release: import {name} from "
+                      "rlk_mm.schema.unsupported (or rlk_mm.schema)", DeprecationWarning, stacklevel=2)
+        return getattr(unsupported, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

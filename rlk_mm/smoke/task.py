@@ -9,7 +9,7 @@ from typing import Callable
 from PIL import ImageDraw
 
 from ..fixtures import Sample
-from ..schema.support import require_supported_messages
+from ..schema.unsupported import require_supported_messages
 
 
 @dataclass
