@@ -378,7 +378,7 @@ BAD = [
     Case("forward_hidden.model.none", lambda c: forward_hidden(None, c.image_batch), Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
     Case("forward_hidden.model.linear", lambda c: forward_hidden(torch.nn.Linear(2, 2), c.image_batch), Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
     Case("forward_hidden.batch.dict", lambda c: forward_hidden(c.model, {"input_ids": c.batch.input_ids}), Raises(TypeError, r"batch must be an RLBatch")),
-    Case("forward_hidden.layout", lambda c: forward_hidden(c.model, c.image_batch, layout="packd"), Raises(ValueError, r"layout='packd'")),
+    Case("forward_hidden.padding", lambda c: forward_hidden(c.model, c.image_batch, padding="packd"), Raises(ValueError, r"padding='packd'")),
     Case("forward_hidden.media_embeds.rows", lambda c: forward_hidden(c.model, c.image_batch, media_embeds=torch.zeros(3, 64)),
          Raises(ValueError, r"media_embeds has 3 rows; the batch's media items need 8")),
     Case("forward_hidden.media_embeds.width", lambda c: forward_hidden(c.model, c.image_batch, media_embeds=torch.zeros(8, 32)),

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from rlk_mm import fixtures
 from rlk_mm.ops import batch_invariant
-from rlk_mm.models.qwen2_5_vl import VisionCache, _GatherRows, batch_logprobs, group_logprobs
+from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, group_logprobs
+from rlk_mm.models.vision_cache import _GatherRows
 from rlk_mm.ops._torch import invariant as R
 from rlk_mm.ops.invariant import attention as A
 from rlk_mm.ops.invariant import matmul as M

@@ -5,7 +5,9 @@
 - each renamed keyword (``kl_penalty(kind=)``, ``scatter_rewards(loss_spans=)``,
   ``unpack_to_padded(side=)``) still works for one release, warns naming the new name, and
   gives bitwise the same result;
-- the reward and advantage ops take ``batch=`` as the log-prob ops do.
+- the reward and advantage ops take ``batch=`` as the log-prob ops do;
+- one backend resolver: a bad name is a ``ValueError`` naming the argument, Triton where it
+  cannot run is ``BackendUnavailableError`` (a RuntimeError and a ValueError) everywhere.
 """
 
 import inspect
@@ -16,7 +18,9 @@ import pytest
 import torch
 
 import rlk_mm.ops as ops
+from helpers import use_backend
 from rlk_mm.ops import options
+from rlk_mm.ops._backend import BackendUnavailableError, backend_arg, resolve_backend
 from rlk_mm.schema import RLBatch, Span, SpanTable
 
 OPTION_SETS = [options.AggMode, options.KLType, options.RatioMode, options.Estimator, options.RewardPlacement,
@@ -73,6 +77,9 @@ SIGNATURES = [  # (op, parameter, an option set its annotation names)
     ("lagrangian_advantages", "estimator", "Estimator"),
     ("scatter_rewards", "mode", "RewardPlacement"),
     ("unpack_to_padded", "padding", "PaddingSide"),
+    ("sample", "backend", "Backend"),
+    ("sample_from_hidden", "backend", "Backend"),
+    ("batch_invariant", "backend", "Backend"),
     ("linear_policy_loss", "padding", "PaddingSide"),
 ]
 
@@ -187,3 +194,59 @@ def test_scatter_rewards_takes_the_batch_or_its_loss_spans():
     batch = _batch(["a", "b"], rewards=torch.tensor([1.0, -1.0]))
     assert torch.equal(ops.scatter_rewards(batch), ops.scatter_rewards(batch.loss_spans, batch.rewards))
     assert torch.equal(ops.scatter_rewards(batch=batch), ops.scatter_rewards(batch))
+
+
+# ----------------------------------------------------------------------------- the backend resolver
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """Triton's interpreter off, as on a machine with neither CUDA nor TRITON_INTERPRET=1."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def test_backend_names_are_checked_naming_the_argument():
+    B = options.Backend
+    assert backend_arg(None) is B.AUTO and backend_arg("auto") is B.AUTO and backend_arg(B.TORCH) is B.TORCH
+    assert backend_arg("triton") is B.TRITON
+    for bad in ("cuda", 1, "flashinfer", ["torch"]):
+        with pytest.raises(ValueError, match=r"backend=.*: backend must be None, 'torch' or 'triton'"):
+            backend_arg(bad)
+    logits, seeds = torch.randn(2, 8), torch.arange(2)
+    with pytest.raises(ValueError, match=r"backend='cuda': backend must be None, 'torch', 'triton' or 'flashinfer'"):
+        ops.sample(logits, seeds=seeds, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend='cuda': backend must be None, 'torch' or 'triton'"):
+        ops.batch_invariant(backend="cuda").__enter__()
+    x = torch.zeros(2, 3)
+    with use_backend("cuda"), pytest.raises(ValueError, match=r"RLK_MM_BACKEND='cuda': expected one of auto, torch, triton"):
+        ops.policy_loss(x, x, x)
+    with use_backend("flashinfer"), pytest.raises(ValueError, match=r"RLK_MM_BACKEND='flashinfer'"):
+        resolve_backend(on_cuda=False)
+
+
+def test_resolution_order_argument_then_environment_then_device():
+    B = options.Backend
+    with use_backend("torch"):
+        assert resolve_backend(on_cuda=True) is B.TORCH
+        assert resolve_backend(B.TRITON, on_cuda=True) is B.TRITON
+    with use_backend("auto"):
+        assert resolve_backend(on_cuda=True) is B.TRITON and resolve_backend(on_cuda=False) is B.TORCH
+        assert resolve_backend(B.TORCH, on_cuda=True) is B.TORCH
+
+
+def test_triton_without_cuda_or_interpreter_is_one_error_type(no_interpreter):
+    assert issubclass(BackendUnavailableError, RuntimeError) and issubclass(BackendUnavailableError, ValueError)
+    logits, seeds = torch.randn(2, 8), torch.arange(2)
+    calls = {
+        "sample(backend=)": lambda: ops.sample(logits, seeds=seeds, backend="triton"),
+        "sample_from_hidden(backend=)": lambda: ops.sample_from_hidden(torch.randn(2, 4), torch.randn(8, 4), seeds=seeds,
+                                                                       backend=options.Backend.TRITON),
+        "batch_invariant(backend=)": lambda: ops.batch_invariant(backend="triton").__enter__(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(BackendUnavailableError, match=r"'triton'.* needs TRITON_INTERPRET=1"):
+            call()
+    with use_backend("triton"):
+        x = torch.zeros(2, 3)
+        for call in (lambda: ops.policy_loss(x, x, x), lambda: ops.batch_invariant().__enter__(),
+                     lambda: ops.sample(logits, seeds=seeds)):
+            with pytest.raises(BackendUnavailableError, match=r"RLK_MM_BACKEND='triton'.* needs TRITON_INTERPRET=1"):
+                call()

@@ -28,13 +28,15 @@ import torch
 
 from ..schema.checks import INTEGER_DTYPES, first_true, float_arg, group_id_list, int_arg, tensor_arg
 from . import logprob as _lp
-from ._backend import use_triton
+from ._backend import backend_arg, resolve_backend
 from ._torch import sampling as _ref
+from .options import Backend
 
 Tensor = torch.Tensor
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-BACKENDS = (None, "torch", "triton", "flashinfer")
+#: the values of ``sample(backend=...)`` (``sample_from_hidden`` takes all but flashinfer)
+BACKENDS = (None, Backend.TORCH, Backend.TRITON, Backend.FLASHINFER)
 #: the integer masses (units of 2^-40 of the top token's) are summed in int64: V < 2^23
 MAX_VOCAB = 1 << 23
 
@@ -49,7 +51,7 @@ class SampleResult(NamedTuple):
 
 def sample(
     logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Optional[str] = None,
+    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Backend | str | None = None,
 ) -> SampleResult:
     """Draw one token per row of ``logits [B, V]`` (fp32/bf16/fp16; -inf masks an entry).
 
@@ -58,8 +60,8 @@ def sample(
     at the boundary kept), ``top_p`` in (0, 1] (the smallest top set holding that share of
     the survivors' mass), ``min_p`` in [0, 1] (tokens with probability >= min_p x the top
     one's). ``seeds``: one integer seed per row (``group_seeds``); ``step``: the decoding
-    step, an int or one per row. ``backend``: None (Triton on CUDA, torch elsewhere;
-    ``RLK_MM_BACKEND`` forces one), "torch", "triton" or "flashinfer".
+    step, an int or one per row. ``backend`` (a ``Backend`` or its string): None (Triton on
+    CUDA, torch elsewhere; ``RLK_MM_BACKEND`` forces one), "torch", "triton" or "flashinfer".
     """
     tensor_arg("logits", logits)
     if logits.dim() != 2:
@@ -69,14 +71,14 @@ def sample(
     B, V = logits.shape
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
     seeds, steps = _seeds_and_steps(seeds, step, B, logits.device)
-    backend = _backend_arg(backend)
+    backend = backend_arg(backend, "backend", BACKENDS[1:])
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    if backend == "flashinfer":
+    if backend is Backend.FLASHINFER:
         from ._flashinfer import sampling as _fi
 
         tokens = _fi.draw(logits, inv_t, filters, seeds, steps)
         out = _score(logits, inv_t, filters, seeds, steps, tokens)
-    elif _triton_for(backend, logits):
+    elif resolve_backend(backend, on_cuda=logits.is_cuda) is Backend.TRITON:
         from ._triton import sampling as _tri
 
         out = _tri.sample_logits(logits, inv_t, filters, seeds, steps)
@@ -88,7 +90,7 @@ def sample(
 def sample_from_hidden(
     hidden: Tensor, weight: Tensor, *, bias: Optional[Tensor] = None, temperature: float = 1.0,
     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-    seeds: Tensor, step=0, backend: Optional[str] = None,
+    seeds: Tensor, step=0, backend: Backend | str | None = None,
 ) -> SampleResult:
     """``sample`` of the logits ``(hidden · weightᵀ + bias) / temperature``, the LM head fused
     with the draw: ``hidden [B, H]``, ``weight [V, H]``, ``bias [V]`` (finite, or -inf to mask
@@ -108,13 +110,13 @@ def sample_from_hidden(
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
     temperature = float(temperature)
     seeds, steps = _seeds_and_steps(seeds, step, B, hidden.device)
-    backend = _backend_arg(backend)
-    if backend == "flashinfer":
+    backend = backend_arg(backend, "backend", BACKENDS[1:])
+    if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
     if bias is not None:
         _lp._check_bias(bias, rows[:0], float(bias.amax()), 0.0)
     hidden, weight = _lp._contiguous_rows(hidden), _lp._contiguous_rows(weight)
-    if _triton_for(backend, hidden):
+    if resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON:
         from ._triton import sample_hidden as _tri_hidden
 
         out = _tri_hidden.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps)
@@ -199,25 +201,6 @@ def _seeds_and_steps(seeds, step, B: int, device: torch.device) -> tuple[Tensor,
     else:
         steps = torch.full((B,), int_arg("step", step, min=0, max=2**32 - 1), dtype=torch.int64, device=device)
     return seeds.to(device=device, dtype=torch.int64), steps
-
-
-def _backend_arg(backend) -> Optional[str]:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be None, 'torch', 'triton' or 'flashinfer'; got {backend!r}")
-    return backend
-
-
-def _triton_for(backend: Optional[str], t: Tensor) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "triton" and not t.is_cuda:
-        from ._backend import triton_interpreting
-
-        if not triton_interpreting():
-            raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (set before rlk_mm is "
-                             "imported), or move the tensors to CUDA")
-        return True
-    return backend == "triton" or use_triton(t)
 
 
 def _score(logits, inv_t, filters, seeds, steps, tokens):

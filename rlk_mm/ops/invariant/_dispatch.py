@@ -10,7 +10,8 @@ import weakref
 
 import torch
 
-from .. import _backend
+from .._backend import resolve_backend, use_triton
+from ..options import Backend
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -19,7 +20,7 @@ class _State:
     """Process-wide, like the dispatcher overrides it mirrors."""
 
     active = False
-    backend: str | None = None
+    backend: Backend | None = None  # AUTO, TORCH or TRITON while active
 
 
 STATE = _State()
@@ -32,15 +33,10 @@ def triton_for(*tensors: torch.Tensor) -> bool:
     per op in a launch-bound forward), outside it the env/device."""
     backend = STATE.backend
     if backend is None:
-        return _backend.use_triton(*tensors)
-    if backend == "torch":
-        return False
+        return use_triton(*tensors)
     on_cuda = any(t.is_cuda for t in tensors)
-    if backend == "triton":
-        if not on_cuda and not _backend.triton_interpreting():
-            raise RuntimeError("batch_invariant(backend='triton') on CPU tensors needs TRITON_INTERPRET=1")
-        return True
-    return on_cuda  # "auto"
+    chosen = resolve_backend(backend, on_cuda=on_cuda, source="batch_invariant(backend='triton')", environment=False)
+    return chosen is Backend.TRITON
 
 
 def through_op(*tensors: torch.Tensor) -> bool:

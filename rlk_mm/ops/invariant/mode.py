@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from .. import _backend
+from .._backend import backend_arg, backend_name, resolve_backend
+from ..options import Backend
 from ._dispatch import SEGMENT_CACHE, STATE
 from .attention import attention_interface, full_bool_mask
 from .matmul import ATEN_OVERRIDES
@@ -33,7 +34,7 @@ from .matmul import ATEN_OVERRIDES
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
 ModulePatches = list[tuple[type, str, object]]
 #: the values of ``batch_invariant(backend=...)``
-BACKENDS = (None, "torch", "triton")
+BACKENDS = (None, Backend.TORCH, Backend.TRITON)
 _MODULE_PATCHES: list[Callable[[], ModulePatches]] = []
 
 
@@ -59,19 +60,20 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def batch_invariant(backend: str | None = None):
+def batch_invariant(backend: Backend | str | None = None):
     """Route matmuls, attention and RMSNorm through batch-invariant kernels inside the block.
 
-    ``backend``: None (Triton on CUDA, torch on CPU; ``RLK_MM_BACKEND`` forces one),
-    ``"triton"`` or ``"torch"``; checked on entry, with ``RLK_MM_BACKEND`` (Triton needs CUDA
-    or ``TRITON_INTERPRET=1``). Not re-entrant; restores every override on exit.
+    ``backend`` (a ``Backend`` or its string): None (Triton on CUDA, torch on CPU;
+    ``RLK_MM_BACKEND`` forces one), ``"triton"`` or ``"torch"``; checked on entry, with
+    ``RLK_MM_BACKEND`` (Triton needs CUDA or ``TRITON_INTERPRET=1``:
+    ``BackendUnavailableError``). Not re-entrant; restores every override on exit.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"batch_invariant: backend must be None, 'torch' or 'triton', got {backend!r}")
-    chosen = backend or _backend.backend_name()
-    if chosen == "triton" and not torch.cuda.is_available() and not _backend.triton_interpreting():
-        raise ValueError(f"batch_invariant: backend 'triton' ({'backend=' if backend else 'RLK_MM_BACKEND='}'triton') needs CUDA, "
-                         "or TRITON_INTERPRET=1 (Triton's interpreter, set before rlk_mm is imported)")
+    chosen = backend_arg(backend, "backend", BACKENDS[1:])
+    source = "batch_invariant(backend='triton')"
+    if chosen is Backend.AUTO:
+        chosen, source = backend_name(), "batch_invariant() with RLK_MM_BACKEND='triton'"
+    if chosen is Backend.TRITON:  # the kernels run where the model is: refused here unless CUDA or the interpreter
+        resolve_backend(chosen, on_cuda=torch.cuda.is_available(), source=source, environment=False)
     if STATE.active:
         raise RuntimeError("batch_invariant() is already active in this thread (it is not re-entrant)")
     lib = torch.library.Library("aten", "IMPL")
