@@ -10,7 +10,8 @@ import torch
 
 from rlk_mm import smoke
 from rlk_mm.fixtures import processor_inputs
-from rlk_mm.smoke.point_task import SHAPE_COLOURS, point_reward, point_task, resized_size
+from rlk_mm.fixtures.palette import ANSWER_COLOURS
+from rlk_mm.smoke.tasks.point import point_reward, point_task, resized_size
 from rlk_mm.smoke.tasks import TASKS
 
 GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
@@ -27,7 +28,7 @@ def test_screens_masks_and_resized_sizes_agree_with_the_processor(processor):
         mask = s.meta["mask"]
         assert mask.shape == (s.meta["size"][1], s.meta["size"][0]) and 0 < mask.mean() < 0.3
         assert s.images[0].getpixel(tuple(int(v) for v in torch.nonzero(torch.from_numpy(mask))[0].flip(0))) == \
-            SHAPE_COLOURS[s.meta["colour"]]
+            ANSWER_COLOURS[s.meta["colour"]]
         assert point_reward(task.answer_text(s.answer), s) == 1.0  # the centre of the target is inside it
 
 

@@ -13,7 +13,7 @@ import torch
 
 from rlk_mm import smoke
 from rlk_mm.fixtures import Sample, processor_inputs, tiny_qwen2_5_vl
-from rlk_mm.smoke.tasks import _colour_pixels
+from rlk_mm.smoke.tasks import colour_pixels
 
 # Short runs: the gates and a couple of GRPO steps. Warm-up length matters: the policy must
 # answer with colour words often enough that the first batch has a reward spread (the
@@ -101,7 +101,7 @@ def test_colour_samples_have_a_dominant_colour():
     assert any(len(s.images) == 2 for s in samples) and any(len(s.images) == 1 for s in samples)
     assert len({s.images[0].size for s in samples}) > 1
     for s in samples:
-        counts = _colour_pixels(s.images)
+        counts = colour_pixels(s.images)
         assert counts == s.meta["pixels"]
         assert all(counts[s.answer] >= 1.5 * max(v, 1) for c, v in counts.items() if c != s.answer)
     again = smoke.colour_sample(random.Random(7), "s0")
@@ -191,3 +191,23 @@ def test_task_options_that_do_not_fit_are_refused(argv, message):
         check_args(smoke.parse_args(argv))
     assert task_name(smoke.parse_args([])) == "colour" and task_name(smoke.parse_args(["--data", "."])) == "geo3k"
     assert task_name(smoke.parse_args(["--task", "video-direction"])) == "video-direction"
+
+
+def test_tasks_are_one_package_and_the_old_modules_warn():
+    """smoke/task.py (the base), smoke/tasks.py and smoke/point_task.py are the package smoke/tasks/."""
+    import importlib
+
+    from rlk_mm.fixtures import SHAPE_COLOURS
+    from rlk_mm.fixtures.palette import ANSWER_COLOURS
+    from rlk_mm.smoke import tasks
+    from rlk_mm.smoke.tasks import base, point
+
+    assert set(tasks.TASKS) == {"colour", "geo3k", "video-direction", "point", "point-shuffled"}
+    assert smoke.COLOURS is ANSWER_COLOURS and list(ANSWER_COLOURS) == ["red", "green", "blue", "yellow"]
+    assert all(SHAPE_COLOURS[name] == rgb for name, rgb in ANSWER_COLOURS.items())  # one palette
+    for old, new, name in (("task", base, "Task"), ("point_task", point, "point_reward")):
+        module = importlib.import_module(f"rlk_mm.smoke.{old}")
+        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.smoke\.{old} is deprecated.*import {name} from {new.__name__}"):
+            assert getattr(module, name) is getattr(new, name)
+        with pytest.raises(AttributeError):
+            module.random

@@ -40,7 +40,8 @@ Why it is built as it is:
 - `keep_freed_memory` (glibc mallopt, at the start of every run) keeps the big logits
   buffers on the heap instead of returning them to the OS on every step.
 
-Modules, bottom up: ``tasks`` (colour and Geo3K), ``policy`` (model, hooks, training
+Modules, bottom up: ``tasks`` (a package: the base ``Task``, then one module per task:
+colour, Geo3K, video-direction, point), ``policy`` (model, hooks, training
 forward, warm-up), ``rollout``, ``gates``, ``learning`` (the learning check), ``report``
 (versions, progress table, curves), ``train`` (``run_smoke``), ``options`` (argparse),
 ``cli`` (the sub-command and ``python -m rlk_mm.smoke``).

@@ -1,4 +1,5 @@
-"""A smoke task: what every task of ``tasks`` (and ``point_task``) hands the smoke test."""
+"""The base of the smoke tasks: ``Task`` (what every task hands the smoke test) and the
+helpers the drawn tasks share: ``numbered_draw`` and ``draw_shape``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Callable
 
 from PIL import ImageDraw
 
-from ..fixtures import Sample
-from ..schema.unsupported import require_supported_messages
+from ...fixtures import Sample
+from ...schema.unsupported import require_supported_messages
+
+__all__ = ["Task", "draw_shape", "numbered_draw"]
 
 
 @dataclass

@@ -18,12 +18,17 @@ import torch
 from PIL import Image, ImageDraw
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from ..fixtures import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Sample
-from ..grounding import CONVENTION_SYSTEM, Convention, check_values, find_regions
-from ..schema import CoordinateSystem, convert_points
-from .task import Task, draw_shape, numbered_draw
+from ...fixtures import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Sample
+from ...fixtures.palette import ANSWER_COLOURS
+from ...grounding import CONVENTION_SYSTEM, Convention, check_values, find_regions
+from ...schema import CoordinateSystem, convert_points
+from .base import Task, draw_shape, numbered_draw
 
-SHAPE_COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
+__all__ = [
+    "JSON_CONVENTIONS", "POINT_TASKS", "PROMPT", "PROMPT_1000", "SCREEN_SIZES", "draw_screen", "point_reward", "point_sample",
+    "point_task", "resized_size",
+]
+
 SCREEN_SIZES = ((120, 90), (100, 100), (90, 120), (126, 84))
 """(width, height): 9 to 15 image tokens; none a multiple of 28 on both sides, so the processor
 resizes them (the answer's pixels are not the screen's)."""
@@ -47,15 +52,15 @@ def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image,
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
     strip = width // 3
-    colours = rng.sample(list(SHAPE_COLOURS), 3)
+    colours = rng.sample(list(ANSWER_COLOURS), 3)
     for i, colour in enumerate(colours):
         w = rng.randrange(int(0.7 * strip), strip - 1)  # large shapes: a point in the right strip mostly hits
         h = rng.randrange(height // 2, int(0.85 * height))
         x = i * strip + rng.randrange(1, strip - w)
         y = rng.randrange(1, height - h - 1)
-        draw_shape(draw, rng, (x, y, x + w - 1, y + h - 1), SHAPE_COLOURS[colour])
+        draw_shape(draw, rng, (x, y, x + w - 1, y + h - 1), ANSWER_COLOURS[colour])
     pixels = np.asarray(image, dtype=np.int16)
-    masks = {c: (pixels == np.array(SHAPE_COLOURS[c])).all(-1) for c in colours}
+    masks = {c: (pixels == np.array(ANSWER_COLOURS[c])).all(-1) for c in colours}
     return image, masks
 
 
@@ -116,5 +121,5 @@ POINT_TASKS = {
     "point": lambda data: point_task(),
     "point-shuffled": lambda data: point_task(shuffled=True),
 }
-"""The `--task` entries of this module (merged into `tasks.TASKS`)."""
+"""The `--task` entries of this module (in `tasks.TASKS`)."""
 

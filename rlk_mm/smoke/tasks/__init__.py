@@ -1,0 +1,41 @@
+"""The smoke tasks, one module each, and `TASKS`, the registry `--task` chooses from.
+
+``base``: `Task` (prompts, reward, warm-up answer and response length of a task) and the
+helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`),
+``video`` (video-direction) and ``point`` (grounding: point and its shuffled control).
+A new task registers in `TASKS`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+from .base import Task, draw_shape, numbered_draw
+from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
+from .geo3k import geo3k_reward, geo3k_task
+from .point import POINT_TASKS, point_reward, point_task
+from .video import DIRECTIONS, VIDEO_FRAMES, direction_clip, direction_sample, video_direction_task
+
+__all__ = [
+    "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
+    "colour_task", "direction_clip", "direction_sample", "draw_shape", "geo3k_reward", "geo3k_task", "numbered_draw",
+    "point_reward", "point_task", "video_direction_task",
+]
+
+
+def _geo3k_from(data: Optional[Path]) -> Task:
+    if data is None:
+        raise ValueError("the geo3k task needs --data DIR (a Geo3K folder: problems.jsonl + images, e.g. ../shared/geo3k)")
+    return geo3k_task(data)
+
+
+TASKS: dict[str, Callable[[Optional[Path]], Task]] = {
+    "colour": lambda data: colour_task(),
+    "geo3k": _geo3k_from,
+    "video-direction": lambda data: video_direction_task(),
+    **POINT_TASKS,
+}
+"""`--task` name -> factory(the `--data` folder or None) -> Task. A new task registers here."""
+DATA_TASKS = ("geo3k",)
+"""The tasks that read `--data` (the others refuse it)."""
