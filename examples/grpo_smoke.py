@@ -1,7 +1,7 @@
 """The image-text GRPO smoke test as a script: the same run as `rlk-mm smoke` (`make smoke`).
 
     python examples/grpo_smoke.py                      # colour task, tiny Qwen2.5-VL, CPU
-    python examples/grpo_smoke.py --data ../shared/geo3k --steps 2
+    python examples/grpo_smoke.py --task geo3k --steps 2       # the 3 Geo3K problems in the package (or --data DIR)
     python examples/grpo_smoke.py --break adv-sign     # watch the learning check catch it
 
 Options: `python examples/grpo_smoke.py --help`. The code lives in `rlk_mm/smoke/`:

@@ -54,17 +54,16 @@ from helpers import BACKENDS, GPU_NEEDED, VERL_MISSING, use_backend, verl_instal
 
 pytest_plugins = ["pytester"]
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-GEO3K = SHARED / "geo3k"
-
-
 ray_stand_in.install()
 
 
 @pytest.fixture(scope="session")
 def geo3k_dir() -> Path:
-    assert GEO3K.is_dir(), f"the shared Geo3K sample is missing at {GEO3K}"
-    return GEO3K
+    """The 3-problem Geo3K sample inside the package (rlk_mm/fixtures/geo3k_sample)."""
+    from rlk_mm.fixtures import GEO3K_SAMPLE_DIR
+
+    assert (GEO3K_SAMPLE_DIR / "problems.jsonl").is_file(), f"the Geo3K sample is missing at {GEO3K_SAMPLE_DIR}"
+    return GEO3K_SAMPLE_DIR
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ def grids_of(batch, b):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
-    samples = load_geo3k(geo3k_dir)[:4]
+    samples = (load_geo3k(geo3k_dir) * 2)[:4]  # the sample's 3 problems, then the first again
     out = processor_inputs(processor, samples, padding_side=side)
     responses = responses_for(processor, len(samples))
     media_ids = [m for s in samples for m in s.media_ids]

@@ -178,7 +178,6 @@ def test_direction_clips_move_the_shape_the_way_they_say():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--task", "geo3k"], "--task geo3k needs --data"),
         (["--task", "colour", "--data", "."], "--data is for --task geo3k"),
         (["--task", "video-direction", "--break", "image-swap", "--prompts", "5"], "has videos only"),
     ],
@@ -191,6 +190,17 @@ def test_task_options_that_do_not_fit_are_refused(argv, message):
         check_args(smoke.parse_args(argv))
     assert task_name(smoke.parse_args([])) == "colour" and task_name(smoke.parse_args(["--data", "."])) == "geo3k"
     assert task_name(smoke.parse_args(["--task", "video-direction"])) == "video-direction"
+
+
+def test_geo3k_without_data_reads_the_sample_in_the_package():
+    from rlk_mm.fixtures import GEO3K_SAMPLE_DIR, load_geo3k
+    from rlk_mm.smoke.options import check_args
+    from rlk_mm.smoke.tasks import TASKS
+
+    check_args(smoke.parse_args(["--task", "geo3k"]))  # no --data needed
+    task = TASKS["geo3k"](None)
+    problems = task.batch(random.Random(0), 6, "train")
+    assert {s.id for s in problems} <= {s.id for s in load_geo3k(GEO3K_SAMPLE_DIR)} and task.name == "geo3k"
 
 
 def test_tasks_are_one_package_and_the_old_modules_warn():

@@ -5,7 +5,7 @@ What a VLM RL engineer runs first. With no download it:
 1. draws seeded images in which one of four colours dominates (distractor shapes, varying
    sizes, sometimes two images) and asks "Which colour dominates the image? Answer with
    one word." (reward 1 for the right colour word); `--data DIR` runs on a Geo3K folder
-   with a Geo3K-style reward instead;
+   with a Geo3K-style reward instead (`--task geo3k` alone: the 3-problem sample in the package);
 2. builds the real Qwen2.5-VL processor and a tiny random-weight
    `Qwen2_5_VLForConditionalGeneration` (or loads `--model-path`);
 3. warms the policy up on the answer format with shuffled labels, so it answers with a

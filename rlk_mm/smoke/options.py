@@ -19,7 +19,7 @@ IMAGE_SWAP_MIN_PROMPTS = 5
 def add_arguments(p: argparse.ArgumentParser) -> None:
     count, positive = command.int_at_least, command.number(0, open_low=True)
     p.add_argument("--task", choices=sorted(TASKS), help="the smoke task (default: colour, or geo3k with --data)")
-    p.add_argument("--data", type=command.folder, help="a Geo3K folder (problems.jsonl + images), e.g. ../shared/geo3k; implies --task geo3k")
+    p.add_argument("--data", type=command.folder, help="a Geo3K folder (problems.jsonl + images); implies --task geo3k (which reads the 3-problem sample in rlk_mm/fixtures/geo3k_sample without it)")
     p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
     p.add_argument("--steps", type=count(1), default=250, help="GRPO steps (default 250)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
@@ -48,8 +48,6 @@ def task_name(args) -> str:
 def check_args(args) -> None:
     """The checks across options (each option alone is checked by its argparse type)."""
     task = task_name(args)
-    if task in DATA_TASKS and not args.data:
-        raise UsageError(f"--task {task} needs --data DIR (a Geo3K folder: problems.jsonl + images, e.g. ../shared/geo3k)")
     if args.data and task not in DATA_TASKS:
         raise UsageError(f"--data is for --task {'/'.join(DATA_TASKS)}; --task {task} draws its own prompts: drop --data")
     if args.break_mode == "image-swap" and task == "video-direction":

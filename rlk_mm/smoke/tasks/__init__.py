@@ -1,7 +1,8 @@
 """The smoke tasks, one module each, and `TASKS`, the registry `--task` chooses from.
 
 ``base``: `Task` (prompts, reward, warm-up answer and response length of a task) and the
-helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`),
+helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`, else the
+package's 3-problem sample),
 ``video`` (video-direction) and ``point`` (grounding: point and its shuffled control).
 A new task registers in `TASKS`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from ...fixtures import GEO3K_SAMPLE_DIR
 from .base import Task, draw_shape, numbered_draw
 from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
 from .geo3k import geo3k_reward, geo3k_task
@@ -24,18 +26,13 @@ __all__ = [
 ]
 
 
-def _geo3k_from(data: Optional[Path]) -> Task:
-    if data is None:
-        raise ValueError("the geo3k task needs --data DIR (a Geo3K folder: problems.jsonl + images, e.g. ../shared/geo3k)")
-    return geo3k_task(data)
-
-
 TASKS: dict[str, Callable[[Optional[Path]], Task]] = {
     "colour": lambda data: colour_task(),
-    "geo3k": _geo3k_from,
+    "geo3k": lambda data: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
     "video-direction": lambda data: video_direction_task(),
     **POINT_TASKS,
 }
-"""`--task` name -> factory(the `--data` folder or None) -> Task. A new task registers here."""
+"""`--task` name -> factory(the `--data` folder or None) -> Task. A new task registers here.
+Geo3K without `--data` reads the 3-problem sample in the package (`fixtures.GEO3K_SAMPLE_DIR`)."""
 DATA_TASKS = ("geo3k",)
 """The tasks that read `--data` (the others refuse it)."""

@@ -1,4 +1,4 @@
-"""The Geo3K task (`--task geo3k`, `--data DIR`): Geometry3K problems with a `\\boxed{}`
+"""The Geo3K task (`--task geo3k`, `--data DIR` or the package's sample): Geometry3K problems with a `\\boxed{}`
 instruction and a Geo3K-style reward (0.9 accuracy + 0.1 format)."""
 
 from __future__ import annotations
