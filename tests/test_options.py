@@ -250,3 +250,41 @@ def test_triton_without_cuda_or_interpreter_is_one_error_type(no_interpreter):
                      lambda: ops.sample(logits, seeds=seeds)):
             with pytest.raises(BackendUnavailableError, match=r"RLK_MM_BACKEND='triton'.* needs TRITON_INTERPRET=1"):
                 call()
+
+
+# ----------------------------------------------------------------------------- one temperature rule, one dtype tuple
+def test_every_op_applies_the_one_temperature_rule():
+    from rlk_mm.ops.logprob import MIN_TEMPERATURE
+    from rlk_mm.schema.checks import MIN_TEMPERATURE as RULE
+
+    assert MIN_TEMPERATURE == RULE == 1e-5
+    h, w, seeds = torch.randn(3, 8), torch.randn(10, 8), torch.arange(3)
+    rows = torch.arange(3)
+    calls = [
+        lambda t: ops.selected_logprob(h, w, index=rows, targets=rows, temperature=t),
+        lambda t: ops.sample(torch.randn(3, 10), seeds=seeds, temperature=t),
+        lambda t: ops.sample_from_hidden(h, w, seeds=seeds, temperature=t),
+        lambda t: ops.linear_policy_loss(h, w, index=rows, targets=rows, temperature=t, old_log_probs=None,
+                                         advantages=torch.zeros(3), sample_index=rows, num_samples=3),
+    ]
+    for call in calls:
+        for t in (0.0, 1e-9, -1.0, float("nan")):
+            with pytest.raises(ValueError, match=r"temperature must be a finite number >= 1e-05.*greedy.*argmax"):
+                call(t)
+        with pytest.raises(TypeError, match="temperature must be a number"):
+            call("1.0")
+
+
+def test_every_kernel_op_takes_the_one_dtype_tuple():
+    from rlk_mm.schema.checks import KERNEL_FLOAT_DTYPES
+
+    for dtype in (torch.float64, torch.int32):
+        with pytest.raises(TypeError, match="float32"):
+            ops.sample(torch.zeros(2, 4, dtype=dtype), seeds=torch.arange(2))
+        with pytest.raises(TypeError, match="float32"):
+            ops.selected_logprob(torch.zeros(2, 4, dtype=dtype), torch.zeros(3, 4, dtype=dtype), index=torch.arange(2),
+                                 targets=torch.arange(2))
+    from rlk_mm.ops.invariant.rmsnorm import rms_norm
+
+    with pytest.raises(TypeError, match="/".join(str(d).replace("torch.", "") for d in KERNEL_FLOAT_DTYPES)):
+        rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)

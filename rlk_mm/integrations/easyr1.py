@@ -37,7 +37,7 @@ from ..ops.loss import agg_loss, policy_loss
 from ..ops.options import AggMode, KLType
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
-from ..schema.checks import FLOAT_DTYPES, float_arg, tensor_arg
+from ..schema.checks import FLOAT_DTYPES, float_arg, temperature_arg, tensor_arg
 from ._args import outcome_inputs, padded_inputs
 
 #: EasyR1 loss types this module fuses; ``cispo`` and ``sapo`` are not provided
@@ -167,7 +167,7 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
                          "use EasyR1's own update_policy for cispo and sapo")
     if config.ulysses_size != 1:
         raise ValueError(f"config.ulysses_size={config.ulysses_size}: the fused loss has no sequence parallelism; set 1")
-    temperature = float_arg("temperature", temperature, min=0.0, min_open=True)
+    temperature = temperature_arg(temperature)
     avg_mode = _avg_mode("config.loss_avg_mode", config.loss_avg_mode)
     if not 0.0 <= float_arg("config.clip_ratio_low", config.clip_ratio_low) < 1.0:
         raise ValueError(f"config.clip_ratio_low={config.clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")

@@ -4,20 +4,16 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 
 from ..schema import RLBatch
-from ..schema.checks import INTEGER_DTYPES, bool_arg, first_true, tensor_arg
+from ..schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, MIN_TEMPERATURE, first_true, temperature_arg, tensor_arg
 
 Tensor = torch.Tensor
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
-#: below it samplers decode greedily (vLLM), and logits / temperature can overflow float32
-MIN_TEMPERATURE = 1e-5
 
 
 class TargetError(ValueError):
@@ -27,25 +23,6 @@ class TargetError(ValueError):
     def __init__(self, at: int, token: int, problem: str):
         super().__init__(f"targets[{at}] = {token} {problem}")
         self.at, self.token, self.problem = at, token, problem
-
-
-def _temperature(value) -> float:
-    """``value`` (a number or a 0-d float tensor; never a bool or a string) as a float > 0."""
-    if isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    _check_temperature(value)
-    return value
-
-
-def _check_temperature(temperature: float) -> None:
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
-        raise ValueError(
-            f"temperature must be a finite number >= {MIN_TEMPERATURE}; got {temperature} (the rollout's sampling "
-            "temperature: logits are divided by it; 1.0 leaves them as they are)"
-        )
 
 
 def _as_index(name: str, t) -> Tensor:
@@ -106,7 +83,7 @@ def _check(hidden, weight, rows, targets, bias, temperature, shard: bool = False
         raise ValueError("hidden and weight have hidden size H = 0: pass the model's hidden states and its LM head")
     if weight.shape[0] == 0 and not shard:
         raise ValueError("weight has an empty vocabulary (V = 0)")
-    if hidden.dtype not in _FLOAT_DTYPES or weight.dtype != hidden.dtype:
+    if hidden.dtype not in KERNEL_FLOAT_DTYPES or weight.dtype != hidden.dtype:
         raise TypeError(
             f"hidden and weight must share one of float32/bfloat16/float16; got {hidden.dtype} and {weight.dtype}"
         )
@@ -125,7 +102,7 @@ def _check(hidden, weight, rows, targets, bias, temperature, shard: bool = False
     for name, t in named:
         if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    _check_temperature(temperature)
+    temperature_arg(temperature)
 
 
 def _check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[Tensor]) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..schema import RLBatch
-from ..schema.checks import tensor_arg
+from ..schema.checks import temperature_arg, tensor_arg
 from . import logprob as _logprob
 from ._backend import use_triton
 from ._loss_terms import Partial, num_blocks
@@ -107,7 +107,7 @@ def linear_policy_loss(
     """
     config = policy_loss_config(config, knobs, "linear_policy_loss")
     rows, tgts = _logprob.scored_rows(hidden, batch, index, targets, padding)
-    temperature = _logprob._temperature(temperature)
+    temperature = temperature_arg(temperature)
     weight, bias, tp_group = _logprob.sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     n = rows.numel()
     on_policy = old_log_probs is None

@@ -25,8 +25,9 @@ from ._torch import logprob as _ref
 
 Tensor = torch.Tensor
 
-from ._logprob_args import (  # noqa: F401  (TargetError, MIN_TEMPERATURE: public here)
-    TargetError, _temperature, _check_temperature, _as_index, _refuse_padding, _rows_from_batch, _check, _check_values, _check_ranges, _check_bias, _contiguous_rows, _FLOAT_DTYPES, _IGNORE_INDEX, MIN_TEMPERATURE,
+from ..schema.checks import MIN_TEMPERATURE, temperature_arg  # noqa: F401  (MIN_TEMPERATURE: served here too)
+from ._logprob_args import (  # noqa: F401  (TargetError: public here)
+    TargetError, _as_index, _refuse_padding, _rows_from_batch, _check, _check_values, _check_ranges, _check_bias, _contiguous_rows, _IGNORE_INDEX,
 )
 
 
@@ -72,7 +73,7 @@ def selected_logprob(
     gathers it instead, for ranks that score different rows. Every rank gets the same result.
     """
     return_entropy = bool_arg("return_entropy", return_entropy)
-    temperature = _temperature(temperature)
+    temperature = temperature_arg(temperature)
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)
     weight, bias, tp_group = sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     if tp_group is not None:

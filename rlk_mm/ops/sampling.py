@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..schema.checks import INTEGER_DTYPES, first_true, float_arg, group_id_list, int_arg, tensor_arg
+from ..schema.checks import (
+    INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, float_arg, group_id_list, int_arg, temperature_arg, tensor_arg,
+)
 from . import logprob as _lp
 from ._backend import backend_arg, resolve_backend
 from ._torch import sampling as _ref
@@ -34,7 +35,6 @@ from .options import Backend
 
 Tensor = torch.Tensor
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the values of ``sample(backend=...)`` (``sample_from_hidden`` takes all but flashinfer)
 BACKENDS = (None, Backend.TORCH, Backend.TRITON, Backend.FLASHINFER)
 #: the integer masses (units of 2^-40 of the top token's) are summed in int64: V < 2^23
@@ -66,7 +66,7 @@ def sample(
     tensor_arg("logits", logits)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V] (one row per sample); got shape {tuple(logits.shape)}")
-    if logits.dtype not in _FLOAT_DTYPES:
+    if logits.dtype not in KERNEL_FLOAT_DTYPES:
         raise TypeError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
     B, V = logits.shape
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
@@ -151,16 +151,7 @@ def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Fil
     """(fp32 1 / temperature, the filters; None where one keeps every token), all checked."""
     if V > MAX_VOCAB:
         raise ValueError(f"the vocabulary has {V} entries; sampling supports up to {MAX_VOCAB}")
-    if isinstance(temperature, Tensor) and temperature.dim() == 0 and temperature.is_floating_point():
-        temperature = float(temperature)
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and temperature >= _lp.MIN_TEMPERATURE):
-        raise ValueError(
-            f"temperature={temperature}: it must be a finite number >= {_lp.MIN_TEMPERATURE}. For greedy decoding "
-            "(temperature 0) do not sample: take logits.argmax(-1)"
-        )
+    temperature = temperature_arg(temperature)
     inv_t = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
     if top_k is not None:
         top_k = int_arg("top_k", top_k, min=1)

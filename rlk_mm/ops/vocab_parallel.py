@@ -52,13 +52,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..schema.checks import first_true
+from ..schema.checks import KERNEL_FLOAT_DTYPES, first_true
 from ._backend import use_triton
 from . import _logprob_args as _lp
 from ._logprob_args import TargetError
 from ._torch import logprob as _ref
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the per-rank fields ``agree`` gathers, in order
 _FIELDS = ("error", "vocab", "start", "hidden_size", "dtype", "rows", "T", "bias", "temperature", "fingerprint",
            "hidden_fingerprint", "needs_grad", "row_lo", "row_hi", "tgt_lo", "tgt_hi", "bias_bad", "bias_live")
@@ -199,7 +198,7 @@ def _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_in
     n, V = rows.numel(), weight.shape[0]
     values = {
         "vocab": V, "start": -1 if vocab_start_index is None else vocab_start_index, "hidden_size": hidden.shape[1],
-        "dtype": _DTYPES.index(hidden.dtype), "rows": n, "T": hidden.shape[0], "bias": int(bias is not None),
+        "dtype": KERNEL_FLOAT_DTYPES.index(hidden.dtype), "rows": n, "T": hidden.shape[0], "bias": int(bias is not None),
         "temperature": struct.unpack("<q", struct.pack("<d", temperature))[0], "needs_grad": int(needs_grad),
     }
     stats = {"fingerprint": _fingerprint(rows) * 31 + _fingerprint(targets)}
@@ -228,7 +227,7 @@ def _check_table(table, rank, world, group, vocab_start_index, hidden, rows, tar
                       ("fingerprint", "scored rows and targets"), ("hidden_fingerprint", "scored hidden rows")):
         other = next((r for r, m in enumerate(table) if m[key] != table[0][key]), None)
         if other is not None:
-            show = (lambda v: _DTYPES[v]) if key == "dtype" else (lambda v: v)
+            show = (lambda v: KERNEL_FLOAT_DTYPES[v]) if key == "dtype" else (lambda v: v)
             detail = "" if key in ("fingerprint", "hidden_fingerprint", "temperature") else \
                 f": rank 0 has {show(table[0][key])}, rank {other} has {show(table[other][key])}"
             raise ValueError(

@@ -13,8 +13,6 @@ import torch
 from .._backend import resolve_backend, use_triton
 from ..options import Backend
 
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
 
 class _State:
     """Process-wide, like the dispatcher overrides it mirrors."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...schema.checks import INTEGER_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
+from ...schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
 from .._torch import invariant as _ref
-from ._dispatch import FLOATS, cached, through_op, triton_for
+from ._dispatch import cached, through_op, triton_for
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,
@@ -199,7 +199,7 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
         raise ValueError(f"segment_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"segment_attention: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    tensor_arg("q", q, dtypes=FLOATS)
+    tensor_arg("q", q, dtypes=KERNEL_FLOAT_DTYPES)
     causal, max_q = bool_arg("causal", causal), int_arg("max_q", max_q, min=0)
     scale = float_arg("scale", scale, min=0, min_open=True)
     ours = isinstance(segments, _Segments)

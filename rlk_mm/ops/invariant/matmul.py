@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ...schema.checks import float_arg, tensor_arg
+from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
-from ._dispatch import FLOATS, triton_for
+from ._dispatch import triton_for
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -40,7 +40,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     if a.numel() == 0 or b.numel() == 0:  # no products to sum: the kernels need a row, a column and K
         out = a.new_zeros(out_shape)
         return out if bias is None or beta == 0 else out + beta * bias
-    if a.dtype not in FLOATS or not triton_for(a, b):
+    if a.dtype not in KERNEL_FLOAT_DTYPES or not triton_for(a, b):
         return _ref.matmul(a, b, bias, alpha=alpha, beta=beta)
     from .._triton import matmul as tm
 
@@ -132,7 +132,7 @@ def shared_input_linears(x: torch.Tensor, layers) -> list[torch.Tensor]:
 
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(l.weight.requires_grad for l in layers))
     if (needs_grad or torch.compiler.is_compiling() or not x.is_contiguous() or x.dim() < 2
-            or x.dtype not in FLOATS or not triton_for(x)):
+            or x.dtype not in KERNEL_FLOAT_DTYPES or not triton_for(x)):
         return one_by_one()
     from .._triton import matmul as tm
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ...schema.checks import float_arg, tensor_arg
+from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
-from ._dispatch import FLOATS, through_op, triton_for
+from ._dispatch import through_op, triton_for
 
 
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:
@@ -50,8 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Batch-invariant RMSNorm with transformers' Qwen semantics (weight [H] over x [..., H]'s
     last dim, ``eps`` >= 0). Shapes are checked on the host; NaN and inf in a row propagate
     to that row only."""
-    tensor_arg("x", x, dtypes=FLOATS)
-    tensor_arg("weight", weight, dtypes=FLOATS, device=x.device)
+    tensor_arg("x", x, dtypes=KERNEL_FLOAT_DTYPES)
+    tensor_arg("weight", weight, dtypes=KERNEL_FLOAT_DTYPES, device=x.device)
     if x.dim() < 1:
         raise ValueError(f"rms_norm: x must be [..., H] (1-D or more), got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
