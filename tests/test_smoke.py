@@ -221,3 +221,54 @@ def test_tasks_are_one_package_and_the_old_modules_warn():
             assert getattr(module, name) is getattr(new, name)
         with pytest.raises(AttributeError):
             module.random
+
+
+def test_tuning_is_a_config_the_run_takes():
+    """bench/smoke_sweep.py passes a SmokeTuning to run_smoke instead of setting module constants."""
+    from rlk_mm.fixtures.palette import ANSWER_COLOURS
+    from rlk_mm.smoke.tasks import TASKS, colour_sample
+    from rlk_mm.smoke.tasks.colour import BACKGROUND_RATE
+
+    default = smoke.SmokeTuning()
+    assert default.lr_floor == smoke.LR_FLOOR and dict(default.tiny_model) == smoke.TINY_MODEL
+    assert default.background_rate == BACKGROUND_RATE and default == smoke.SmokeTuning.from_mapping({})
+    old_style = smoke.SmokeTuning.from_mapping({"LR_FLOOR": 0.3, "TINY_MODEL": {"hidden_size": 64, "num_layers": 1}})
+    assert old_style == smoke.SmokeTuning(lr_floor=0.3, tiny_model={"hidden_size": 64, "num_layers": 1})
+    assert old_style.as_dict()["tiny_model"] == {"hidden_size": 64, "num_layers": 1}
+    with pytest.raises(ValueError, match="unknown smoke tuning 'LR_FLOR'"):
+        smoke.SmokeTuning.from_mapping({"LR_FLOR": 0.3})
+    with pytest.raises(ValueError, match=r"SmokeTuning.background_rate must be a number in \[0, 1\]"):
+        smoke.SmokeTuning(background_rate=1.5)
+    with pytest.raises(TypeError, match="tuning must be a SmokeTuning"):
+        smoke.run_smoke(smoke.parse_args([]), tuning={"lr_floor": 0.3})
+    assert smoke.lr_factor(299, 40, 300, 0.3) == pytest.approx(0.3) and smoke.lr_factor(299, 40, 300) == pytest.approx(smoke.LR_FLOOR)
+    # the colour task draws with the tuning's rates; the defaults draw exactly the old prompts
+    always = TASKS["colour"](None, smoke.SmokeTuning(background_rate=1.0)).batch(random.Random(0), 8, "train")
+    for s in always:
+        rgb = ANSWER_COLOURS[s.answer]
+        assert s.images[0].getpixel((0, 0)) == rgb or s.images[0].getpixel((s.images[0].width - 1, 0)) == rgb
+    plain = TASKS["colour"](None, default).batch(random.Random(0), 4, "train")
+    rng = random.Random(0)
+    for s in plain:
+        again = colour_sample(rng, s.id)
+        assert s.answer == again.answer and [i.tobytes() for i in s.images] == [i.tobytes() for i in again.images]
+
+
+def test_the_sweep_summarizes_the_steps_a_run_wrote(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "smoke_sweep.py"
+    spec = importlib.util.spec_from_file_location("smoke_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    assert sweep.tuning_of({"set": {"LR_FLOOR": 0.3}, "tuning": {"background_rate": 0.8}}) == {"LR_FLOOR": 0.3, "background_rate": 0.8}
+    with pytest.raises(ValueError, match="unknown smoke tuning"):
+        sweep.tuning_of({"set": {"LR_FLOR": 0.3}})
+    lines = [json.dumps({"step": i + 1, "reward_mean": 0.1 * (i % 11)}) for i in range(20)]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + '\n{"step": 21, "rew')  # the last line cut by a kill
+    steps = sweep.read_steps(tmp_path / "s.jsonl")
+    summary = sweep.summarize("x", steps, None, 1.0, "killed at the deadline")
+    assert summary["steps"] == 20 and summary["start"] == 0.0 and not summary["gates_failed"]
+    failed = sweep.summarize("x", [], {"gates": [{"ok": True}, {"ok": False}]}, 1.0, 1)
+    assert failed["gates_failed"] and failed["steps"] == 0

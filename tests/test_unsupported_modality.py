@@ -242,7 +242,7 @@ def test_smoke_command_exits_2_on_an_audio_task(monkeypatch, capsys, tmp_path):
     from rlk_mm.smoke.tasks import TASKS, Task
 
     audio = Sample("clip-0", [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Who speaks?"}]}])
-    monkeypatch.setitem(TASKS, "colour", lambda data: Task("audio", lambda rng, n, s: [audio] * n, lambda t, s: 0.0, str, 2))
+    monkeypatch.setitem(TASKS, "colour", lambda data, tuning: Task("audio", lambda rng, n, s: [audio] * n, lambda t, s: 0.0, str, 2))
     code = cli.main(["--steps", "1", "--warmup-steps", "1", "--prompts", "1", "--quiet", "--out", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err

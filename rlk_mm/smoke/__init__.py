@@ -43,7 +43,8 @@ Why it is built as it is:
 Modules, bottom up: ``tasks`` (a package: the base ``Task``, then one module per task:
 colour, Geo3K, video-direction, point), ``policy`` (model, hooks, training
 forward, warm-up), ``rollout``, ``gates``, ``learning`` (the learning check), ``report``
-(versions, progress table, curves), ``train`` (``run_smoke``), ``options`` (argparse),
+(versions, progress table, curves), ``tuning`` (``SmokeTuning``: the settings the command line
+does not offer), ``train`` (``run_smoke``), ``options`` (argparse),
 ``cli`` (the sub-command and ``python -m rlk_mm.smoke``).
 """
 
@@ -51,9 +52,10 @@ from .cli import add_smoke_parser
 from .options import parse_args
 from .policy import TINY_MODEL, load_policy
 from .tasks import COLOURS, colour_reward, colour_sample, geo3k_reward
-from .train import LR_FLOOR, lr_factor, run_smoke
+from .train import lr_factor, run_smoke
+from .tuning import LR_FLOOR, SmokeTuning
 
 __all__ = [
-    "COLOURS", "LR_FLOOR", "TINY_MODEL", "add_smoke_parser", "colour_reward", "colour_sample", "geo3k_reward",
+    "COLOURS", "LR_FLOOR", "SmokeTuning", "TINY_MODEL", "add_smoke_parser", "colour_reward", "colour_sample", "geo3k_reward",
     "load_policy", "lr_factor", "parse_args", "run_smoke",
 ]

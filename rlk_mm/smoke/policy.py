@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -50,8 +50,9 @@ class Policy:
         return self.model.lm_head.weight
 
 
-def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype) -> Policy:
-    """The real Qwen2.5-VL processor and the tiny random policy, or a local checkpoint."""
+def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype, tiny: Optional[Mapping] = None) -> Policy:
+    """The real Qwen2.5-VL processor and the tiny random policy (``tiny``: its sizes, default
+    ``TINY_MODEL``), or a local checkpoint."""
     if model_path:
         from transformers import Qwen2_5_VLForConditionalGeneration
 
@@ -59,7 +60,7 @@ def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype)
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     else:
         processor = qwen_vl_processor()
-        model = tiny_qwen2_5_vl(seed, **TINY_MODEL).to(dtype)
+        model = tiny_qwen2_5_vl(seed, **(TINY_MODEL if tiny is None else tiny)).to(dtype)
     model.to(device).eval()
     distinct = _DistinctImages(model.config.vision_config.spatial_merge_size)
     model.model.visual.register_forward_pre_hook(distinct.before, with_kwargs=True)

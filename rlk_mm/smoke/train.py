@@ -10,6 +10,7 @@ import math
 import random
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -23,15 +24,12 @@ from .policy import freeze_embeddings_and_head, hidden_states, load_policy, poli
 from .report import HEADER, device_name, draw_curves, progress_row, versions
 from .rollout import rollout, rollout_batch, training_batch
 from .tasks import TASKS
+from .tuning import LR_FLOOR, SmokeTuning
 
 
 MALLOPT = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1), "M_TOP_PAD": (-2, 256 << 20)}
 """glibc mallopt (parameter, value) pairs: big buffers come from the heap, and freed logits
 buffers stay there for the next step instead of being unmapped."""
-
-LR_FLOOR = 0.1
-"""The learning rate decays (cosine) to this fraction of `--lr` at the last GRPO step."""
-
 
 def keep_freed_memory() -> bool:
     """Ask glibc to serve big buffers from the heap and keep freed memory (no mmap/munmap
@@ -43,16 +41,17 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def lr_factor(step: int, warmup: int, steps: int) -> float:
+def lr_factor(step: int, warmup: int, steps: int, floor: float = LR_FLOOR) -> float:
     """The GRPO learning-rate multiplier at 0-based `step`: a linear ramp over `warmup`
     steps (Adam's first steps are sign-like, ~lr on every weight at once: without the ramp
     the first update alone moves the tiny policy by a KL of ~2 and the answer format
-    breaks), then a cosine decay to `LR_FLOOR` at the last step (Adam keeps its step size
-    as the reward signal thins out, so a constant rate lets noise undo a learned policy)."""
+    breaks), then a cosine decay to `floor` (default `LR_FLOOR`) at the last step (Adam
+    keeps its step size as the reward signal thins out, so a constant rate lets noise undo a
+    learned policy)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(steps - 1 - warmup, 1)
-    return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def _grpo_advantages(tb: RLBatch, negate: bool) -> tuple[Tensor, Tensor]:
@@ -66,8 +65,13 @@ def _grpo_advantages(tb: RLBatch, negate: bool) -> tuple[Tensor, Tensor]:
     return adv[sample], scores
 
 
-def run_smoke(args) -> int:
-    """Run the smoke test with parsed `args` (see `add_smoke_parser`); the exit code."""
+def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[Callable[[dict], None]] = None) -> int:
+    """Run the smoke test with parsed `args` (see `add_smoke_parser`); the exit code.
+    ``tuning``: the settings the command line does not offer (default ``SmokeTuning()``);
+    ``on_step``: called with each GRPO step's metrics (the report's ``steps`` rows) as it ends."""
+    tuning = SmokeTuning() if tuning is None else tuning
+    if not isinstance(tuning, SmokeTuning):
+        raise TypeError(f"tuning must be a SmokeTuning (or None), got {type(tuning).__name__}")
     t_start = time.perf_counter()
     keep_freed_memory()
     out_dir = Path(args.out)
@@ -78,12 +82,12 @@ def run_smoke(args) -> int:
     torch.manual_seed(args.seed)
     rng_warm, rng_train = random.Random(f"{args.seed}:warmup"), random.Random(f"{args.seed}:train")
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    task = TASKS[task_name(args)](args.data)
+    task = TASKS[task_name(args)](args.data, tuning)
     report: dict = {
         "command": "rlk-mm smoke " + " ".join(to_argv(args)),
         "task": task.name, "seed": args.seed, "device": device_name(device), "dtype": args.dtype,
         "break": args.break_mode, "versions": versions(),
-        "config": {k: v for k, v in vars(args).items() if k != "func"},
+        "config": {k: v for k, v in vars(args).items() if k != "func"}, "tuning": tuning.as_dict(),
     }
     timings: dict = {}
     report["timings"] = timings
@@ -91,7 +95,7 @@ def run_smoke(args) -> int:
     log(f"rlk-mm smoke: task {task.name}, {args.steps} steps of {args.prompts} prompts x {args.samples} answers, "
         f"seed {args.seed}, device {report['device']}" + (f", BREAK {args.break_mode}" if args.break_mode else ""))
     t = time.perf_counter()
-    policy = load_policy(args.model_path, args.seed, device, dtype)
+    policy = load_policy(args.model_path, args.seed, device, dtype, tiny=tuning.tiny_model)
     timings["setup_s"] = time.perf_counter() - t
     log(f"policy: {'local checkpoint ' + str(args.model_path) if args.model_path else 'tiny random Qwen2.5-VL'} "
         f"({sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, {timings['setup_s']:.1f}s)")
@@ -102,7 +106,7 @@ def run_smoke(args) -> int:
     timings["warmup_s"] = time.perf_counter() - t
     reference = copy.deepcopy(policy.model).requires_grad_(False)
     opt = torch.optim.Adam(freeze_embeddings_and_head(policy.model), lr=args.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps, tuning.lr_floor))
 
     def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Tensor):
         """The step's loss: the LM head fused with the policy loss (gradients formed in the
@@ -197,6 +201,8 @@ def run_smoke(args) -> int:
         )
         steps_out.append(metrics)
         log(progress_row(metrics, args.steps))
+        if on_step is not None:
+            on_step(metrics)
     timings["train_s"] = time.perf_counter() - t_train
 
     learning = learning_check(task, args, steps_out, report.get("first_update_direction"))

@@ -10,7 +10,7 @@ A new task registers in `TASKS`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ...fixtures import GEO3K_SAMPLE_DIR
 from .base import Task, draw_shape, numbered_draw
@@ -26,13 +26,14 @@ __all__ = [
 ]
 
 
-TASKS: dict[str, Callable[[Optional[Path]], Task]] = {
-    "colour": lambda data: colour_task(),
-    "geo3k": lambda data: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
-    "video-direction": lambda data: video_direction_task(),
+TASKS: dict[str, Callable[[Optional[Path], Any], Task]] = {
+    "colour": lambda data, tuning: colour_task(background_rate=tuning.background_rate, two_image_rate=tuning.two_image_rate),
+    "geo3k": lambda data, tuning: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
+    "video-direction": lambda data, tuning: video_direction_task(),
     **POINT_TASKS,
 }
-"""`--task` name -> factory(the `--data` folder or None) -> Task. A new task registers here.
+"""`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`) -> Task. A
+new task registers here.
 Geo3K without `--data` reads the 3-problem sample in the package (`fixtures.GEO3K_SAMPLE_DIR`)."""
 DATA_TASKS = ("geo3k",)
 """The tasks that read `--data` (the others refuse it)."""

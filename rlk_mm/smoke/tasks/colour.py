@@ -32,11 +32,11 @@ BACKGROUND_RATE = 0.7
 """How often the dominant colour is the background (else a large shape on a light one)."""
 
 
-def _draw_colour_image(rng: random.Random, size, colour: str) -> Image.Image:
+def _draw_colour_image(rng: random.Random, size, colour: str, background_rate: float) -> Image.Image:
     """`colour` as the background or as one large shape on a light background, and 1-3
     smaller distractor shapes of other colours."""
     width, height = size
-    on_background = rng.random() < BACKGROUND_RATE
+    on_background = rng.random() < background_rate
     background = COLOURS[colour] if on_background else tuple(rng.randrange(200, 256) for _ in range(3))
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
@@ -67,14 +67,16 @@ def colour_pixels(images) -> dict[str, int]:
     return counts
 
 
-def colour_sample(rng: random.Random, sample_id: str) -> Sample:
+def colour_sample(rng: random.Random, sample_id: str, *, background_rate: float = BACKGROUND_RATE,
+                  two_image_rate: float = TWO_IMAGE_RATE) -> Sample:
     """One prompt of the colour task; the dominant colour covers >= 1.5x the pixels of any
-    other of the four colours (images are redrawn until it does)."""
+    other of the four colours (images are redrawn until it does). ``background_rate``: how
+    often the colour is the background; ``two_image_rate``: how often a second image comes."""
     colour = rng.choice(list(COLOURS))
     while True:
-        images = [_draw_colour_image(rng, rng.choice(IMAGE_SIZES), colour)]
-        if rng.random() < TWO_IMAGE_RATE:
-            images.append(_draw_colour_image(rng, rng.choice(SECOND_IMAGE_SIZES), colour))
+        images = [_draw_colour_image(rng, rng.choice(IMAGE_SIZES), colour, background_rate)]
+        if rng.random() < two_image_rate:
+            images.append(_draw_colour_image(rng, rng.choice(SECOND_IMAGE_SIZES), colour, background_rate))
         counts = colour_pixels(images)
         runner_up = max(v for k, v in counts.items() if k != colour)
         if counts[colour] >= 1.5 * max(runner_up, 1):
@@ -89,7 +91,8 @@ def colour_reward(text: str, sample: Sample) -> float:
     return float(text.strip().rstrip(".").strip().lower() == sample.answer)
 
 
-def colour_task() -> Task:
-    draw = numbered_draw("colour", colour_sample)
+def colour_task(*, background_rate: float = BACKGROUND_RATE, two_image_rate: float = TWO_IMAGE_RATE) -> Task:
+    draw = numbered_draw("colour", lambda rng, sample_id: colour_sample(
+        rng, sample_id, background_rate=background_rate, two_image_rate=two_image_rate))
     # one word and <|im_end|>: two tokens, so a step's 64 answers fill one 128-row chunk of the CPU head
     return Task("colour", draw, colour_reward, lambda label: label, max_new_tokens=2)
