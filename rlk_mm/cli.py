@@ -13,6 +13,8 @@ import sys
 from . import command
 from .command import UsageError
 
+__all__ = ["main"]
+
 
 def _load(path: str):
     from .schema import RLBatch

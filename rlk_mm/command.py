@@ -20,6 +20,8 @@ import sys
 import traceback
 from pathlib import Path
 
+__all__ = ["add_debug_flag", "device", "folder", "int_at_least", "main", "number", "output_file", "UsageError"]
+
 OK, NEGATIVE, BAD_INPUT, INTERNAL = 0, 1, 2, 3
 _PACKAGE = Path(__file__).resolve().parent
 

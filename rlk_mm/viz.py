@@ -9,6 +9,8 @@ from .schema.batch import batch_arg
 from .schema import Modality, RLBatch
 from .schema.checks import int_arg, sequence_arg
 
+__all__ = ["COLOURS", "draw_layout", "LOSS_COLOUR"]
+
 COLOURS = {
     Modality.TEXT: "#c8c8c8",
     Modality.IMAGE: "#4c9be8",

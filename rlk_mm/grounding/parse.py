@@ -31,6 +31,11 @@ from ..schema.batch import batch_arg
 from ..schema.checks import int_arg, sample_index
 from ..schema.grounding import size_arg
 
+__all__ = [
+    "check_values", "Convention", "CONVENTION_SYSTEM", "find_regions", "Found", "Grounding", "parse_grounding",
+    "ParseFailure", "Region", "token_bytes",
+]
+
 
 class Convention(Choice):
     """How a model writes boxes and points."""

@@ -27,6 +27,11 @@ from ..schema.batch import batch_arg
 from ..schema.checks import FLOAT_DTYPES, first_true, float_arg, sequence_arg, tensor_arg
 from .parse import Grounding, Region
 
+__all__ = [
+    "action_match", "ACTIONS", "box_giou", "box_iou", "grounding_rewards", "GroundingMetric", "GroundingRewards",
+    "parse_action", "point_in_box",
+]
+
 
 class GroundingMetric(Choice):
     IOU = "iou"  # predicted box vs target box

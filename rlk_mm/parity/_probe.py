@@ -13,6 +13,11 @@ from ..models.qwen2_5_vl import VisionCache, forward_hidden, group_hidden, layou
 from ..schema import RLBatch
 from .invariance_report import Divergence
 
+__all__ = [
+    "cached_views", "first_divergence", "forward_run", "forward_views", "group_run", "item_rows", "Recorder", "Run",
+    "Views", "vision_cache_run",
+]
+
 
 @dataclass
 class Views:

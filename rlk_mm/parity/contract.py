@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "CONTRACT", "ELEMENTWISE_LOSS_MAX_ABS", "INVARIANCE", "LOGPROB_GRAD_REL", "LOGPROB_MAX_ABS", "relative_error",
+    "Tolerance",
+]
+
 
 @dataclass(frozen=True)
 class Tolerance:

@@ -11,6 +11,8 @@ from typing import Optional
 from ..schema import Choice
 from ..schema.checks import bool_arg, float_arg, int_arg
 
+__all__ = ["CaseResult", "Divergence", "InvarianceReport", "Mode"]
+
 
 class Mode(Choice):
     """The kernels a sweep scores under."""

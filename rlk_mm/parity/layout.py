@@ -22,6 +22,8 @@ import torch
 from ..schema.batch import batch_arg
 from ..schema import Modality, RLBatch, Span, key_settings
 
+__all__ = ["check_layout_parity", "LayoutParityError", "LayoutParityReport", "Mismatch"]
+
 #: compared per-token fields, in the order used to break ties at one position
 _TOKEN_FIELDS = ("input_ids", "modality_spans", "position_ids.t", "position_ids.h", "position_ids.w", "loss_spans")
 _CONTEXT_TOKENS = 3

@@ -18,6 +18,8 @@ import torch
 from .media import MediaItem, offsets, token_counts
 from .spans import Modality, Span, SpanTable
 
+__all__ = ["assemble", "present_fields", "SAMPLE_FIELDS", "sample_parts", "SampleParts"]
+
 Tensor = torch.Tensor
 
 #: the optional per-sample fields (and grounding tables) a batch has or lacks as a whole

@@ -24,6 +24,8 @@ from .media import (
 from .coordinates import CoordinateSystem
 from .spans import Modality, SchemaError, Span, spans_from_mask
 
+__all__ = ["build", "LayoutInfo", "mrope_positions"]
+
 Tensor = torch.Tensor
 
 

@@ -22,6 +22,12 @@ from .coordinates import CoordinateSystem, size_arg
 from .spans import SchemaError
 from .unsupported import require_no_audio_inputs
 
+__all__ = [
+    "check_response_unpadded", "check_unpadded", "check_vocabulary", "coordinate_system_arg", "id_matrix",
+    "mask_matrix", "multi_modal_inputs", "padded_positions", "PaddedPositions", "per_sample_targets",
+    "per_sample_values", "processor_outputs", "screen_sizes", "str_list", "token_rows", "unpad",
+]
+
 Tensor = torch.Tensor
 
 

@@ -19,6 +19,8 @@ from .coordinates import CoordinateSystem
 from .media import add_grid_checks, add_pixel_checks, offsets, token_counts
 from .spans import Modality, SchemaError, Span, SpanTable, refuse
 
+__all__ = ["check", "schema_error"]
+
 Tensor = torch.Tensor
 
 

@@ -31,6 +31,8 @@ from .unsupported import require_supported
 from .trajectories import fields_from_trajectories
 from .verl import fields_from_verl
 
+__all__ = ["batch_arg", "dense_group_index", "PaddingSide", "RLBatch"]
+
 Tensor = torch.Tensor
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+__all__ = ["Choice"]
+
 
 class Choice(str, Enum):
     """A string option set: members compare equal to their values."""

@@ -18,6 +18,8 @@ import torch
 
 from .spans import SchemaError, SpanTable
 
+__all__ = ["BatchFileError", "FORMAT", "FORMAT_VERSION", "load_fields", "save"]
+
 FORMAT = "rlk_mm.RLBatch"
 FORMAT_VERSION = "1"
 

@@ -28,6 +28,8 @@ from .checks import INTEGER_DTYPES, bool_arg, tensor_arg
 from .spans import SchemaError
 from .turns import ChatMarkers, assistant_turn_mask
 
+__all__ = ["fields_from_qwen_vl", "fields_from_token_lists", "turn_loss_masks"]
+
 Tensor = torch.Tensor
 
 

@@ -18,6 +18,11 @@ import torch
 
 from .checks import DeviceChecks, INTEGER_DTYPES, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
 
+__all__ = [
+    "complement", "intersect", "mask_from_spans", "Modality", "normalize", "refuse", "SchemaError", "Span",
+    "spans_from_mask", "SpanTable", "subtract", "union",
+]
+
 
 class SchemaError(ValueError):
     """A batch violates the batch contract. The message names field, sample, span and positions."""

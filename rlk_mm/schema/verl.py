@@ -16,6 +16,8 @@ from ._inputs import check_response_unpadded, check_unpadded, check_vocabulary, 
 from ._inputs import multi_modal_inputs as per_sample_inputs
 from .spans import Modality, SchemaError
 
+__all__ = ["fields_from_verl"]
+
 Tensor = torch.Tensor
 
 

@@ -9,6 +9,8 @@ from .. import command
 from .options import add_arguments, check_args, parser
 from .train import run_smoke
 
+__all__ = ["add_smoke_parser", "main"]
+
 
 def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `smoke` sub-command to an argparse sub-parser set."""

@@ -16,6 +16,8 @@ from ..schema import Modality, RLBatch
 from .policy import Policy
 from .rollout import Rollout
 
+__all__ = ["Gate", "gate_layout", "gate_logprobs", "gate_masking", "gate_ratio"]
+
 
 @dataclass
 class Gate:

@@ -11,6 +11,11 @@ from ..command import UsageError
 from ..schema.checks import MIN_TEMPERATURE
 from .tasks import DATA_TASKS, TASKS
 
+__all__ = [
+    "add_arguments", "BREAKS", "check_args", "IMAGE_SWAP_MIN_PROMPTS", "parse_args", "parser", "task_name",
+    "to_argv",
+]
+
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
 IMAGE_SWAP_MIN_PROMPTS = 5
 """With 5 or more prompts, the 4 first-image sizes force two same-size images in different groups."""

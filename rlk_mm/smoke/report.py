@@ -12,6 +12,8 @@ import torch
 
 from .learning import LEARNING_WINDOW
 
+__all__ = ["device_name", "draw_curves", "HEADER", "progress_row", "versions"]
+
 
 def versions() -> dict:
     import transformers

@@ -17,6 +17,8 @@ from ..schema import RLBatch, SpanTable
 from .policy import Policy
 from .tasks import Task
 
+__all__ = ["Rollout", "rollout", "rollout_batch", "SeededSampler", "training_batch"]
+
 
 class SeededSampler:
     """A logits processor that draws each row's token with `rlk_mm.ops.sample` (the row's own
