@@ -61,7 +61,7 @@ def _grpo_advantages(tb: RLBatch, negate: bool) -> tuple[Tensor, Tensor]:
     token_rewards = scatter_rewards(tb)  # the sequence reward on each answer's last token
     sample = tb.loss_token_sample()
     scores = torch.zeros(tb.num_samples, dtype=torch.float32).index_add_(0, sample, token_rewards)
-    adv = group_advantages(scores, tb.group_index())
+    adv = group_advantages(scores, batch=tb)
     if negate:
         adv = -adv  # the adv-sign bug
     return adv[sample], scores
