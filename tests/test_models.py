@@ -107,3 +107,15 @@ def test_the_layout_enum_is_gone_with_a_warning():
     assert "Layout" not in models.__all__ and "Layout" not in models.qwen2_5_vl.__all__
     with pytest.raises(AttributeError):
         models.qwen2_5_vl.Layouts
+
+
+def test_signatures_show_the_padding_option():
+    import inspect
+
+    import rlk_mm
+
+    assert rlk_mm.PaddingSide is PaddingSide and [p.value for p in PaddingSide] == ["left", "right"]
+    for fn in (layout_inputs, forward_hidden, batch_logprobs):
+        parameter = inspect.signature(fn).parameters["padding"]
+        assert parameter.default is None and "PaddingSide" in str(parameter.annotation)
+        assert repr(inspect.signature(fn).parameters["layout"].default) == "<deprecated: use padding=>"

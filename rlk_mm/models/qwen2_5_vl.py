@@ -44,7 +44,14 @@ __all__ = [
     "layout_inputs", "padding_arg", "prompt_lengths",
 ]
 
-_NOT_GIVEN = object()  # the deprecated ``layout=`` keyword was not passed
+class _NotGiven:
+    """The default of the deprecated ``layout=`` keyword: it was not passed."""
+
+    def __repr__(self) -> str:
+        return "<deprecated: use padding=>"
+
+
+_NOT_GIVEN = _NotGiven()
 
 
 def padding_arg(padding, layout=_NOT_GIVEN, *, where: str) -> Optional[PaddingSide]:
@@ -123,7 +130,7 @@ register_module_patches(_module_patches)
 
 
 # --------------------------------------------------------------------------- running the model on an RLBatch
-def layout_inputs(batch, padding: Optional[str] = None, pad_token_id: int = 0, *, layout=_NOT_GIVEN) -> tuple[dict, torch.Tensor]:
+def layout_inputs(batch, padding: PaddingSide | str | None = None, pad_token_id: int = 0, *, layout=_NOT_GIVEN) -> tuple[dict, torch.Tensor]:
     """A Qwen2.5-VL model's token inputs for ``batch`` in one layout, and each token's row.
 
     ``padding=None``: packed, one row ``[1, T]`` with 4-row position ids (per-sample text
@@ -175,7 +182,7 @@ def _media_token_rows(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return rows, item[keep], (pos - table.starts.long()[span])[keep]
 
 
-def forward_hidden(model, batch, *, padding: Optional[str] = None, media_embeds=None, layout=_NOT_GIVEN) -> torch.Tensor:
+def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None, layout=_NOT_GIVEN) -> torch.Tensor:
     """Last hidden states ``[T, H]`` (packed token order) of a transformers Qwen2.5-VL model.
 
     ``padding``: the layout the model runs on, None (packed in one row, the default) or
@@ -258,7 +265,7 @@ def _raise_token(batch, outside: torch.Tensor, vocab: int):
                      f"the model's vocabulary of {vocab} tokens: build the batch with this model's processor")
 
 
-def batch_logprobs(model, batch, *, padding: Optional[str] = None, media_embeds=None, temperature: float = 1.0,
+def batch_logprobs(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None, temperature: float = 1.0,
                    layout=_NOT_GIVEN) -> torch.Tensor:
     """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` (``padding``:
     None packed, or ``"left"``/``"right"``; ``layout=`` is its deprecated name) then the LM

@@ -5,12 +5,12 @@ differs between two runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from ..models.qwen2_5_vl import VisionCache, forward_hidden, group_hidden, layout_inputs, prompt_lengths
-from ..schema import RLBatch
+from ..schema import PaddingSide, RLBatch
 from .invariance_report import Divergence
 
 __all__ = [
@@ -55,7 +55,7 @@ def item_rows(batch: RLBatch, items: list[int], sample: int, merge: int):
     return p0, cat(patch), cat(merged)
 
 
-def forward_views(batch: RLBatch, padding: Optional[str], sample: int) -> Views:
+def forward_views(batch: RLBatch, padding: PaddingSide | str | None, sample: int) -> Views:
     inputs, rows = layout_inputs(batch, padding)
     shape = inputs["input_ids"].shape
     cu = batch.cu_seqlens.long().tolist()
@@ -112,7 +112,7 @@ def cached_views(batch: RLBatch, sample: int) -> Views:
     return Views(vision, text, merge)
 
 
-def forward_run(model, batch: RLBatch, padding: Optional[str]) -> Run:
+def forward_run(model, batch: RLBatch, padding: PaddingSide | str | None) -> Run:
     rows, _ = batch.loss_token_index()
     return Run(batch, lambda: forward_hidden(model, batch, padding=padding)[rows],
                 lambda s: forward_views(batch, padding, s))

@@ -22,7 +22,7 @@ import torch
 from ..models.qwen2_5_vl import VisionCache, check_model, forward_hidden
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
-from ..schema import Choice, RLBatch
+from ..schema import Choice, PaddingSide, RLBatch
 from ..schema.checks import bool_arg, int_arg, sequence_arg
 from ..schema.video import VideoLayout
 from ._probe import Run, Views, cached_views, first_divergence, forward_run, forward_views, group_run, vision_cache_run
@@ -110,7 +110,7 @@ class _Runs:
         self.n, self.group_size = len(items), len(group_items)
         self.build = lambda case_items, **kw: _batch(processor, case_items, device, **kw)
 
-    def forward(self, key: str, items: list[_Item], padding: Optional[str], **build) -> _RunRef:
+    def forward(self, key: str, items: list[_Item], padding: PaddingSide | str | None, **build) -> _RunRef:
         return _RunRef(key, lambda: forward_run(self.model, self.build(items, **build), padding))
 
     def alone(self, i: int) -> _RunRef:
