@@ -26,14 +26,20 @@ __all__ = [
 ]
 
 
+def _colour(data: Optional[Path], tuning: Any = None) -> Task:
+    if tuning is None:
+        return colour_task()
+    return colour_task(background_rate=tuning.background_rate, two_image_rate=tuning.two_image_rate)
+
+
 TASKS: dict[str, Callable[[Optional[Path], Any], Task]] = {
-    "colour": lambda data, tuning: colour_task(background_rate=tuning.background_rate, two_image_rate=tuning.two_image_rate),
-    "geo3k": lambda data, tuning: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
-    "video-direction": lambda data, tuning: video_direction_task(),
+    "colour": _colour,
+    "geo3k": lambda data, tuning=None: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
+    "video-direction": lambda data, tuning=None: video_direction_task(),
     **POINT_TASKS,
 }
-"""`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`) -> Task. A
-new task registers here.
+"""`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`; None: the
+defaults) -> Task. A new task registers here.
 Geo3K without `--data` reads the 3-problem sample in the package (`fixtures.GEO3K_SAMPLE_DIR`)."""
 DATA_TASKS = ("geo3k",)
 """The tasks that read `--data` (the others refuse it)."""

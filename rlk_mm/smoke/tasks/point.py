@@ -118,8 +118,8 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
 
 
 POINT_TASKS = {
-    "point": lambda data, tuning: point_task(),
-    "point-shuffled": lambda data, tuning: point_task(shuffled=True),
+    "point": lambda data, tuning=None: point_task(),
+    "point-shuffled": lambda data, tuning=None: point_task(shuffled=True),
 }
 """The `--task` entries of this module (in `tasks.TASKS`)."""
 
