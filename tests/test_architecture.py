@@ -307,6 +307,18 @@ def test_no_private_names_imported_across_modules():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
+#: modules kept one release under an old name; they serve their names with a DeprecationWarning
+DEPRECATED_MODULES = ("rlk_mm.schema.grounding", "rlk_mm.schema.support", "rlk_mm.schema.media_fallback",
+                      "rlk_mm.smoke.task", "rlk_mm.smoke.point_task")
+
+
+def test_nothing_imports_a_deprecated_module_path():
+    """The package itself uses the new homes: only a user's old import warns."""
+    assert set(DEPRECATED_MODULES) <= set(modules())
+    bad = offending((PACKAGE,), lambda t: t not in DEPRECATED_MODULES)
+    assert not bad, "imports of deprecated module paths:\n" + "\n".join(bad)
+
+
 #: the packages whose every public module (no ``_`` in its path) declares ``__all__``
 ALL_DECLARED = ("rlk_mm.schema", "rlk_mm.models", "rlk_mm.parity", "rlk_mm.grounding", "rlk_mm.smoke", "rlk_mm.fixtures",
                 "rlk_mm.cli", "rlk_mm.command", "rlk_mm.viz")

@@ -29,7 +29,7 @@ import torch
 from ..schema import Choice, CoordinateSystem, Modality, RLBatch, SchemaError, Span, convert_boxes, convert_points
 from ..schema.batch import batch_arg
 from ..schema.checks import int_arg, sample_index
-from ..schema.grounding import size_arg
+from ..schema.coordinates import size_arg
 
 __all__ = [
     "check_values", "Convention", "CONVENTION_SYSTEM", "find_regions", "Found", "Grounding", "parse_grounding",
