@@ -46,7 +46,8 @@ from rlk_mm.ops import batch_invariant
 from rlk_mm.ops.invariant import attention as A
 from rlk_mm.ops.invariant import matmul as M
 from rlk_mm.ops.invariant import rmsnorm as N
-from rlk_mm.ops.packing import pack, pack_padded, unpack, unpack_to_padded
+from rlk_mm.ops.packed_batch import pack, unpack
+from rlk_mm.ops.padded import pack_padded, unpack_to_padded
 from rlk_mm.parity import check_layout_parity, compare_logprobs
 from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.parity.invariance_report import InvarianceReport

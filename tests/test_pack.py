@@ -1,4 +1,4 @@
-"""rlk_mm.ops.packing: RLBatch ↔ PackedBatch and [B, L, *] ↔ [T, *], bitwise, against the
+"""rlk_mm.ops.packed_batch and rlk_mm.ops.padded: RLBatch ↔ PackedBatch and [B, L, *] ↔ [T, *], bitwise, against the
 sample-by-sample references in oracles/pack.py; the Triton gather under
 TRITON_INTERPRET=1 at tiny shapes (forward and backward); clear errors."""
 
@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from helpers import use_backend
 from oracles import pack as ref
 from rlk_mm import fixtures as F
-from rlk_mm.ops.packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded
+from rlk_mm.ops.packed_batch import PackedBatch, pack, unpack
+from rlk_mm.ops.padded import pack_padded, unpack_to_padded
 from rlk_mm.schema import RLBatch, Span, media_token_counts
 from rlk_mm.schema.spans import SpanTable
 

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .loss import agg_loss, kl_penalty, policy_loss  # noqa: F401
     from .loss_config import PolicyLoss, PolicyLossConfig  # noqa: F401
     from .options import AggMode, Backend, Estimator, KLType, PaddingSide, RatioMode, RewardPlacement  # noqa: F401
-    from .packing import PackedBatch, pack, pack_padded, unpack, unpack_to_padded  # noqa: F401
+    from .packed_batch import PackedBatch, pack, unpack  # noqa: F401
+    from .padded import pack_padded, unpack_to_padded  # noqa: F401
     from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
     from .rewards import SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
     from .sampling import SampleResult, group_seeds, sample, sample_from_hidden  # noqa: F401
@@ -45,12 +46,12 @@ _EXPORTS = {
     "Lagrangian": "lagrangian",
     "LagrangianAdvantages": "lagrangian",
     "lagrangian_advantages": "lagrangian",
-    "pack": "packing",
-    "unpack": "packing",
-    "PackedBatch": "packing",
+    "pack": "packed_batch",
+    "unpack": "packed_batch",
+    "PackedBatch": "packed_batch",
     "PaddingSide": "options",
-    "pack_padded": "packing",
-    "unpack_to_padded": "packing",
+    "pack_padded": "padded",
+    "unpack_to_padded": "padded",
     "batch_invariant": "invariant.mode",
     "sample": "sampling",
     "sample_from_hidden": "sampling",

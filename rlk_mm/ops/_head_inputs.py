@@ -1,19 +1,28 @@
-"""``selected_logprob``'s argument checks and their errors, shared with ``vocab_parallel``
-(which checks each rank's shard with them): one home, no import cycle."""
+"""The LM-head ops' inputs, checked: the scored rows and targets (from an ``RLBatch``'s loss
+spans or given), the hidden states, the head and its bias, and the errors that name them.
+
+``selected_logprob``, ``linear_policy_loss``, ``sample_from_hidden`` and ``vocab_parallel``
+(which checks each rank's shard with them) share these checks: one home, no import cycle."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 
 from ..schema import RLBatch
-from ..schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, MIN_TEMPERATURE, first_true, temperature_arg, tensor_arg
+from ..schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, temperature_arg, tensor_arg
 
 Tensor = torch.Tensor
 
-_IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
+__all__ = [
+    "IGNORE_INDEX", "TargetError", "check_bias", "check_head", "check_ranges", "check_values", "contiguous_rows",
+    "index_arg", "refuse_padding", "rows_from_batch", "scored_rows", "targets_named_by",
+]
+
+IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
 
 
 class TargetError(ValueError):
@@ -25,7 +34,7 @@ class TargetError(ValueError):
         self.at, self.token, self.problem = at, token, problem
 
 
-def _as_index(name: str, t) -> Tensor:
+def index_arg(name: str, t) -> Tensor:
     tensor_arg(name, t)
     if t.dtype not in INTEGER_DTYPES:
         raise TypeError(f"{name} must be an integer tensor (int64 or int32); got {t.dtype}")
@@ -34,18 +43,18 @@ def _as_index(name: str, t) -> Tensor:
     return t.to(torch.int64).contiguous()
 
 
-def _refuse_padding(padding) -> None:
+def refuse_padding(padding) -> None:
     raise ValueError(
         f"padding={padding!r} applies only to [B, L, H] hidden states with a batch; packed hidden states and "
         "index= rows (rows of the flattened hidden states) have no padding side: leave padding out"
     )
 
 
-def _rows_from_batch(batch: RLBatch, hidden: Tensor, padding) -> tuple[Tensor, Tensor]:
+def rows_from_batch(batch: RLBatch, hidden: Tensor, padding) -> tuple[Tensor, Tensor]:
     """(rows, targets) on hidden's device from the batch's loss spans, checked against hidden's layout."""
     if hidden.dim() == 2:
         if padding is not None:
-            _refuse_padding(padding)
+            refuse_padding(padding)
         if hidden.shape[0] != batch.num_tokens:
             raise ValueError(
                 f"hidden is packed [T={hidden.shape[0]}, H] but the batch has {batch.num_tokens} tokens: "
@@ -69,7 +78,7 @@ def _rows_from_batch(batch: RLBatch, hidden: Tensor, padding) -> tuple[Tensor, T
 
 
 # ------------------------------------------------------------------ checks (all backends)
-def _check(hidden, weight, rows, targets, bias, temperature, shard: bool = False) -> None:
+def check_head(hidden, weight, rows, targets, bias, temperature, shard: bool = False) -> None:
     """Types, shapes, dtypes, devices and temperature, read on the host; raised before any kernel runs.
     A vocabulary ``shard`` may be empty (V = 0 rows on this rank)."""
     tensor_arg("weight", weight)
@@ -105,7 +114,7 @@ def _check(hidden, weight, rows, targets, bias, temperature, shard: bool = False
     temperature_arg(temperature)
 
 
-def _check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[Tensor]) -> bool:
+def check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[Tensor]) -> bool:
     """Every row in [0, T); every target in [0, V) and not masked by the bias; every bias
     entry finite or -inf, not all -inf. The error names the first offender. Returns whether
     the rows are exactly 0, 1, ..., T - 1. All of it is read in one host sync."""
@@ -118,13 +127,13 @@ def _check_values(T: int, V: int, rows: Tensor, targets: Tensor, bias: Optional[
         stats = [s.double() for s in (*stats, bias.amax(), at_targets)]
     values = torch.stack(stats).tolist() if stats else []  # the one sync
     if n:
-        _check_ranges(T, V, rows, targets, *values[:4])
+        check_ranges(T, V, rows, targets, *values[:4])
     if bias is not None:
-        _check_bias(bias, targets, *values[-2:])
+        check_bias(bias, targets, *values[-2:])
     return n == T and n > 0 and bool(values[4])
 
 
-def _check_ranges(T: int, V: int, rows: Tensor, targets: Tensor, lo_r, hi_r, lo_t, hi_t) -> None:
+def check_ranges(T: int, V: int, rows: Tensor, targets: Tensor, lo_r, hi_r, lo_t, hi_t) -> None:
     if lo_r < 0 or hi_r >= T:
         i = first_true((rows < 0) | (rows >= T))[0]
         raise ValueError(f"index[{i}] = {int(rows[i])} is out of range: there are {T} rows of hidden")
@@ -132,12 +141,12 @@ def _check_ranges(T: int, V: int, rows: Tensor, targets: Tensor, lo_r, hi_r, lo_
         i = first_true((targets < 0) | (targets >= V))[0]
         token = int(targets[i])
         hint = ""
-        if token == _IGNORE_INDEX:
+        if token == IGNORE_INDEX:
             hint = f"; {token} is an ignore index: leave such positions out of index and targets"
         raise TargetError(i, token, f"is out of range: there are {V} vocabulary entries (rows of weight){hint}")
 
 
-def _check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
+def check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
     if not top < math.inf:
         i = first_true(torch.isnan(bias) | (bias == math.inf))[0]
         raise ValueError(f"bias[{i}] = {float(bias[i])}: a bias entry must be finite, or -inf to mask its token")
@@ -149,8 +158,40 @@ def _check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
         raise TargetError(i, token, f"is masked: bias[{token}] = -inf (probability 0); score only tokens it can give")
 
 
-def _contiguous_rows(t: Tensor) -> Tensor:
+def contiguous_rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# ------------------------------------------------------------------ the custom ops
+# ------------------------------------------------------------------ the scored rows
+
+
+def scored_rows(hidden: Tensor, batch: Optional[RLBatch], index, targets, padding) -> tuple[Tensor, Tensor]:
+    """(rows of the flattened hidden states, targets), int64 ``[n]``: from the batch's loss
+    spans, or the given ``index`` and ``targets`` (checked: exactly one of the two ways)."""
+    tensor_arg("hidden", hidden)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [T, H] (packed) or [B, L, H] (padded); got shape {tuple(hidden.shape)}")
+    if batch is not None:
+        if index is not None or targets is not None:
+            raise ValueError("give either batch or index/targets, not both")
+        if not isinstance(batch, RLBatch):
+            raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__} (or pass index= and targets=)")
+        return rows_from_batch(batch, hidden, padding)
+    if index is None or targets is None:
+        raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
+    if padding is not None:
+        refuse_padding(padding)
+    return index_arg("index", index), index_arg("targets", targets)
+
+
+@contextlib.contextmanager
+def targets_named_by(batch: Optional[RLBatch]):
+    """A ``TargetError`` raised inside, re-raised naming the batch's sample and position."""
+    try:
+        yield
+    except TargetError as e:
+        if batch is None:
+            raise
+        sample, pos, _ = batch.loss_spans.token_positions()
+        where = f"sample {int(sample[e.at])}, position {int(pos[e.at])}"
+        raise ValueError(f"batch input_ids: {where} holds token {e.token}, which {e.problem}") from None

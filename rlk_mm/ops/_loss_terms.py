@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+__all__ = [
+    "K3_EXPONENT_LIMIT", "K3_VALUE_LIMIT", "KLEstimator", "LOG_RATIO_LIMIT", "MEAN_EPS", "num_blocks", "Partial",
+    "TOKENS_PER_BLOCK",
+]
+
 
 class KLEstimator(IntEnum):
     """The KL estimator a kernel computes (several user-facing names share one)."""

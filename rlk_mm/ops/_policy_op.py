@@ -17,10 +17,9 @@ import torch
 from torch import Tensor
 
 from ..schema.checks import DeviceChecks
-from . import _loss_terms as terms
 from ._backend import use_triton
 from ._loss_args import Agg, Layout, agg_args, check_data, checked_mask, layout_of, like
-from ._loss_terms import MEAN_EPS, KLEstimator, Partial
+from ._loss_terms import MEAN_EPS, KLEstimator, Partial, num_blocks
 from ._torch import loss as _torch_loss
 from .loss_config import PolicyLoss, PolicyLossConfig
 from .options import AggMode, RatioMode
@@ -102,14 +101,14 @@ def policy_loss_partials(
         return _torch_loss.partials(args)
     from ._triton import loss as kernels
 
-    partials = torch.empty(len(Partial), terms.num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
+    partials = torch.empty(len(Partial), num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
     kernels.launch(backward=False, partials=partials, **_launch_args(args))
     return partials
 
 
 @policy_loss_partials.register_fake
 def _(log_probs, entropy, tensors, floats, ints):
-    return log_probs.new_empty((len(Partial), terms.num_blocks(log_probs.numel())), dtype=torch.float32)
+    return log_probs.new_empty((len(Partial), num_blocks(log_probs.numel())), dtype=torch.float32)
 
 
 @torch.library.custom_op("rlk_mm::policy_loss_partials_backward", mutates_args=())

@@ -23,12 +23,13 @@ from torch import Tensor
 
 from ..schema import RLBatch
 from ..schema.checks import temperature_arg, tensor_arg
-from . import logprob as _logprob
 from ._backend import use_triton
+from ._head_inputs import check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ._loss_terms import Partial, num_blocks
 from ._policy_op import (
     OP_TENSORS, PER_TOKEN, checked_policy, mask_f32, policy_loss_partials, policy_loss_partials_backward,
 )
+from .logprob import selected_logprob, sharded_head
 from .loss import policy_loss
 from .loss_config import PolicyLossConfig, policy_loss_config
 from .options import PaddingSide, RatioMode
@@ -106,9 +107,9 @@ def linear_policy_loss(
     rank gets its shard's d weight. One collective per chunk of rows in the forward.
     """
     config = policy_loss_config(config, knobs, "linear_policy_loss")
-    rows, tgts = _logprob.scored_rows(hidden, batch, index, targets, padding)
+    rows, tgts = scored_rows(hidden, batch, index, targets, padding)
     temperature = temperature_arg(temperature)
-    weight, bias, tp_group = _logprob.sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
+    weight, bias, tp_group = sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     n = rows.numel()
     on_policy = old_log_probs is None
     if on_policy:  # filled with this call's log-probs (zeros pass the value checks until then)
@@ -129,7 +130,7 @@ def linear_policy_loss(
         sample_index, num_samples = batch.loss_token_sample().to(hidden.device), batch.num_samples
     flat = hidden.flatten(0, -2)
     if tp_group is None:
-        _logprob._check(flat, weight, rows, tgts, bias, temperature)
+        check_head(flat, weight, rows, tgts, bias, temperature)
     constants = dict(rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs)
     policy = checked_policy("old_log_probs", old_log_probs, old_log_probs, advantages, mask, sample_index=sample_index,
                             num_samples=num_samples, entropy=True, config=config, **constants)
@@ -137,17 +138,17 @@ def linear_policy_loss(
     need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad)
     shard = None
-    with _logprob.targets_named_by(batch):
+    with targets_named_by(batch):
         if tp_group is None:
-            all_rows = _logprob._check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
+            all_rows = check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
         elif policy.ratio is RatioMode.TOKEN:  # (sequence ratios: selected_logprob checks)
             from . import vocab_parallel
 
             shard, all_rows = vocab_parallel.agree(
                 flat, weight, rows, tgts, bias, temperature, tp_group, vocab_start_index, any(need),
-                lambda: _logprob._check(flat, weight, rows, tgts, bias, temperature, shard=True))
+                lambda: check_head(flat, weight, rows, tgts, bias, temperature, shard=True))
     if policy.ratio is not RatioMode.TOKEN:  # sequence ratios: every log-prob before any gradient
-        logp, entropy = _logprob.selected_logprob(
+        logp, entropy = selected_logprob(
             flat, weight, index=rows, targets=tgts, bias=bias, temperature=temperature, return_entropy=True,
             tp_group=tp_group, vocab_start_index=vocab_start_index)
         loss, metrics = policy_loss(logp, logp.detach() if on_policy else old_log_probs, advantages, mask,
@@ -167,7 +168,7 @@ def linear_policy_loss(
         return g, (ge if policy.entropy_coeff else None)
 
     with torch.no_grad():  # the gradients are formed here, not traced
-        flat_c, weight_c = _logprob._contiguous_rows(flat), _logprob._contiguous_rows(weight)
+        flat_c, weight_c = contiguous_rows(flat), contiguous_rows(weight)
         if shard is not None:
             from . import vocab_parallel
 

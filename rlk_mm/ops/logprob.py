@@ -12,23 +12,21 @@ a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional
 
 import torch
 
 from ..schema import RLBatch
-from ..schema.checks import INTEGER_DTYPES, bool_arg, first_true, tensor_arg
+from ..schema.checks import MIN_TEMPERATURE, bool_arg, temperature_arg
 from ._backend import use_triton
+from ._head_inputs import TargetError, check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ._torch import logprob as _ref
+from .options import PaddingSide
 
 Tensor = torch.Tensor
 
-from ..schema.checks import MIN_TEMPERATURE, temperature_arg  # noqa: F401  (MIN_TEMPERATURE: served here too)
-from ._logprob_args import (  # noqa: F401  (TargetError: public here)
-    TargetError, _as_index, _refuse_padding, _rows_from_batch, _check, _check_values, _check_ranges, _check_bias, _contiguous_rows, _IGNORE_INDEX,
-)
+__all__ = ["MIN_TEMPERATURE", "TargetError", "scored_rows", "selected_logprob", "sharded_head", "targets_named_by"]
 
 
 def selected_logprob(
@@ -38,7 +36,7 @@ def selected_logprob(
     *,
     index: Optional[Tensor] = None,
     targets: Optional[Tensor] = None,
-    padding: Optional[str] = None,
+    padding: PaddingSide | str | None = None,
     temperature: float = 1.0,
     bias: Optional[Tensor] = None,
     return_entropy: bool = False,
@@ -53,8 +51,8 @@ def selected_logprob(
     a target). The logits are ``(h·Wᵀ + bias) / temperature``, ``temperature >=
     MIN_TEMPERATURE``. Give either ``batch`` (an ``RLBatch``: rows and targets from its loss
     spans, target ``t`` scored from the hidden state at ``t - 1``, in loss-span order; with
-    ``[B, L, H]`` hidden states also ``padding="right"`` or ``"left"``, where each sample's
-    tokens sit in its row: never guessed) or ``index`` (rows of the flattened hidden states)
+    ``[B, L, H]`` hidden states also ``padding``, a ``PaddingSide`` (``"right"`` or
+    ``"left"``), where each sample's tokens sit in its row: never guessed) or ``index`` (rows of the flattened hidden states)
     with ``targets`` (token ids, in ``[0, V)``). Gradients flow to ``hidden`` (only the
     scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
 
@@ -101,38 +99,6 @@ def sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight):
     return vocab_parallel.local_head(weight, bias, tp_group, vocab_start_index, gather_weight)
 
 
-def scored_rows(hidden: Tensor, batch: Optional[RLBatch], index, targets, padding) -> tuple[Tensor, Tensor]:
-    """(rows of the flattened hidden states, targets), int64 ``[n]``: from the batch's loss
-    spans, or the given ``index`` and ``targets`` (checked: exactly one of the two ways)."""
-    tensor_arg("hidden", hidden)
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [T, H] (packed) or [B, L, H] (padded); got shape {tuple(hidden.shape)}")
-    if batch is not None:
-        if index is not None or targets is not None:
-            raise ValueError("give either batch or index/targets, not both")
-        if not isinstance(batch, RLBatch):
-            raise TypeError(f"batch must be an RLBatch, got {type(batch).__name__} (or pass index= and targets=)")
-        return _rows_from_batch(batch, hidden, padding)
-    if index is None or targets is None:
-        raise ValueError("without batch, both index (rows of hidden) and targets (token ids) are required")
-    if padding is not None:
-        _refuse_padding(padding)
-    return _as_index("index", index), _as_index("targets", targets)
-
-
-@contextlib.contextmanager
-def targets_named_by(batch: Optional[RLBatch]):
-    """A ``TargetError`` raised inside, re-raised naming the batch's sample and position."""
-    try:
-        yield
-    except TargetError as e:
-        if batch is None:
-            raise
-        sample, pos, _ = batch.loss_spans.token_positions()
-        where = f"sample {int(sample[e.at])}, position {int(pos[e.at])}"
-        raise ValueError(f"batch input_ids: {where} holds token {e.token}, which {e.problem}") from None
-
-
 def _forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor],
     temperature: float, with_entropy: bool,
@@ -140,9 +106,9 @@ def _forward(
     """(log-prob, entropy (empty unless with_entropy), log-sum-exp), fp32 ``[n]``, and
     ``all_rows``: a CPU bool, whether the rows are every row of hidden in order (read
     once here, so that the backward decides how to read hidden without a device sync)."""
-    _check(hidden, weight, rows, targets, bias, temperature)
-    all_rows = _check_values(hidden.shape[0], weight.shape[0], rows, targets, bias)
-    hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
+    check_head(hidden, weight, rows, targets, bias, temperature)
+    all_rows = check_values(hidden.shape[0], weight.shape[0], rows, targets, bias)
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     if use_triton(hidden, weight):
         from ._triton import logprob as _tri
 
@@ -157,7 +123,7 @@ _forward_op = torch.library.custom_op("rlk_mm::selected_logprob", _forward, muta
 
 @_forward_op.register_fake
 def _(hidden, weight, rows, targets, bias, temperature, with_entropy):
-    _check(hidden, weight, rows, targets, bias, temperature)
+    check_head(hidden, weight, rows, targets, bias, temperature)
     n = rows.shape[0]
     out = hidden.new_empty(n, dtype=torch.float32)
     entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
@@ -171,7 +137,7 @@ def _backward_grads(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(d hidden [T, H], d weight [V, H], d bias [V]); an output not needed is empty."""
     V, n, all_rows = weight.shape[0], rows.numel(), bool(all_rows)
-    hidden, weight = _contiguous_rows(hidden), _contiguous_rows(weight)
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     grad_logp = grad_logp.float().contiguous()
     if grad_entropy is not None:
         grad_entropy = grad_entropy.float().contiguous()

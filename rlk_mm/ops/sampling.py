@@ -28,10 +28,12 @@ import torch
 from ..schema.checks import (
     INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, float_arg, group_id_list, int_arg, temperature_arg, tensor_arg,
 )
-from . import logprob as _lp
 from ._backend import backend_arg, resolve_backend
+from ._head_inputs import check_bias, check_head, contiguous_rows
 from ._torch import sampling as _ref
 from .options import Backend
+
+__all__ = ["BACKENDS", "group_seeds", "MAX_VOCAB", "sample", "sample_from_hidden", "SampleResult"]
 
 Tensor = torch.Tensor
 
@@ -105,7 +107,7 @@ def sample_from_hidden(
     B = hidden.shape[0]
     rows = torch.arange(B, device=hidden.device)
     tensor_arg("weight", weight)
-    _lp._check(hidden, weight, rows, rows, bias, 1.0)  # shapes, dtypes, devices
+    check_head(hidden, weight, rows, rows, bias, 1.0)  # shapes, dtypes, devices
     V = weight.shape[0]
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
     temperature = float(temperature)
@@ -114,8 +116,8 @@ def sample_from_hidden(
     if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
     if bias is not None:
-        _lp._check_bias(bias, rows[:0], float(bias.amax()), 0.0)
-    hidden, weight = _lp._contiguous_rows(hidden), _lp._contiguous_rows(weight)
+        check_bias(bias, rows[:0], float(bias.amax()), 0.0)
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     if resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON:
         from ._triton import sample_hidden as _tri_hidden
 

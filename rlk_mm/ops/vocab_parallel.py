@@ -54,9 +54,13 @@ from torch import Tensor
 
 from ..schema.checks import KERNEL_FLOAT_DTYPES, first_true
 from ._backend import use_triton
-from . import _logprob_args as _lp
-from ._logprob_args import TargetError
+from ._head_inputs import TargetError, check_head, check_ranges, contiguous_rows
 from ._torch import logprob as _ref
+
+__all__ = [
+    "agree", "combine", "comm_bytes_per_token", "debug_checks", "local_head", "loss_grads", "merge_stats",
+    "profiled_sent_bytes", "scatter_rows", "selected_logprob", "sum_rows", "VocabShard",
+]
 
 #: the per-rank fields ``agree`` gathers, in order
 _FIELDS = ("error", "vocab", "start", "hidden_size", "dtype", "rows", "T", "bias", "temperature", "fingerprint",
@@ -251,7 +255,7 @@ def _check_table(table, rank, world, group, vocab_start_index, hidden, rows, tar
     shard = VocabShard(group, rank, world, starts[rank], sizes[rank], total, max(sizes))
     n, T = mine["rows"], mine["T"]
     if n:
-        _lp._check_ranges(T, total, rows, targets, min(m["row_lo"] for m in table), max(m["row_hi"] for m in table),
+        check_ranges(T, total, rows, targets, min(m["row_lo"] for m in table), max(m["row_hi"] for m in table),
                           min(m["tgt_lo"] for m in table), max(m["tgt_hi"] for m in table))
     if bias is not None:
         bad = [r for r, m in enumerate(table) if m["bias_bad"]]
@@ -433,8 +437,8 @@ def selected_logprob(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tens
     _check_group(tp_group)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     shard, all_rows = agree(hidden, weight, rows, targets, bias, temperature, tp_group, vocab_start_index, needs_grad,
-                            lambda: _lp._check(hidden, weight, rows, targets, bias, temperature, shard=True))
-    hidden, weight = _lp._contiguous_rows(hidden), _lp._contiguous_rows(weight)
+                            lambda: check_head(hidden, weight, rows, targets, bias, temperature, shard=True))
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     return _VocabParallelLogprob.apply(hidden, weight, bias, rows, targets, temperature, with_entropy, shard, all_rows)
 
 

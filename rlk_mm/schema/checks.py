@@ -26,6 +26,12 @@ from typing import Callable, Iterable, NoReturn, Optional, Sequence
 import numpy as np
 import torch
 
+__all__ = [
+    "bool_arg", "describe", "device_arg", "DeviceChecks", "first_true", "float_arg", "FLOAT_DTYPES", "group_id_list",
+    "int_arg", "INTEGER_DTYPES", "KERNEL_FLOAT_DTYPES", "MIN_TEMPERATURE", "sample_index", "sample_indices",
+    "sequence_arg", "temperature_arg", "tensor_arg",
+]
+
 Tensor = torch.Tensor
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)

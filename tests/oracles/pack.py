@@ -1,7 +1,7 @@
 """Plain-torch pack/unpad, one sample at a time: the oracle of the pack tests.
 
-Deliberately a Python loop over samples (obviously right, slow); ``rlk_mm.ops.packing``
-holds the vectorized torch backend and the Triton dispatch.
+Deliberately a Python loop over samples (obviously right, slow); ``rlk_mm.ops.padded`` and
+``rlk_mm.ops.packed_batch`` hold the vectorized torch backend and the Triton dispatch.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import torch
 
 from .._torch import sampling as _ref
 
+__all__ = ["batch_generator", "draw", "flashinfer_sampling"]
+
 Tensor = torch.Tensor
 
 

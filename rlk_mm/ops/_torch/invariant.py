@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["ATTENTION_TILE", "matmul", "rms_norm", "segment_attention", "segment_attention_backward", "tree_sum"]
+
 #: key-tile width of the reference attention (the online softmax runs tile by tile)
 ATTENTION_TILE = 16
 

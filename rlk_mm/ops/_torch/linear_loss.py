@@ -14,6 +14,8 @@ import torch
 
 from . import logprob as _logprob
 
+__all__ = ["loss_grads"]
+
 Tensor = torch.Tensor
 
 

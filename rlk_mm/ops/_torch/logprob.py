@@ -17,6 +17,11 @@ from typing import Optional
 
 import torch
 
+__all__ = [
+    "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward", "selected_logprob_forward", "tempered",
+    "VOCAB_TILE",
+]
+
 Tensor = torch.Tensor
 
 #: rows per matrix product; a constant so that products have one shape whatever ``n`` is
@@ -33,21 +38,21 @@ def _padded(x: Tensor, rows: int) -> Tensor:
     return torch.cat([x, pad])
 
 
-def _row_chunks(hidden: Tensor, rows: Tensor, dtype: torch.dtype, temperature: float):
+def row_chunks(hidden: Tensor, rows: Tensor, dtype: torch.dtype, temperature: float):
     """``(start, end, hᵀ / temperature)`` per chunk of selected rows, ``[H, ROW_CHUNK]``: the
     temperature divides the chunk's rows once instead of every logits tile."""
     for s in range(0, rows.numel(), ROW_CHUNK):
         e = min(s + ROW_CHUNK, rows.numel())
         h_t = _padded(hidden[rows[s:e]].to(dtype), ROW_CHUNK).T.contiguous()
-        yield s, e, _tempered(h_t, temperature)
+        yield s, e, tempered(h_t, temperature)
 
 
-def _tempered(x: Optional[Tensor], temperature: float) -> Optional[Tensor]:
+def tempered(x: Optional[Tensor], temperature: float) -> Optional[Tensor]:
     # dividing by 1 is exact: skipping it changes no bit
     return x / temperature if x is not None and temperature != 1.0 else x
 
 
-def _logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
+def logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
     """Logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh), from
     tempered rows ``h_t`` and tempered bias ``bias_t``."""
     z = w[c : c + VOCAB_TILE] @ h_t
@@ -99,19 +104,19 @@ def selected_logprob_forward(
     free of the cancellation ``lse - Σ p z``), each rescaled when ``top`` grows.
     """
     w = weight.to(compute_dtype)
-    b = _tempered(None if bias is None else bias.to(compute_dtype), temperature)
+    b = tempered(None if bias is None else bias.to(compute_dtype), temperature)
     n, V = rows.numel(), w.shape[0]
     dev = hidden.device
     logp = torch.empty(n, dtype=compute_dtype, device=dev)
     entropy = torch.empty(n if with_entropy else 0, dtype=compute_dtype, device=dev)
     lse = torch.empty_like(logp)
-    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
+    for s, e, h_t in row_chunks(hidden, rows, compute_dtype, temperature):
         tgt = _padded(targets[s:e], ROW_CHUNK)
         top = torch.full((ROW_CHUNK,), -float("inf"), dtype=compute_dtype, device=dev)
         total, zsum, tgt_logit = (torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev) for _ in range(3))
         by_tile = _rows_by_tile(tgt)
         for c in range(0, V, VOCAB_TILE):
-            z = _logits_tile(h_t, w, b, c)
+            z = logits_tile(h_t, w, b, c)
             hit = by_tile.get(c)
             if hit is not None:
                 tgt_logit[hit] = z[tgt[hit] - c, hit]
@@ -161,7 +166,7 @@ def selected_logprob_backward(
     """
     need_hidden, need_weight, need_bias = need
     w = weight.to(compute_dtype)
-    b = _tempered(None if bias is None else bias.to(compute_dtype), temperature)
+    b = tempered(None if bias is None else bias.to(compute_dtype), temperature)
     V = w.shape[0]
     d_shape = (rows.numel(), hidden.shape[1]) if per_scored_row else hidden.shape
     d_hidden = torch.zeros(d_shape, dtype=compute_dtype, device=hidden.device) if need_hidden else None
@@ -171,14 +176,14 @@ def selected_logprob_backward(
     def chunk(t: Tensor, s: int, e: int) -> Tensor:
         return _padded(t[s:e].to(compute_dtype), ROW_CHUNK)
 
-    for s, e, h_t in _row_chunks(hidden, rows, compute_dtype, temperature):
+    for s, e, h_t in row_chunks(hidden, rows, compute_dtype, temperature):
         g, lse_c, tgt = chunk(grad_logp, s, e), chunk(lse, s, e), _padded(targets[s:e], ROW_CHUNK)
         if grad_entropy is not None:
             g_ent, entropy_c = chunk(grad_entropy, s, e), chunk(entropy, s, e)
         d_h_t = torch.zeros_like(h_t) if d_hidden is not None else None
         by_tile = _rows_by_tile(tgt)
         for c in range(0, V, VOCAB_TILE):
-            z = _logits_tile(h_t, w, b, c)
+            z = logits_tile(h_t, w, b, c)
             log_p = z.sub_(lse_c)
             p = torch.exp(log_p)
             if grad_entropy is not None:  # log_p becomes the entropy term - g_H p (log p + entropy)
@@ -197,7 +202,7 @@ def selected_logprob_backward(
             if d_bias is not None:
                 d_bias[c : c + VOCAB_TILE] += dz.sum(1)
         if d_hidden is not None and per_scored_row:
-            d_hidden[s:e] = _tempered(d_h_t, temperature).T[: e - s]
+            d_hidden[s:e] = tempered(d_h_t, temperature).T[: e - s]
         elif d_hidden is not None:
-            d_hidden.index_add_(0, rows[s:e], _tempered(d_h_t, temperature).T[: e - s])
-    return d_hidden, d_weight, _tempered(d_bias, temperature)
+            d_hidden.index_add_(0, rows[s:e], tempered(d_h_t, temperature).T[: e - s])
+    return d_hidden, d_weight, tempered(d_bias, temperature)

@@ -15,6 +15,8 @@ from torch import Tensor
 
 from .._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial, num_blocks
 
+__all__ = ["partials", "partials_backward"]
+
 
 def _token_terms(
     log_probs, old_log_probs, advantages, seq_coef, mask, seq, seq_log_ratio, rollout_weights, ref_log_probs,

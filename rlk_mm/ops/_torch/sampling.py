@@ -39,6 +39,12 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+__all__ = [
+    "block_log_mass", "draw_in_block", "Filters", "FIXED_BITS", "FIXED_SCALE", "GOLDEN", "gumbel", "kept_by_filters",
+    "keys_of", "MASK32", "mix32", "NOISE_BLOCK", "one_thread", "row_keys", "RowKeys", "RowResult",
+    "sample_hidden_rows", "sample_row", "sample_rows",
+]
+
 Tensor = torch.Tensor
 
 #: vocabulary entries per noise block (part of what is drawn: every backend uses it)
@@ -233,11 +239,11 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
     B, dev = hidden.shape[0], hidden.device
     w = weight.float()
-    b = _lp._tempered(None if bias is None else bias.float(), temperature)
+    b = _lp.tempered(None if bias is None else bias.float(), temperature)
     rows = torch.arange(B, device=dev)
     out = [torch.zeros(B, dtype=t, device=dev) for t in (torch.int64, torch.float32, torch.float32, torch.int8)]
-    for s, e, h_t in _lp._row_chunks(hidden, rows, torch.float32, temperature):
-        z = torch.cat([_lp._logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _lp.VOCAB_TILE)]).T[: e - s]
+    for s, e, h_t in _lp.row_chunks(hidden, rows, torch.float32, temperature):
+        z = torch.cat([_lp.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _lp.VOCAB_TILE)]).T[: e - s]
         for o, part in zip(out, sample_rows(z, 1.0, filters, seeds[s:e], steps[s:e])):
             o[s:e] = part
     tokens, _, sampled, status = out

@@ -9,6 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = [
+    "dot_precision", "grouped_tile_ids", "interpreted", "INTERPRETER_PROGRAMS", "num_sms", "persistent_programs",
+]
+
 #: programs of a persistent launch in Triton's interpreter: more than one, so that the
 #: tests run every persistent loop over tiles too
 INTERPRETER_PROGRAMS = 2

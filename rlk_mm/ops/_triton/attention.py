@@ -22,6 +22,8 @@ import triton.language as tl
 
 from ._common import dot_precision, interpreted
 
+__all__ = ["AttentionConfig", "default_config", "segment_attention"]
+
 _LOG2E = 1.4426950408889634
 
 
@@ -41,8 +43,8 @@ def default_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
     Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
-        return AttentionConfig(32, 32, block_d, num_warps=4, num_stages=2)
-    return AttentionConfig(64, 64, block_d, num_warps=4, num_stages=3)
+        return AttentionConfig(block_m=32, block_n=32, block_d=block_d, num_warps=4, num_stages=2)
+    return AttentionConfig(block_m=64, block_n=64, block_d=block_d, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["max_q"])

@@ -2,7 +2,7 @@
 
 For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in order):
 
-1. ``logprob._forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its row partials
+1. ``lm_head.forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its row partials
    in fp32 (so the log-sum-exp, log-prob and entropy are ``selected_logprob``'s, bitwise),
    and the tile's logits, less the tile's row maximum, stored in the weight's dtype;
 2. the combine kernel: log-prob, entropy and log-sum-exp of the chunk's rows;
@@ -25,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprob import (
-    LogprobConfig, _accumulate_mm, _bias_arg, _combine_kernel, _forward_tiles_kernel, _ieee, _Operands, default_config,
+from .lm_head import (
+    LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel, ieee,
 )
 
 Tensor = torch.Tensor
+
+__all__ = ["Combine", "DZ_BLOCK_M", "DZ_WARPS", "Upstream", "chunk_rows", "default_config", "loss_grads"]
 #: a vocabulary shard's (target logit, entropy, log-sum-exp) of a chunk's rows, fp32 [m] -> the
 #: group's (log-prob, entropy, log-sum-exp) (``vocab_parallel.combine``: collective, in rank order)
 Combine = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
@@ -99,7 +101,7 @@ def loss_grads(
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if need_bias else None
     if n == 0:
         return logp, entropy, d_sel, d_weight, d_bias
-    ops = _Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
+    ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     n_vblocks = triton.cdiv(V, cfg.block_n)
     step = chunk_rows(n, chunk_vocab or V, weight.dtype, cfg)
     z = torch.empty(step * V, dtype=weight.dtype, device=dev)
@@ -111,16 +113,16 @@ def loss_grads(
         if combine is not None:  # only the program holding a row's target writes its logit
             tgt_logit.zero_()
         h_src, w_src, rows_s = ops.args(s, m)
-        _forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
-            h_src, w_src, _bias_arg(bias, weight), rows_s, targets[s:],
+        forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
+            h_src, w_src, bias_arg(bias, weight), rows_s, targets[s:],
             part_max, part_sum, part_zsum, tgt_logit, z,
             m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=True, IEEE=_ieee(weight),
+            HAS_BIAS=bias is not None, WITH_ENTROPY=True, IEEE=ieee(weight),
             EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             STORE_Z=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
+        combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             part_max, part_sum, part_zsum, tgt_logit, logp[s:], entropy[s:], lse[s:], m, n_vblocks,
             WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll, RAW_TARGET=combine is not None,
         )
@@ -136,7 +138,7 @@ def loss_grads(
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:
-            _accumulate_mm(d_sel[s : s + m], dz, weight)
+            accumulate_mm(d_sel[s : s + m], dz, weight)
         if need_weight:
             h_rows = ops.h_sel[s : s + m] if ops.h_sel is not None else hidden.index_select(0, rows[s : s + m])
             d_weight.addmm_(dz.T, h_rows)

@@ -20,6 +20,8 @@ import triton.language as tl
 
 from .._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial
 
+__all__ = ["launch", "LossKernelConfig"]
+
 # the shared constants as values the kernel can read
 _K1 = tl.constexpr(int(KLEstimator.K1))
 _ABS = tl.constexpr(int(KLEstimator.ABS))

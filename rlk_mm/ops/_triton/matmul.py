@@ -18,6 +18,8 @@ import triton.language as tl
 
 from ._common import dot_precision, grouped_tile_ids, interpreted, persistent_programs
 
+__all__ = ["bmm", "default_config", "linears", "MatmulConfig"]
+
 
 @dataclass(frozen=True)
 class MatmulConfig:
@@ -36,10 +38,10 @@ def default_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
     """Tiles for a [*, K] x [K, N] product: a function of N, K and dtype only, never of M."""
     if dtype == torch.float32:
         bn = 64 if n > 32 else max(16, triton.next_power_of_2(n))
-        return MatmulConfig(64, bn, 32, 8, num_warps=4, num_stages=3)
+        return MatmulConfig(block_m=64, block_n=bn, block_k=32, group_m=8, num_warps=4, num_stages=3)
     bn = 256 if n >= 256 else max(16, triton.next_power_of_2(n))
     bk = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    return MatmulConfig(128, bn, bk, 8, num_warps=8, num_stages=3)
+    return MatmulConfig(block_m=128, block_n=bn, block_k=bk, group_m=8, num_warps=8, num_stages=3)
 
 
 @triton.jit

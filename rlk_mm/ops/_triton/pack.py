@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["default_config", "gather_rows", "GatherConfig"]
+
 Tensor = torch.Tensor
 
 
@@ -33,9 +35,9 @@ def default_config(F: int, device: torch.device) -> GatherConfig:
     """A function of the row width and the device only: 4096 elements a program on CUDA,
     at most 512 contiguous features (16-byte accesses)."""
     if device.type != "cuda":  # Triton's interpreter (tests): small tiles
-        return GatherConfig(4, min(triton.next_power_of_2(max(F, 1)), 32), 1)
+        return GatherConfig(block_r=4, block_f=min(triton.next_power_of_2(max(F, 1)), 32), num_warps=1)
     block_f = min(triton.next_power_of_2(max(F, 1)), 512)
-    return GatherConfig(max(1, 4096 // block_f), block_f, 4)
+    return GatherConfig(block_r=max(1, 4096 // block_f), block_f=block_f, num_warps=4)
 
 
 @triton.jit

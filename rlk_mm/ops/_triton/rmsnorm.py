@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["default_config", "rms_norm", "RMSNormConfig"]
+
 
 @dataclass(frozen=True)
 class RMSNormConfig:
@@ -29,7 +31,7 @@ def default_config(hidden: int) -> RMSNormConfig:
     """A function of the hidden size alone: every row is reduced by one fixed tree."""
     block = triton.next_power_of_2(hidden)
     rows = max(1, min(64, 4096 // block))
-    return RMSNormConfig(rows, block, num_warps=4 if block * rows <= 4096 else 8)
+    return RMSNormConfig(rows=rows, block=block, num_warps=4 if block * rows <= 4096 else 8)
 
 
 @triton.jit(do_not_specialize=["n_rows"])

@@ -1,11 +1,12 @@
-"""Triton kernels of sampling from hidden states, the LM head fused with sampling. Its tiles are the selected log-prob
-kernel's (``_logits_tile``, the same config, the same per-tile max and Σ exp partials, and
-its ``_combine_kernel``), so ``log_probs`` equal ``selected_logprob``'s bitwise. Plain
-temperature is one pass: each tile also keeps, per row, its best noise block (score and
-the block's 32 logits), and the draw finishes on those ``[tiles, B, 32]`` values; no
-``[B, V]`` logits are written. Filters need the whole row: the same launch also writes the
-rows' logits (a row chunk at a time, within ``LOGITS_BUDGET``) and ``sample_logits`` reads
-them back, a second pass.
+"""Triton kernels of sampling from hidden states, the LM head fused with sampling.
+
+Its tiles are the selected log-prob's (``lm_head``: ``logits_tile``, the same config, the
+same per-tile max and Σ exp partials, and ``combine_kernel``), so ``log_probs`` equal
+``selected_logprob``'s bitwise. Plain temperature is one pass: each tile also keeps, per
+row, its best noise block (score and the block's 32 logits), and the draw finishes on those
+``[tiles, B, 32]`` values; no ``[B, V]`` logits are written. Filters need the whole row: the
+same launch also writes the rows' logits (a row chunk at a time, within
+``SamplingConfig.logits_budget``) and ``sample_logits`` reads them back, a second pass.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import triton
 import triton.language as tl
 
 from .._torch import sampling as _ref
-from .logprob import _bias_arg, _combine_kernel, _ieee, _logits_tile, _Operands, default_config
 from ._common import grouped_tile_ids
-from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, _gumbel, _no_nan, _row_keys, sample_logits
+from .lm_head import Operands, bias_arg, combine_kernel, default_config, ieee, logits_tile
+from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, gumbel, no_nan, row_keys, sample_logits
+from .sampling import default_config as sampling_config
 
 Tensor = torch.Tensor
-#: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk
-LOGITS_BUDGET = 512 << 20
+
+__all__ = ["sample_hidden"]
 
 
 # ------------------------------------------------------------------ from hidden states
@@ -43,10 +45,10 @@ def _hidden_tiles_kernel(
     rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < V
-    z = _logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
+    z = logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
                      inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     z = tl.where(n_ok[None, :], z, -float("inf"))
-    z_max = tl.max(z, axis=1)  # as _forward_tiles_kernel of the selected log-prob
+    z_max = tl.max(z, axis=1)  # as forward_tiles_kernel of the selected log-prob
     safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)[:, None]
     part = pid_n * n_rows + offs_m
     tl.store(part_max_ptr + part, z_max, mask=m_ok)
@@ -59,10 +61,10 @@ def _hidden_tiles_kernel(
         mb = tl.max(zb, 2)
         safe = tl.where(mb == -float("inf"), 0.0, mb)
         ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, :, None]), 2)))
-        ka, kb = _row_keys(tl.load(seeds_ptr + offs_m, mask=m_ok, other=0),
+        ka, kb = row_keys(tl.load(seeds_ptr + offs_m, mask=m_ok, other=0),
                            tl.load(steps_ptr + offs_m, mask=m_ok, other=0), SALT_BLOCK)
         blocks = pid_n * NB + tl.arange(0, NB)
-        score = _no_nan(ell.to(tl.float64) + _gumbel(blocks[None, :], ka[:, None], kb[:, None]))
+        score = no_nan(ell.to(tl.float64) + gumbel(blocks[None, :], ka[:, None], kb[:, None]))
         arg = tl.argmax(score, 1)
         tl.store(best_ptr + part, tl.max(score, 1), mask=m_ok)
         tl.store(best_block_ptr + part, pid_n * NB + arg, mask=m_ok)
@@ -73,12 +75,16 @@ def _hidden_tiles_kernel(
 
 
 def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float,
-                  filters: _ref.Filters, seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  filters: _ref.Filters, seeds: Tensor, steps: Tensor,
+                  config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``sample_logits`` of ``(hidden · Wᵀ + bias) / temperature`` (``hidden [B, H]``, rows
-    contiguous), ``log_probs`` from the selected log-prob's partials and combine."""
+    contiguous), ``log_probs`` from the selected log-prob's partials and combine. The tiles
+    are the selected log-prob's (``lm_head.default_config``); ``config`` replaces the
+    sampling kernels' ``default_config``."""
     B, (V, H) = hidden.shape[0], weight.shape
     dev = hidden.device
     cfg = default_config(weight.dtype, dev)
+    scfg = config or sampling_config(dev)
     assert cfg.block_n % _ref.NOISE_BLOCK == 0
     tokens = torch.zeros(B, dtype=torch.int64, device=dev)
     log_probs = torch.empty(B, dtype=torch.float32, device=dev)
@@ -87,11 +93,11 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     if B == 0:
         return tokens, log_probs, sampled, status
     rows = torch.arange(B, device=dev)
-    ops = _Operands(hidden, weight, rows, cfg, all_rows=True)
+    ops = Operands(hidden, weight, rows, cfg, all_rows=True)
     n_vblocks = triton.cdiv(V, cfg.block_n)
     draw = filters.plain
     per_row = n_vblocks * (4 * 2 + (8 + 4 + 4 * _ref.NOISE_BLOCK if draw else 0)) + (0 if draw else 4 * V)
-    step = min(B, max(cfg.block_m, min(cfg.partials_budget, LOGITS_BUDGET) // per_row // cfg.block_m * cfg.block_m))
+    step = min(B, max(cfg.block_m, min(cfg.partials_budget, scfg.logits_budget) // per_row // cfg.block_m * cfg.block_m))
     part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
     part_sum = torch.empty_like(part_max)
     best = torch.empty(n_vblocks * step if draw else 1, dtype=torch.float64, device=dev)
@@ -105,23 +111,23 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
         h_src, w_src, rows_s = ops.args(s, m)
         seeds_s, steps_s = seeds[s : s + m], steps[s : s + m]
         _hidden_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
-            h_src, w_src, _bias_arg(bias, weight), rows_s, seeds_s, steps_s,
+            h_src, w_src, bias_arg(bias, weight), rows_s, seeds_s, steps_s,
             part_max, part_sum, best, best_block, best_z, z_buf,
             m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
-            HAS_BIAS=bias is not None, IEEE=_ieee(weight), EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
+            HAS_BIAS=bias is not None, IEEE=ieee(weight), EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
             DRAW=draw, STORE_Z=not draw,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if draw:
-            _finish_draw_kernel[(triton.cdiv(m, FINISH_ROWS),)](
-                best, best_block, best_z, seeds_s, steps_s, tokens[s:], z_tok, m, n_vblocks, BLOCK=FINISH_ROWS)
+            _finish_draw_kernel[(triton.cdiv(m, scfg.finish_rows),)](
+                best, best_block, best_z, seeds_s, steps_s, tokens[s:], z_tok, m, n_vblocks, BLOCK=scfg.finish_rows)
         else:
             z = z_buf[: m * V].view(m, V)
-            tok, _, slp, st = sample_logits(z, 1.0, filters, seeds_s, steps_s)
+            tok, _, slp, st = sample_logits(z, 1.0, filters, seeds_s, steps_s, config=scfg)
             tokens[s : s + m], z_tok[:m] = tok, z.gather(1, tok[:, None])[:, 0]
             sampled[s : s + m], status[s : s + m] = slp, st
-        _combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
+        combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             part_max, part_sum, part_max, z_tok, log_probs[s:], log_probs, lse, m, n_vblocks,
             WITH_ENTROPY=False, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
         )
@@ -129,10 +135,6 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
         sampled.copy_(log_probs)
         status = torch.where(torch.isfinite(log_probs), _ref.OK, _ref.NOT_FINITE).to(torch.int8)
     return tokens, log_probs, sampled, status
-
-
-#: rows per program of ``_finish_draw_kernel``
-FINISH_ROWS = 32
 
 
 @triton.jit
@@ -153,9 +155,9 @@ def _finish_draw_kernel(best_ptr, best_block_ptr, best_z_ptr, seeds_ptr, steps_p
     block = tl.load(best_block_ptr + at, mask=ok, other=0)
     lanes = tl.arange(0, NOISE_BLOCK)
     z = tl.load(best_z_ptr + at[:, None] * NOISE_BLOCK + lanes[None, :], mask=ok[:, None], other=-float("inf"))
-    ka, kb = _row_keys(tl.load(seeds_ptr + offs, mask=ok, other=0), tl.load(steps_ptr + offs, mask=ok, other=0),
+    ka, kb = row_keys(tl.load(seeds_ptr + offs, mask=ok, other=0), tl.load(steps_ptr + offs, mask=ok, other=0),
                        SALT_TOKEN)
     cols = block[:, None] * NOISE_BLOCK + lanes[None, :]
-    j = tl.argmax(_no_nan(z.to(tl.float64) + _gumbel(cols, ka[:, None], kb[:, None])), 1)
+    j = tl.argmax(no_nan(z.to(tl.float64) + gumbel(cols, ka[:, None], kb[:, None])), 1)
     tl.store(tok_ptr + offs, (block * NOISE_BLOCK + j).to(tl.int64), mask=ok)
     tl.store(z_tok_ptr + offs, tl.max(tl.where(lanes[None, :] == j[:, None], z, -float("inf")), 1), mask=ok)

@@ -1,7 +1,8 @@
 """Triton kernels of rollout sampling: the semantics and the RNG of ``_torch/sampling.py``.
 
 ``sample_logits``: each row's vocabulary is cut into blocks of ``split_block`` entries (their
-number depends on V alone), one program per (row, block), then one per row combines the
+number depends on V alone; ``SamplingConfig`` holds the block sizes and caps named here),
+one program per (row, block), then one per row combines the
 blocks' partials in block order. Launch 1: each block's max (and NaN/+inf entries, reported
 as the row's status; with top-k the max of every ``sub_block`` entries, whose k-th largest,
 per row, bounds the k-th largest entry from below). Launch 2, under the row's max: each
@@ -21,6 +22,7 @@ backend's result, bit for bit; a row's arithmetic never depends on the other row
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,6 +31,11 @@ import triton.language as tl
 
 from .._torch import sampling as _ref
 
+__all__ = [
+    "default_config", "gumbel", "no_nan", "NOISE_BLOCK", "row_keys", "SALT_BLOCK", "SALT_TOKEN", "sample_logits",
+    "SamplingConfig",
+]
+
 Tensor = torch.Tensor
 
 NOISE_BLOCK: tl.constexpr = tl.constexpr(_ref.NOISE_BLOCK)
@@ -36,28 +43,39 @@ SALT_TOKEN: tl.constexpr = tl.constexpr(_ref.SALT_TOKEN)
 SALT_BLOCK: tl.constexpr = tl.constexpr(_ref.SALT_BLOCK)
 
 
-def row_block(device: torch.device) -> int:
-    """Entries per chunk of a pass over a whole row (the bisection): small in Triton's
-    interpreter, so that the tests walk several chunks."""
-    return 4096 if device.type == "cuda" else 64
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Blocks, caps and launch settings of the sampling kernels (``sample_logits`` and
+    ``sample_hidden``); a function of the device only, never of the batch, so a row's
+    arithmetic never depends on B. The interpreter's are small, so that the tests walk
+    several blocks and chunks and take every path.
+
+    ``split_block``: entries per vocabulary block of ``sample_logits`` (a multiple of
+    NOISE_BLOCK; the number of blocks depends on V alone). ``sub_block``: entries per
+    sub-block of a vocabulary block (the k-th largest sub-block max bounds the k-th largest
+    entry from below, so top-k candidates are looked for only above it). ``row_block``:
+    entries per chunk of a pass over a whole row (the bisection). ``candidate_cap``: most
+    top-k candidate slots (blocks x k) a row merges in registers (more: the bisection).
+    ``block_warps``: warps of the per-(row, block) kernels; ``row_warps``: of the per-row
+    kernels. ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes
+    per row chunk; ``finish_rows``: rows per program of its draw's last step."""
+
+    split_block: int
+    sub_block: int
+    row_block: int
+    candidate_cap: int
+    block_warps: int
+    row_warps: int
+    logits_budget: int = 512 << 20
+    finish_rows: int = 32
 
 
-def split_block(device: torch.device) -> int:
-    """Entries per vocabulary block of ``sample_logits`` (a multiple of NOISE_BLOCK; the
-    number of blocks depends on V alone): small in the interpreter, so that rows span blocks."""
-    return 4096 if device.type == "cuda" else 32
-
-
-def sub_block(device: torch.device) -> int:
-    """Entries per sub-block of a vocabulary block: the k-th largest sub-block max bounds the
-    k-th largest entry from below, so top-k candidates are looked for only above it."""
-    return 64 if device.type == "cuda" else 8
-
-
-def candidate_cap(device: torch.device) -> int:
-    """Most top-k candidate slots (blocks x k) a row merges in registers (more: the bisection
-    over the row); small in the interpreter, so that the tests take both ways."""
-    return 4096 if device.type == "cuda" else 32
+def default_config(device: torch.device) -> SamplingConfig:
+    """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
+    if device.type == "cuda":
+        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=4,
+                              row_warps=8)
+    return SamplingConfig(split_block=32, sub_block=8, row_block=64, candidate_cap=32, block_warps=1, row_warps=1)
 
 
 # ------------------------------------------------------------------ the RNG (as _torch.sampling)
@@ -71,7 +89,7 @@ def _mix32(x):
 
 
 @triton.jit
-def _row_keys(seed, step, SALT: tl.constexpr):
+def row_keys(seed, step, SALT: tl.constexpr):
     """A row's two uint32 keys from its int64 seed and step (``_torch.sampling.row_keys``)."""
     a = _mix32(seed.to(tl.uint32) ^ tl.full([], 0x9E3779B9, tl.uint32))
     a = _mix32(a ^ (seed >> 32).to(tl.uint32))
@@ -81,7 +99,7 @@ def _row_keys(seed, step, SALT: tl.constexpr):
 
 
 @triton.jit
-def _gumbel(index, ka, kb):
+def gumbel(index, ka, kb):
     """float64 Gumbel noise of non-negative int ``index`` under uint32 keys ``ka``, ``kb``."""
     bits = _mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8
     u = (bits | 1).to(tl.float64) * (1.0 / 16777216.0)
@@ -104,7 +122,7 @@ def _mass(z, m):
 
 
 @triton.jit
-def _no_nan(score):
+def no_nan(score):
     """NaN scores (a bad row, reported by its status) as -inf, so that argmax is defined."""
     return tl.where(score == score, score, -float("inf"))
 
@@ -212,7 +230,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
             kept = kept & ((z - m) >= min_p_log)
         kept_mass += tl.sum(tl.where(kept, _mass(z, m), 0), 0)
         if not GIVEN:
-            score = tl.where(kept, z.to(tl.float64) + _gumbel(offs, tka, tkb), -float("inf"))
+            score = tl.where(kept, z.to(tl.float64) + gumbel(offs, tka, tkb), -float("inf"))
             chunk_best = tl.max(score, 0)
             better = chunk_best > best
             token = tl.where(better, c + tl.argmax(score, 0), token).to(tl.int64)
@@ -293,8 +311,8 @@ def _block_stats_kernel(
         safe = tl.where(mb == -float("inf"), 0.0, mb)
         ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, None]), 1)))
         blocks = blk * (SPLIT // NOISE_BLOCK) + tl.arange(0, SPLIT // NOISE_BLOCK)
-        bka, bkb = _row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_BLOCK)
-        score = _no_nan(ell.to(tl.float64) + _gumbel(blocks, bka, bkb))
+        bka, bkb = row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_BLOCK)
+        score = no_nan(ell.to(tl.float64) + gumbel(blocks, bka, bkb))
         tl.store(part_best_ptr + part, tl.max(score, 0))
         tl.store(part_best_block_ptr + part, blk * (SPLIT // NOISE_BLOCK) + tl.argmax(score, 0))
     if CANDIDATES:  # largest first
@@ -335,7 +353,7 @@ def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_lo
     kept = fin & (key >= t)
     if MIN_P:
         kept = kept & ((cz - m) >= min_p_log)
-    score = tl.where(kept, cz.to(tl.float64) + _gumbel(ci, tka, tkb), -float("inf"))
+    score = tl.where(kept, cz.to(tl.float64) + gumbel(ci, tka, tkb), -float("inf"))
     best = tl.max(score, 0)
     token = tl.min(tl.where(score == best, ci, 2**31 - 1), 0).to(tl.int64)  # the first by index on a tie
     z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
@@ -355,7 +373,7 @@ def _draw_kernel(
     or on a tie at the top-k boundary, by bisection over the row) and the log-probs."""
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride
-    tka, tkb = _row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_TOKEN)
+    tka, tkb = row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_TOKEN)
     m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
     b = tl.arange(0, NBP)
     at = row * n_blocks + b
@@ -368,7 +386,7 @@ def _draw_kernel(
             best_block = tl.load(part_best_block_ptr + row * n_blocks + w)
             cols = best_block * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
             zc = _load_z(x_row, cols, V, inv_t, SCALE_T)
-            token = (best_block * NOISE_BLOCK + tl.argmax(_no_nan(zc.to(tl.float64) + _gumbel(cols, tka, tkb)), 0))
+            token = (best_block * NOISE_BLOCK + tl.argmax(no_nan(zc.to(tl.float64) + gumbel(cols, tka, tkb)), 0))
             token = token.to(tl.int64)
         z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
         lp = _log_ratio(z_tok, m, total)
@@ -394,9 +412,11 @@ def _draw_kernel(
 
 
 def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Tensor, steps: Tensor,
-                  given: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  given: Optional[Tensor] = None,
+                  config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(tokens int64, log_probs fp32, sampled_log_probs fp32, status int8), each ``[B]``;
-    ``logits [B, V]`` with unit stride along V, ``seeds``/``steps`` int64 ``[B]``."""
+    ``logits [B, V]`` with unit stride along V, ``seeds``/``steps`` int64 ``[B]``.
+    ``config`` replaces ``default_config``."""
     B, V = logits.shape
     dev = logits.device
     tokens = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -405,11 +425,12 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     status = torch.empty(B, dtype=torch.int8, device=dev)
     if B == 0:
         return tokens, log_probs, sampled, status
-    split = split_block(dev)
+    cfg = config or default_config(dev)
+    split = cfg.split_block
     n_blocks = triton.cdiv(V, split)  # V alone sets the blocks: a row's arithmetic never depends on B
     top_k = filters.top_k or 0
     draw = filters.plain and given is None
-    candidates = filters.top_k is not None and given is None and n_blocks * top_k <= candidate_cap(dev)
+    candidates = filters.top_k is not None and given is None and n_blocks * top_k <= cfg.candidate_cap
 
     def parts(dtype, used=True, per=1):  # an unused one: any tensor (its kernel code is compiled out)
         return torch.empty(B * n_blocks * per, dtype=dtype, device=dev) if used else tokens
@@ -420,12 +441,12 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     part_drop, cand = parts(torch.float32, candidates), parts(torch.int32, candidates, max(top_k, 1))
     part_cnt = parts(torch.int32, candidates)
     bound = torch.empty(B, dtype=torch.int64, device=dev) if candidates else tokens
-    sub = sub_block(dev)
+    sub = cfg.sub_block
     sub_max = parts(torch.float32, candidates, split // sub)
     top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
     scale_t = inv_t != 1.0
     nbp = max(2, triton.next_power_of_2(n_blocks))
-    block_warps = 4 if dev.type == "cuda" else 1
+    block_warps = cfg.block_warps
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _block_max_kernel[(B, n_blocks)](
         logits, logits.stride(0), V, inv_t, part_max, part_bad, part_fin, sub_max, n_blocks,
@@ -433,7 +454,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     if candidates:
         n_subs = n_blocks * (split // sub)
         _bound_kernel[(B,)](sub_max, bound, n_subs, top_k, LANES=triton.next_power_of_2(n_subs),
-                            num_warps=8 if dev.type == "cuda" else 1)
+                            num_warps=cfg.row_warps)
     _block_stats_kernel[(B, n_blocks)](
         logits, logits.stride(0), V, inv_t, seeds, steps, top_k,
         part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, bound, cand, part_cnt, n_blocks,
@@ -445,8 +466,8 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
         part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, cand, part_cnt,
         tokens, log_probs, sampled, status, n_blocks,
         SCALE_T=scale_t, PLAIN=filters.plain, TOP_K=filters.top_k is not None, TOP_P=filters.top_p is not None,
-        MIN_P=filters.min_p_log is not None, GIVEN=given is not None, CANDIDATES=candidates, BLOCK=row_block(dev),
+        MIN_P=filters.min_p_log is not None, GIVEN=given is not None, CANDIDATES=candidates, BLOCK=cfg.row_block,
         NBP=nbp, LANES=max(16, triton.next_power_of_2(n_blocks * top_k)),
-        num_warps=8 if dev.type == "cuda" else 1, enable_fp_fusion=False,
+        num_warps=cfg.row_warps, enable_fp_fusion=False,
     )
     return tokens, log_probs, sampled, status

@@ -5,3 +5,5 @@
 The package is not named ``batch_invariant``: ``rlk_mm.ops.batch_invariant`` is the
 context manager, and a subpackage of that name would replace it on ``rlk_mm.ops``.
 """
+
+__all__: list[str] = []

@@ -13,6 +13,8 @@ import torch
 from .._backend import resolve_backend, use_triton
 from ..options import Backend
 
+__all__ = ["cached", "SEGMENT_CACHE", "STATE", "through_op", "triton_for"]
+
 
 class _State:
     """Process-wide, like the dispatcher overrides it mirrors."""

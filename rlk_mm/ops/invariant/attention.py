@@ -15,6 +15,8 @@ from ...schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, bool_arg, floa
 from .._torch import invariant as _ref
 from ._dispatch import cached, through_op, triton_for
 
+__all__ = ["attention_interface", "full_bool_mask", "segment_attention", "segments_from_mask", "varlen_attention"]
+
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,
                     seg_q0: torch.Tensor, seg_ql: torch.Tensor, seg_k0: torch.Tensor, seg_kl: torch.Tensor,

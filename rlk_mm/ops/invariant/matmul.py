@@ -14,6 +14,8 @@ from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import triton_for
 
+__all__ = ["ATEN_OVERRIDES", "matmul", "shared_input_linears", "shared_input_patch"]
+
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            *, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:

@@ -31,6 +31,8 @@ from ._dispatch import SEGMENT_CACHE, STATE
 from .attention import attention_interface, full_bool_mask
 from .matmul import ATEN_OVERRIDES
 
+__all__ = ["BACKENDS", "batch_invariant", "ModulePatches", "register_module_patches"]
+
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
 ModulePatches = list[tuple[type, str, object]]
 #: the values of ``batch_invariant(backend=...)``

@@ -1,0 +1,260 @@
+"""The LM-head tile code the Triton kernels share: logits tiles that never reach memory.
+
+The selected log-prob (``logprob.py``), the fused policy loss (``linear_loss.py``) and
+sampling from hidden states (``sample_hidden.py``) all form logits the same way, so a
+token's log-prob is bitwise the same in each:
+
+* ``LogprobConfig`` / ``default_config``: tiles and budgets, a function of dtype and device only;
+* ``logits_tile``: one ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, ``(h[rows] · Wᵀ + b) / T``
+  in an fp32 accumulator (``mma``: the dot product at the precision ``ieee`` picks);
+* ``forward_tiles_kernel``: each tile reduced at once to per-row partials (max, Σ exp(z -
+  max), Σ exp(z - max)·(z - max)) and the target logit (optionally also storing the tile);
+* ``combine_kernel``: each row's partials combined over the vocabulary blocks in block
+  order, by one thread (no cross-thread reduction whose tree would follow the launch);
+* ``Operands``: how kernels read hidden rows and W (tensor descriptors where alignment
+  allows, else pointers with the row gather in the kernel); ``bias_arg``, ``accumulate_mm``.
+
+Reduction order: tile sizes depend only on the dtype and the device, every logit is one dot
+product over H in the same order, and the combine is each row's own sequential sum, so a
+row's results are the same whatever else is in the batch and wherever the row stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._common import grouped_tile_ids, interpreted
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config", "forward_tiles_kernel",
+    "ieee", "logits_tile", "mma", "tma_ok",
+]
+
+
+@dataclass(frozen=True)
+class LogprobConfig:
+    """Tiles, launch settings and workspace budgets of the selected-log-prob kernels.
+
+    Tiles depend on the dtype and device only (never on the number of rows), so a row's
+    reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
+    where alignment allows. ``partials_budget``: bytes of per-(row, vocab block) partials
+    one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
+    ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
+    says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
+    ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_unroll``: rows per
+    program and vocabulary blocks per unrolled step of the combine kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    tma: bool = True
+    partials_budget: int = 128 << 20
+    dz_budget: int = 184 << 20
+    linear_budget: int = 640 << 20
+    combine_block: int = 128
+    combine_unroll: int = 8
+
+
+def default_config(dtype: torch.dtype, device: torch.device) -> LogprobConfig:
+    """The tuned settings (``bench_logprob.py --sweep``): a function of dtype and device only."""
+    if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
+        return LogprobConfig(block_m=16, block_n=32, block_k=16, group_m=4, num_warps=1, num_stages=1,
+                             combine_block=16, combine_unroll=4)
+    if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
+        return LogprobConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+    return LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def mma(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a · bᵀ``; IEEE: fp32 products and sums (fp32 inputs, no TF32; and 16-bit
+    inputs in Triton's interpreter, see ``_common.interpreted``)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def logits_tile(
+    h_src, w_src, b_ptr, rows, m0, n0, V, H, stride_h, stride_w, inv_temp,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, vocabulary columns from ``n0``.
+
+    With ``TMA``, ``h_src``/``w_src`` are tensor descriptors of the selected rows (tile rows
+    from ``m0``) and of W, read by the copy engine (out-of-range reads are zeros).
+    Otherwise they are pointers: hidden rows ``rows`` are gathered, and out-of-range
+    vocabulary columns are read from the last row of W; the caller discards them.
+    """
+    cols = tl.minimum(n0 + tl.arange(0, BLOCK_N), V - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            a = h_src.load([m0, k * BLOCK_K])
+            b = w_src.load([n0, k * BLOCK_K])
+            acc = mma(a, b, acc, IEEE)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_src + rows[:, None] * stride_h + offs_k[None, :]
+        b_ptrs = w_src + cols[:, None] * stride_w + offs_k[None, :]
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_ok = offs_k[None, :] < H - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            acc = mma(a, b, acc, IEEE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    return acc * inv_temp
+
+
+@triton.jit
+def forward_tiles_kernel(
+    h_src, w_src, b_ptr, rows_ptr, tgt_ptr,
+    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr, z_ptr,
+    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    STORE_Z: tl.constexpr = False,
+):
+    """Each tile's row partials (max, sum of exp, entropy sum) and target logits; with
+    ``STORE_Z`` also the tile's logits less the tile's row max, ``z_ptr [n_rows, V]`` in its
+    dtype (the fused loss's chunk buffer: entries near the max, the ones with probability,
+    keep the dtype's full precision)."""
+    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < n_rows
+    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < V
+    z = logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
+                     inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    z = tl.where(n_ok[None, :], z, -float("inf"))
+    z_max = tl.max(z, axis=1)
+    # a block whose logits are all -inf (a bias of -inf masks it) has max -inf and sums 0
+    safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)[:, None]
+    e = tl.exp(z - safe_max)
+    part = pid_n * n_rows + offs_m  # partials are [n_vblocks, n_rows]: coalesced stores
+    tl.store(part_max_ptr + part, z_max, mask=m_ok)
+    tl.store(part_sum_ptr + part, tl.sum(e, axis=1), mask=m_ok)
+    if STORE_Z:
+        out = z_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
+        tl.store(out, (z - safe_max).to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if WITH_ENTROPY:
+        centered = tl.where(e > 0, z, safe_max) - safe_max  # masked entries add 0, not 0 x -inf
+        tl.store(part_zsum_ptr + part, tl.sum(e * centered, axis=1), mask=m_ok)
+    tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
+    hit = offs_n[None, :] == tgt[:, None]
+    mine = m_ok & (tgt >= pid_n * BLOCK_N) & (tgt < pid_n * BLOCK_N + BLOCK_N)
+    tl.store(tgt_logit_ptr + offs_m, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=mine)
+
+
+@triton.jit
+def combine_kernel(
+    part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
+    logp_ptr, entropy_ptr, lse_ptr, n_rows, n_vblocks,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr, RAW_TARGET: tl.constexpr = False,
+):
+    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials
+    (with ``RAW_TARGET``, the target logit in place of the log-prob: a vocabulary shard's part).
+
+    Each row is one thread's sequential online sum over blocks 0, 1, 2, ... (no
+    cross-thread reduction, whose tree would follow the layout Triton picks for this
+    launch's row count): one pass, the running max rescaling the sums as it grows,
+    unrolled so that several blocks' loads are in flight at once.
+    """
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_rows
+    top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
+    for j0 in range(0, n_vblocks, UNROLL):
+        for u in tl.static_range(UNROLL):
+            j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
+            at = (j0 + u) * n_rows + offs
+            block_max = tl.load(part_max_ptr + at, mask=j_ok, other=-float("inf"))
+            block_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
+            new_top = tl.maximum(top, block_max)
+            safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
+            old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
+            seen = j_ok & (block_max > -float("inf"))  # a block masked whole adds nothing
+            block_shift = tl.where(seen, block_max - safe_top, 0.0)  # <= 0
+            old_scale = tl.exp(old_shift)
+            block_scale = tl.where(seen, tl.exp(block_shift), 0.0)
+            if WITH_ENTROPY:
+                block_zsum = tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0)
+                zsum = old_scale * (zsum + old_shift * total) + block_scale * (block_zsum + block_shift * block_sum)
+            total = old_scale * total + block_scale * block_sum
+            top = new_top
+    top = tl.where(ok, top, 0.0)
+    total = tl.where(ok, total, 1.0)
+    log_total = tl.log(total)
+    lse = top + log_total
+    tl.store(lse_ptr + offs, lse, mask=ok)
+    tgt_logit = tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0)
+    tl.store(logp_ptr + offs, tgt_logit if RAW_TARGET else tgt_logit - lse, mask=ok)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + offs, log_total - zsum / total, mask=ok)
+
+
+def ieee(weight: Tensor) -> bool:
+    """fp32 dot products (see ``mma``): fp32 inputs, and the interpreter's 16-bit dots."""
+    return weight.dtype == torch.float32 or interpreted(weight)
+
+
+def bias_arg(bias: Optional[Tensor], weight: Tensor) -> Tensor:
+    return weight if bias is None else bias  # any valid pointer when HAS_BIAS is off
+
+
+def tma_ok(cfg: LogprobConfig, *ts: Tensor) -> bool:
+    """The copy engine needs 16-byte aligned bases and row strides."""
+    return cfg.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
+
+
+class Operands:
+    """How the kernels read hidden rows and W: tensor descriptors over the selected rows
+    (a gathered copy unless ``all_rows``: every row is scored, in order) when the copy
+    engine can read them, else pointers and the row index (gathered inside the kernel)."""
+
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: LogprobConfig, all_rows: bool,
+                 need_sel: bool = False):
+        self.tma = tma_ok(cfg, hidden, weight)
+        self.h_sel = hidden if all_rows else (hidden.index_select(0, rows) if self.tma or need_sel else None)
+        self.hidden, self.weight, self.rows, self.cfg = hidden, weight, rows, cfg
+        if self.tma:
+            self.w_src = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k])
+
+    def args(self, start: int, count: int) -> tuple:
+        """(h_src, w_src, rows) for the selected rows ``[start, start + count)``."""
+        rows = self.rows[start : start + count]
+        if not self.tma:
+            return self.hidden, self.weight, rows
+        h = TensorDescriptor.from_tensor(self.h_sel[start : start + count], [self.cfg.block_m, self.cfg.block_k])
+        return h, self.w_src, rows
+
+
+def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with fp32 ``acc`` and fp32 accumulation for 16-bit ``a``, ``b``."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:  # cuBLAS: 16-bit operands, fp32 C updated in place (beta = 1)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:  # Triton's interpreter (tests)
+        acc.addmm_(a.float(), b.float())
