@@ -230,11 +230,10 @@ def per_sample_targets(name: str, values, B: int, what: str) -> Optional[list[Te
                         raise TypeError(f"{where}, {what} {j} holds {describe(v)}; coordinates are numbers")
             rows = torch.tensor([[float(v) for v in (r.tolist() if isinstance(r, (Tensor, np.ndarray)) else r)] for r in rows],
                                 dtype=torch.float64).reshape(-1, width)
-        bad = ~torch.isfinite(rows).all(1)
+        rules = [(~torch.isfinite(rows).all(1), "coordinates must be finite")]
         if what == "box":
-            flipped = (rows[:, 0] > rows[:, 2]) | (rows[:, 1] > rows[:, 3])
-        for mask, rule in ((bad, "coordinates must be finite"),
-                           *(((flipped, "a box has x0 <= x1 and y0 <= y1"),) if what == "box" else ())):
+            rules.append(((rows[:, 0] > rows[:, 2]) | (rows[:, 1] > rows[:, 3]), "a box has x0 <= x1 and y0 <= y1"))
+        for mask, rule in rules:
             if bool(mask.any()):
                 j = first_true(mask)[0]
                 raise SchemaError(f"{where}, {what} {j} is {rows[j].tolist()}; {rule}")
