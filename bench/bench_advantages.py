@@ -13,7 +13,7 @@ verl repeats prompts), responses of 512 tokens. Timed, on each device given:
 Medians of wall-clock (CPU) or CUDA-event (GPU) timings after warm-up; results checked equal
 to verl's. Writes ``advantages_<device>.json`` to ``--out`` (default ``$OUT`` or ``.``).
 
-    python bench/bench_advantages.py [--devices cpu,cuda] [--reps 5]
+    python -m bench.bench_advantages [--devices cpu,cuda] [--reps 5]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import numpy as np
 import torch
 
-from common import DEFAULT_OUT, install_ray_stand_in, time_ms, write_result
+from .common import DEFAULT_OUT, install_ray_stand_in, time_ms, write_result
 
 install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402

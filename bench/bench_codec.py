@@ -7,8 +7,8 @@ at 16 kHz (320 samples), a 1024-wide bf16 MLP to 128-d latents, 8 residual stage
 codewords drawn from the encoder's latents. Expected on a GPU: flips under the default
 (cuBLAS picks another GEMM for another row count), none under ``batch_invariant()``.
 
-    python bench/bench_codec.py --out $OUT            # GPU, about a minute
-    python bench/bench_codec.py --dry-run --out /tmp   # CPU, tiny shapes, every code path
+    python -m bench.bench_codec --out $OUT            # GPU, about a minute
+    python -m bench.bench_codec --dry-run --out /tmp   # CPU, tiny shapes, every code path
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from common import DEFAULT_OUT, time_ms, write_result
+from .common import DEFAULT_OUT, time_ms, write_result
 
 from rlk_mm.fixtures.codec import synthetic_clips, tiny_codec
 from rlk_mm.ops import batch_invariant

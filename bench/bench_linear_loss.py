@@ -19,19 +19,30 @@ Correctness on a slice of rows: ours against the composition and against the fp3
 backend on the same bf16 inputs upcast. ``--budgets`` also times ours at other chunk sizes
 (``LogprobConfig.linear_budget``). Writes ``linear_loss.json`` to ``--out``.
 
-    python bench/bench_linear_loss.py [--shapes 7b,3b] [--reps 7] [--budgets 320,640,960]
+``--dry-run``: no GPU and no peers: ours (``linear_policy_loss`` and the composition) at tiny
+shapes on the CPU (the torch backend; the Triton interpreter with ``TRITON_INTERPRET=1
+RLK_MM_BACKEND=triton``), fp32 and bf16; prints the medians and a sha256 of every loss,
+metric, log-prob, entropy and gradient, so that two commits can be compared bitwise.
+
+    python -m bench.bench_linear_loss [--shapes 7b,3b] [--reps 7] [--budgets 320,640,960]
+    python -m bench.bench_linear_loss --dry-run
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import traceback
 from dataclasses import asdict, replace
 
 import torch
 
-from common import DEFAULT_OUT, GIB, forced_backend, load_config, measure, measure_interleaved, write_result
-from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
+from .common import (
+    DEFAULT_OUT, GIB, forced_backend, load_config, measure, measure_interleaved, time_ms, write_result,
+)
+from rlk_mm.ops import PolicyLossConfig, linear_policy_loss, policy_loss, selected_logprob
+from rlk_mm.ops._backend import resolve_backend
 from rlk_mm.ops._triton import linear_loss as tri_linear
 from rlk_mm.ops._triton import logprob as tri
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
@@ -39,20 +50,26 @@ from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_e
 HEADS = load_config("lm_heads")
 TOKENS = {"7b": 16384, "3b": 4096}
 KL_COEF, ENTROPY_COEFF, CLIP = 0.001, 0.001, 0.2
+#: the loss: PPO token-mean, k3 KL to a reference, an entropy bonus
+CONFIG = PolicyLossConfig(kl_type="low_var_kl", kl_coef=KL_COEF, entropy_coeff=ENTROPY_COEFF,
+                          loss_agg_mode="token-mean", clip_ratio_low=CLIP, clip_ratio_high=CLIP)
+#: ``--dry-run``'s shape: N scored rows in samples of ``per_sample``, hidden size H, vocabulary V
+DRY = {"N": 96, "H": 32, "V": 300, "per_sample": 24}
 TARGETS = {"7b": {"vs_liger_flce": 0.80, "vs_ours_composed": 0.75, "extra_above_grads_gib": 1.0},
            "3b": {"vs_liger_flce": 0.85}}
 
 
-def inputs(N: int, H: int, V: int, seed: int = 0) -> dict:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def inputs(N: int, H: int, V: int, seed: int = 0, device: str = "cuda", dtype=torch.bfloat16,
+           per_sample: int = 1024) -> dict:
+    g = torch.Generator(device=device).manual_seed(seed)
     return dict(
-        h=torch.randn(N, H, device="cuda", generator=g).bfloat16(),
-        w=(torch.randn(V, H, device="cuda", generator=g) * 0.02).bfloat16(),
-        tg=torch.randint(0, V, (N,), device="cuda", generator=g),
-        old=-torch.rand(N, device="cuda", generator=g) * 12 - 1,
-        ref=-torch.rand(N, device="cuda", generator=g) * 12 - 1,
-        adv=torch.randn(N // 1024 if N % 1024 == 0 else 1, device="cuda", generator=g),
-        sample=torch.arange(N, device="cuda") // 1024,
+        h=torch.randn(N, H, device=device, generator=g).to(dtype),
+        w=(torch.randn(V, H, device=device, generator=g) * 0.02).to(dtype),
+        tg=torch.randint(0, V, (N,), device=device, generator=g),
+        old=-torch.rand(N, device=device, generator=g) * 12 - 1,
+        ref=-torch.rand(N, device=device, generator=g) * 12 - 1,
+        adv=torch.randn(N // per_sample if N % per_sample == 0 else 1, device=device, generator=g),
+        sample=torch.arange(N, device=device) // per_sample,
     )
 
 
@@ -60,15 +77,13 @@ def loss_kwargs(x: dict, rows=None) -> dict:
     rows = slice(None) if rows is None else rows
     sample = x["sample"][rows]
     return dict(old_log_probs=x["old"][rows], advantages=x["adv"][sample], sample_index=sample - sample[:1],
-                num_samples=int(sample[-1] - sample[0]) + 1, ref_log_probs=x["ref"][rows], kl_type="low_var_kl",
-                kl_coef=KL_COEF, entropy_coeff=ENTROPY_COEFF, loss_agg_mode="token-mean",
-                clip_ratio_low=CLIP, clip_ratio_high=CLIP)
+                num_samples=int(sample[-1] - sample[0]) + 1, ref_log_probs=x["ref"][rows], config=CONFIG)
 
 
 def composed(h, w, tg, index, kw):
     lp, ent = selected_logprob(h, w, index=index, targets=tg, return_entropy=True)
     kw = dict(kw)
-    return policy_loss(lp, kw.pop("old_log_probs"), kw.pop("advantages"), entropy=ent, **kw)[0]
+    return policy_loss(lp, kw.pop("old_log_probs"), kw.pop("advantages"), entropy=ent, **kw).loss
 
 
 def check_correctness(x: dict, rows: int = 1024) -> dict:
@@ -184,13 +199,60 @@ def sweep_budgets(hg, wg, x, index, kw, budgets, reps, free_grads) -> dict:
     return measure_interleaved(fns, reps, before=free_grads)
 
 
+def _digest(*tensors) -> str:
+    """sha256 of the tensors' bytes (bitwise: bf16 as its 16-bit patterns), in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes())
+    return h.hexdigest()
+
+
+def dry_run(reps: int) -> dict:
+    """Ours at ``DRY``'s shape on the CPU, fp32 and bf16: medians and the outputs' sha256s."""
+    N, H, V, per = DRY["N"], DRY["H"], DRY["V"], DRY["per_sample"]
+    out = {"shape": dict(DRY), "backend": str(resolve_backend(on_cuda=False)), "reps": reps, "medians_ms": {},
+           "sha256": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = inputs(N, H, V, device="cpu", dtype=dtype, per_sample=per)
+        index, kw = torch.arange(N), loss_kwargs(x)
+        h, w = x["h"].clone().requires_grad_(), x["w"].clone().requires_grad_()
+
+        def linear():
+            return linear_policy_loss(h, w, index=index, targets=x["tg"], **kw)
+
+        name = str(dtype).replace("torch.", "")
+        for peer, fn in (("ours_linear", lambda: linear().loss.backward()),
+                         ("ours_composed", lambda: composed(h, w, x["tg"], index, kw).backward())):
+            out["medians_ms"][f"{peer}.{name}"] = time_ms(fn, reps, warmup=1, device="cpu")["ms"]
+        h.grad = w.grad = None
+        result = linear()
+        result.loss.backward()
+        metrics = [result.metrics[k] for k in sorted(result.metrics)]
+        out["sha256"][f"ours_linear.{name}"] = _digest(result.loss, *metrics, result.log_probs, result.entropy,
+                                                       h.grad, w.grad)
+        h.grad = w.grad = None
+        loss = composed(h, w, x["tg"], index, kw)
+        loss.backward()
+        out["sha256"][f"ours_composed.{name}"] = _digest(loss, h.grad, w.grad)
+    out["sha256_total"] = hashlib.sha256("".join(out["sha256"][k] for k in sorted(out["sha256"])).encode()).hexdigest()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--shapes", default="7b,3b")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--budgets", default="", help="comma-separated chunk budgets in MiB to sweep (7b only)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours only: medians and output sha256s")
     args = ap.parse_args()
+    if args.dry_run:
+        result = dry_run(args.reps)
+        print(json.dumps(result, indent=1))
+        print("sha256", result["sha256_total"])
+        return
     torch.backends.cuda.matmul.allow_tf32 = False
     budgets = [int(b) for b in args.budgets.split(",") if b]
     result = {"config": asdict(tri.default_config(torch.bfloat16, torch.device("cuda"))),

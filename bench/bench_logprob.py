@@ -10,7 +10,7 @@ a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``.``
 ``--sweep`` instead times the bare Triton kernels at the 7B shape with candidate
 ``LogprobConfig``s (tiles, dz budgets) and writes ``logprob_sweep.json``.
 
-    python bench/bench_logprob.py [--shapes 7b,3b] [--reps 7] [--sweep]
+    python -m bench.bench_logprob [--shapes 7b,3b] [--reps 7] [--sweep]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
+from .common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.ops._triton import logprob as tri
@@ -183,11 +183,11 @@ def host_overhead_us(calls: int = 300) -> dict:
 
 
 CANDIDATES = [  # tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), read through tensor descriptors or not
-    tri.LogprobConfig(128, 256, 64, 8, 8, 3, tma=False),
-    tri.LogprobConfig(128, 256, 64, 8, 8, 3),
-    tri.LogprobConfig(128, 256, 64, 8, 8, 4),
-    tri.LogprobConfig(256, 128, 64, 8, 8, 3),
-    tri.LogprobConfig(128, 128, 64, 8, 4, 4),
+    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=False),
+    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    tri.LogprobConfig(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    tri.LogprobConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
 ]
 
 

@@ -18,23 +18,24 @@ Forward+backward and forward-only times are medians of CUDA-event timings after 
 "extra" is peak memory above what was allocated before the call (gradients included).
 Writes ``loss.json`` to ``--out`` (default ``$OUT`` or ``.``).
 
-    python bench/bench_loss.py [--reps 50]
+    python -m bench.bench_loss [--reps 50]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import torch
 
-from common import DEFAULT_OUT, MIB, forced_backend, install_ray_stand_in, load_config, measure, write_result
+from .common import DEFAULT_OUT, MIB, forced_backend, install_ray_stand_in, load_config, measure, write_result
 
 install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
-from rlk_mm.ops import policy_loss, selected_logprob  # noqa: E402
+from rlk_mm.ops import PolicyLossConfig, policy_loss, selected_logprob  # noqa: E402
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error  # noqa: E402
 
 B, R = 8, 16384
@@ -57,7 +58,8 @@ def bench_losses(reps: int) -> dict:
     cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_high=0.28)
     logp = logp0.clone().requires_grad_()
     entropy = entropy0.clone().requires_grad_()
-    kw = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    full = replace(config, kl_coef=0.01, entropy_coeff=0.001)
 
     def verl_pg():
         return core_algos.compute_policy_loss_vanilla(old, logp, adv, mask, "token-mean", cfg)[0]
@@ -69,18 +71,17 @@ def bench_losses(reps: int) -> dict:
         return pg - 0.001 * ent + 0.01 * kl
 
     def ours_pg():
-        return policy_loss(logp, old, adv, mask, **kw)[0]
+        return policy_loss(logp, old, adv, mask, config=config).loss
 
     def ours_full():
-        return policy_loss(logp, old, adv, mask, ref_log_probs=ref, kl_coef=0.01, entropy=entropy,
-                           entropy_coeff=0.001, **kw)[0]
+        return policy_loss(logp, old, adv, mask, ref_log_probs=ref, entropy=entropy, config=full).loss
 
     sample = torch.arange(B, device="cuda")[:, None].expand(B, R)[mask]
     flat = logp0[mask].clone().requires_grad_()
     old_f, adv_f = old[mask], adv[mask]
 
     def ours_compact():
-        return policy_loss(flat, old_f, adv_f, sample_index=sample, num_samples=B, **kw)[0]
+        return policy_loss(flat, old_f, adv_f, sample_index=sample, num_samples=B, config=config).loss
 
     def fwd_bwd(fn, leaves):
         def run():
@@ -155,7 +156,7 @@ def bench_combined(reps: int) -> dict:
     def ours():
         h.grad = w.grad = None
         logp = selected_logprob(h, w, index=rows, targets=tg)
-        policy_loss(logp, old, adv, sample_index=sample, num_samples=Bc)[0].backward()
+        policy_loss(logp, old, adv, sample_index=sample, num_samples=Bc).loss.backward()
 
     def eager():
         h.grad = w.grad = None

@@ -17,7 +17,7 @@ Measured, each a median of CUDA-event timings after warm-up:
 number of bytes. Correctness (bitwise) is checked before timing. Writes ``pack.json`` to
 ``--out`` (default ``$OUT`` or ``.``).
 
-    python bench/bench_pack.py [--B 16 --L 4096 --H 3584] [--reps 20]
+    python -m bench.bench_pack [--B 16 --L 4096 --H 3584] [--reps 20]
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ from dataclasses import asdict, astuple
 
 import torch
 
-from common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
-from rlk_mm.ops import packing as P
+from .common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
+from rlk_mm.ops import padded as P
 from rlk_mm.ops._triton import pack as tri
 from rlk_mm.schema.checks import DeviceChecks
 
 DEVICE = "cuda"
-SWEEP = [  # block_r, block_f, num_warps
-    tri.GatherConfig(8, 512, 4), tri.GatherConfig(4, 512, 4), tri.GatherConfig(16, 512, 8), tri.GatherConfig(32, 512, 8),
-    tri.GatherConfig(4, 1024, 4), tri.GatherConfig(8, 1024, 8), tri.GatherConfig(2, 2048, 8), tri.GatherConfig(1, 4096, 8),
+SWEEP = [
+    tri.GatherConfig(block_r=r, block_f=f, num_warps=w)
+    for r, f, w in ((8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 512, 8),
+                    (4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (1, 4096, 8))
 ]
 
 
@@ -66,10 +67,10 @@ def main() -> None:
     x = torch.randn(B, L, H, device=DEVICE, generator=g).bfloat16()
     T = int(mask.sum())
     elt = x.element_size()
-    starts, lengths = P._mask_runs(x, mask, DeviceChecks())
-    cu = P._cu_seqlens(lengths)
-    rows = P._packed_source_rows(starts, cu, L, T)
-    inverse = P._padded_source_rows(starts, cu, L)
+    starts, lengths = P.mask_runs(x, mask, DeviceChecks())
+    cu = P.cu_seqlens_of(lengths)
+    rows = P.packed_source_rows(starts, cu, L, T)
+    inverse = P.padded_source_rows(starts, cu, L)
     flat = x.reshape(B * L, H)
     zero = x.new_zeros(1)
     result = {

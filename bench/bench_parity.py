@@ -4,7 +4,7 @@ Both batches are built once (from token lists, as a rollout engine returns them)
 timed part is ``check_layout_parity`` alone. Writes ``parity_cpu.json`` to ``--out``
 (default ``$OUT`` or ``.``).
 
-    python bench/bench_parity.py [--samples 512] [--tokens 4096] [--repeats 5]
+    python -m bench.bench_parity [--samples 512] [--tokens 4096] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import DEFAULT_OUT, write_result
+from .common import DEFAULT_OUT, write_result
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import qwen_vl_processor
 from rlk_mm.parity import check_layout_parity

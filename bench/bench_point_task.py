@@ -10,8 +10,8 @@ a well-formed answer in one of three strips). Reported as measured, with no thre
 Defaults from a CPU probe (seed 0, 16 prompts x 4): after 60 warm-up steps at temperature 1.0,
 6 of 32 answers were well-formed (reward 0.06); after 100 at 0.7, 29 of 32 (reward 0.125).
 
-    python bench/bench_point_task.py --out $OUT              # the GPU run (3 seeds x 2 tasks, < 4 min on an H100)
-    python bench/bench_point_task.py --dry-run --out /tmp/pt # CPU, 1 seed, 1 step: every code path
+    python -m bench.bench_point_task --out $OUT              # the GPU run (3 seeds x 2 tasks, < 4 min on an H100)
+    python -m bench.bench_point_task --dry-run --out /tmp/pt # CPU, 1 seed, 1 step: every code path
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from common import DEFAULT_OUT, write_result
-from smoke_sweep import run_one
+from .common import DEFAULT_OUT, write_result
+from .smoke_sweep import run_one
 
 TASKS = ("point", "point-shuffled")
 

@@ -24,8 +24,8 @@ Medians of CUDA-event timings after warm-up; peak memory is ``max_memory_allocat
 Writes ``prefill.json``, ``invariance_gpu.json`` and ``invariance_gpu.png`` to ``--out``
 (default ``$OUT`` or ``.``).
 
-    python bench/bench_prefill.py [--layers 36] [--reps 5] [--skip-sweep] [--tiles]
-    python bench/bench_prefill.py --smoke   # the tiny model and small images, CPU or GPU (a dry run)
+    python -m bench.bench_prefill [--layers 36] [--reps 5] [--skip-sweep] [--tiles]
+    python -m bench.bench_prefill --smoke   # the tiny model and small images, CPU or GPU (a dry run)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
+from .common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
 from rlk_mm import fixtures
 from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, forward_hidden, group_logprobs
 from rlk_mm.ops._triton import attention as TA
@@ -181,12 +181,12 @@ def checks() -> dict:
 
 
 MM_CANDIDATES = [  # block_m, block_n, block_k, group_m, num_warps, num_stages
-    TM.MatmulConfig(128, 256, 64, 8, 8, 3),
-    TM.MatmulConfig(128, 128, 64, 8, 8, 3),
-    TM.MatmulConfig(128, 128, 64, 8, 4, 4),
-    TM.MatmulConfig(256, 128, 64, 8, 8, 3),
-    TM.MatmulConfig(128, 256, 64, 8, 8, 4),
-    TM.MatmulConfig(128, 256, 128, 8, 8, 2),
+    TM.MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    TM.MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    TM.MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    TM.MatmulConfig(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    TM.MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    TM.MatmulConfig(block_m=128, block_n=256, block_k=128, group_m=8, num_warps=8, num_stages=2),
 ]
 ATTN_CANDIDATES = [  # block_m, block_n, num_warps, num_stages (block_d: the head dim's)
     (128, 64, 8, 2),

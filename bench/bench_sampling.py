@@ -24,8 +24,8 @@ the Triton kernel and the torch backend on this machine's CPU (tokens equal, log
 bitwise equal). ``--dry-run``: tiny shapes on the CPU (torch backend for ours), every code
 path, the same JSON.
 
-    python bench/bench_sampling.py --out $OUT            # GPU, < 5 minutes on an H100
-    python bench/bench_sampling.py --dry-run --out /tmp  # CPU check of the script
+    python -m bench.bench_sampling --out $OUT            # GPU, < 5 minutes on an H100
+    python -m bench.bench_sampling --dry-run --out /tmp  # CPU check of the script
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import traceback
 
 import torch
 
-from common import DEFAULT_OUT, measure_interleaved, time_ms, write_result
+from .common import DEFAULT_OUT, ROOT, measure_interleaved, time_ms, write_result
 from rlk_mm.ops import group_seeds, sample, sample_from_hidden
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.8
@@ -119,8 +119,8 @@ class FlashInferBuild:
         if self.entries:
             self.current = self.entries.pop(0)
             self.t0 = time.perf_counter()
-            self.proc = subprocess.Popen([sys.executable, __file__, "--fi-child", self.current],
-                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.bench_sampling", "--fi-child", self.current],
+                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         else:
             self.proc = None
 

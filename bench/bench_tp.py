@@ -13,9 +13,9 @@ between N/2 and N rows) against ``vocab_parallel.comm_bytes_per_token``. verl's 
 all-reduces (its bytes are counted by wrapping ``torch.distributed.all_reduce``); verl is
 imported lazily and its absence recorded. Writes ``tp.json`` to ``--out``.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 bench/bench_tp.py --out $OUT
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 bench/bench_tp.py --out $OUT --tp 1   # one GPU
-    torchrun --nproc-per-node 2 bench/bench_tp.py --dry-run --out /tmp/tp   # CPU, gloo, tiny shapes
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 -m bench.bench_tp --out $OUT
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m bench.bench_tp --out $OUT --tp 1   # one GPU
+    torchrun --nproc-per-node 2 -m bench.bench_tp --dry-run --out /tmp/tp   # CPU, gloo, tiny shapes
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from common import DEFAULT_OUT, GIB, _call_ms, install_ray_stand_in, load_config, write_result
+from .common import DEFAULT_OUT, GIB, call_ms, install_ray_stand_in, load_config, write_result
 
 SHAPES = {"7b": None, "72b_like": 8192}  # H of the 72B-like head; V as the 7B head's
 DRY = {"n": 48, "hidden": 24, "vocab": 250}
@@ -80,7 +80,7 @@ def _interleaved(fns: dict, reps: int, before, group) -> dict:
     for _ in range(reps):
         for name, fn in fns.items():
             before()
-            times[name].append(_call_ms(fn, device))
+            times[name].append(call_ms(fn, device))
     out = {}
     for name, fn in fns.items():
         peak = _peak_extra(fn, before)
@@ -142,8 +142,9 @@ def _bounds(V, P, rank):
 
 def _peers(c, group, verl_lce):
     """Callables (forward + backward) of every peer for this rank's inputs."""
-    from rlk_mm.ops import linear_policy_loss, selected_logprob
+    from rlk_mm.ops import PolicyLossConfig, linear_policy_loss, selected_logprob
 
+    config = PolicyLossConfig(entropy_coeff=0.01)
     h = c["hidden"].clone().requires_grad_()
     w = c["shard"].clone().requires_grad_()
     leaves = (h, w)
@@ -159,7 +160,7 @@ def _peers(c, group, verl_lce):
         def run():
             out = linear_policy_loss(h, w, index=c["index"], targets=c["targets"], temperature=0.9,
                                      old_log_probs=c["old"], advantages=c["adv"], sample_index=c["sample"],
-                                     num_samples=int(c["sample"][-1]) + 1, entropy_coeff=0.01, tp_group=tp_group)
+                                     num_samples=int(c["sample"][-1]) + 1, config=config, tp_group=tp_group)
             out.loss.backward()
         return run
 

@@ -13,7 +13,7 @@ at its power cap, so its clock depends on what ran just before. Median CUDA-even
 after warm-up; extra = peak memory above what was held before the call, gradients
 included. Writes ``verl_fused.json`` to ``--out``.
 
-    python bench/bench_verl_fused.py [--reps 5]
+    python -m bench.bench_verl_fused [--reps 5]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from common import DEFAULT_OUT, GIB, install_ray_stand_in, load_config, measure_interleaved, write_result
+from .common import DEFAULT_OUT, GIB, install_ray_stand_in, load_config, measure_interleaved, write_result
 
 
 def main() -> None:

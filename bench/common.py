@@ -4,13 +4,14 @@ ray is missing.
 
 Times are medians of CUDA-event timings after warm-up (wall clock on CPU); memory is the
 peak of one more call above what was allocated just before it. Peers compared with each
-other are best timed round-robin (``measure_interleaved``). Importing this module puts the
-repository root first on ``sys.path``, so the scripts run from a checkout.
+other are best timed round-robin (``measure_interleaved``). The scripts are modules of the
+``bench`` package: run them from the repository root as ``python -m bench.<script>``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -23,7 +24,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 #: where results go unless ``--out`` says otherwise
@@ -35,7 +35,7 @@ GIB = float(1 << 30)
 MIB = float(1 << 20)
 
 
-def _call_ms(fn, device: str = "cuda") -> float:
+def call_ms(fn, device: str = "cuda") -> float:
     """Milliseconds of one call: CUDA events around it on a GPU, wall clock on CPU."""
     if device != "cuda":
         t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def time_ms(fn, reps: int, warmup: int = 2, device: str = "cuda") -> dict:
     """``fn``'s median / min / max milliseconds over ``reps`` timed calls after ``warmup``."""
     for _ in range(warmup):
         fn()
-    return _summary([_call_ms(fn, device) for _ in range(reps)])
+    return _summary([call_ms(fn, device) for _ in range(reps)])
 
 
 def peak_extra_bytes(fn, before=None) -> int:
@@ -93,7 +93,7 @@ def measure_interleaved(fns: dict, reps: int, warmup: int = 2, before=None) -> d
     def call(fn):
         if before is not None:
             before()
-        return _call_ms(fn)
+        return call_ms(fn)
 
     for fn in fns.values():
         for _ in range(warmup):
@@ -107,8 +107,11 @@ def measure_interleaved(fns: dict, reps: int, warmup: int = 2, before=None) -> d
 
 
 def command_line() -> str:
-    """This run's command, as ``python bench/<script>.py <args>``."""
-    return " ".join(["python", *sys.argv])
+    """This run's command, as ``python -m bench.<script> <args>`` (or the script path it was run by)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    script = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return " ".join(["python", *script, *sys.argv[1:]])
 
 
 def run_metadata() -> dict:
@@ -157,8 +160,9 @@ def forced_backend(name: str):
 
 def install_ray_stand_in() -> None:
     """Let verl import where ray is missing (verl imports ray at import time; the benchmarks
-    use only its stateless functions): installs ``tests/ray_stand_in.py``."""
-    sys.path.append(str(ROOT / "tests"))
-    import ray_stand_in
-
-    ray_stand_in.install()
+    use only its stateless functions): installs ``tests/ray_stand_in.py``, loaded from its
+    file (no ``sys.path`` change)."""
+    spec = importlib.util.spec_from_file_location("ray_stand_in", ROOT / "tests" / "ray_stand_in.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
