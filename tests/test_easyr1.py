@@ -444,3 +444,18 @@ def test_micro_batch_loss_refuses_bad_input(tiny_model, easyr1_micro_batch, conf
             mb[key] = value
     with pytest.raises(error, match=message):
         easyr1.micro_batch_loss(Actor(tiny_model, **config), mb, 1.0)
+
+
+def test_loss_config_is_built_in_one_place():
+    """``easyr1.loss_config``: EasyR1's settings as one ``PolicyLossConfig`` (both entry points use it)."""
+    from rlk_mm.ops import AggMode, KLType, PolicyLossConfig, RatioMode
+
+    c = easyr1.loss_config(0.2, 0.3, 3.0, "default", "token")
+    assert c == PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=3.0, ratio=RatioMode.TOKEN,
+                                 log_ratio_clamp=(-20.0, 20.0), loss_agg_mode=AggMode.TOKEN)
+    g = easyr1.loss_config(0.1, 0.2, 4.0, "gspo", "seq", kl_penalty="low_var_kl", kl_coef=0.01)
+    assert (g.ratio, g.loss_agg_mode, g.kl_type, g.kl_coef) == (RatioMode.GSPO, AggMode.SEQ, KLType.LOW_VAR_KL, 0.01)
+    with pytest.raises(ValueError, match=r"config\.clip_ratio_low=1\.0: log-space clipping"):
+        easyr1.loss_config(1.0, 0.3, 3.0, "default", "token", names="config.")
+    with pytest.raises(ValueError, match=r"config\.kl_penalty='full'"):
+        easyr1.loss_config(0.2, 0.3, 3.0, "default", "token", kl_penalty="full", names="config.")

@@ -373,3 +373,20 @@ def test_import_does_not_import_trl_or_transformers():
     code = "import sys, rlk_mm.integrations.trl; print(sorted({'trl', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_loss_config_is_built_in_one_place():
+    """``trl.loss_config``: TRL's loss settings as one ``PolicyLossConfig`` (grpo_loss and the fused path use it)."""
+    from rlk_mm.integrations.trl import loss_config
+    from rlk_mm.ops import AggMode, RatioMode
+
+    dapo = loss_config("dapo", "token", 0.2, 0.28, None, num_completions=4, num_items=37)
+    assert (dapo.loss_agg_mode, dapo.batch_num_tokens, dapo.ratio, dapo.clip_ratio_c) == (
+        AggMode.TOKEN_MEAN, 37.0, RatioMode.TOKEN, None)
+    assert dapo.log_ratio_clamp == (-float("inf"), float("inf"))
+    dr = loss_config("dr_grpo", "sequence", 0.2, 0.2, 3.0, num_completions=4, max_completion_length=16,
+                     entropy_coeff=0.01)
+    assert (dr.loss_agg_mode, dr.global_batch_size, dr.loss_scale_factor) == (AggMode.SEQ_MEAN_TOKEN_SUM_NORM, 4.0, 16.0)
+    assert (dr.ratio, dr.clip_ratio_c, dr.entropy_coeff) == (RatioMode.GSPO, 3.0, 0.01)
+    with pytest.raises(ValueError, match="needs max_completion_length"):
+        loss_config("dr_grpo", "token", 0.2, 0.2, None, num_completions=4)

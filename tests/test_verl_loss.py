@@ -164,3 +164,15 @@ def test_register_enables_fused_path_on_request(monkeypatch):
     rlk_verl.register()
     assert calls == [1]
     assert rlk_verl.enable is verl_fused.enable  # the re-export
+
+
+def test_loss_config_is_built_in_one_place():
+    """``verl.loss_config``: the actor config as one ``PolicyLossConfig`` (vanilla and gspo)."""
+    from rlk_mm.ops import AggMode, RatioMode
+
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio_high=0.28)
+    vanilla = rlk_verl.loss_config(cfg, "seq-mean-token-mean")
+    assert (vanilla.clip_ratio_low, vanilla.clip_ratio_high, vanilla.clip_ratio_c) == (0.2, 0.28, 3.0)
+    assert vanilla.ratio is RatioMode.TOKEN and vanilla.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_MEAN
+    gspo = rlk_verl.loss_config(cfg, "token-mean", gspo=True)
+    assert (gspo.ratio, gspo.clip_ratio_c, gspo.log_ratio_clamp) == (RatioMode.GSPO_TOKEN, None, (-float("inf"), 10.0))

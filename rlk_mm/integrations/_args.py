@@ -10,6 +10,8 @@ import torch
 
 from ..schema.checks import FLOAT_DTYPES, tensor_arg
 
+__all__ = ["clip_ratios", "outcome_inputs", "padded_inputs"]
+
 
 def padded_inputs(tensors: dict[str, Optional[torch.Tensor]], mask: str) -> None:
     """Float ``[B, R]`` tensors (the first sets the shape; None: not given), and the one named ``mask`` of any dtype."""

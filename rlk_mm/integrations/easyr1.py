@@ -31,14 +31,20 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..ops import loss as _loss
-from ..ops.loss_config import dual_clip
 from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
 from ..ops.loss import agg_loss, policy_loss
-from ..ops.options import AggMode, KLType
+from ..ops.loss_config import PolicyLossConfig, dual_clip
+from ..ops.options import AggMode, KLType, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import FLOAT_DTYPES, float_arg, temperature_arg, tensor_arg
 from ._args import outcome_inputs, padded_inputs
+
+__all__ = [
+    "ADVANTAGES", "average_loss", "compute_grpo_outcome_advantage", "compute_kl", "compute_policy_loss",
+    "compute_rloo_outcome_advantage", "loss_config", "LOSS_TYPES", "micro_batch_loss", "patch", "runtime_env_hook",
+    "SETUP_HOOK", "SUPPORTED",
+]
 
 #: EasyR1 loss types this module fuses; ``cispo`` and ``sapo`` are not provided
 LOSS_TYPES = ("default", "gspo", "gspo_token")
@@ -104,18 +110,33 @@ def compute_policy_loss(
         )
     padded_inputs({"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages,
                    "response_mask": response_mask}, mask="response_mask")
-    loss_avg_mode = _avg_mode("loss_avg_mode", loss_avg_mode)
-    clip_ratio_low = float_arg("clip_ratio_low", clip_ratio_low)
-    if not 0.0 <= clip_ratio_low < 1.0:
-        raise ValueError(f"clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
-    dual_clip("clip_ratio_dual", clip_ratio_dual)  # policy_loss checks it too, but names it clip_ratio_c
-    loss, fused = policy_loss(
-        log_probs, old_log_probs, advantages, response_mask,
+    config = loss_config(clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_type, loss_avg_mode)
+    loss, fused = policy_loss(log_probs, old_log_probs, advantages, response_mask, config=config)
+    return loss, _policy_metrics(old_log_probs, log_probs, response_mask, config.loss_agg_mode, fused)
+
+
+def loss_config(clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_type: str, loss_avg_mode: str, *,
+                kl_penalty: Optional[str] = None, kl_coef: float = 0.0, names: str = "") -> PolicyLossConfig:
+    """The ``PolicyLossConfig`` of EasyR1's loss settings (``compute_policy_loss``'s arguments,
+    or an ``ActorConfig``'s fields, named in errors with the prefix ``names``, e.g. ``config.``):
+    PPO clipping in log space (``0 <= clip_ratio_low < 1``), the dual clip ``clip_ratio_dual``,
+    the ratio of ``loss_type`` (``default``: per token; ``gspo``, ``gspo_token``), the log-ratio
+    clamped at ±``LOG_RATIO_LIMIT``, ``loss_avg_mode`` (``token`` or ``seq``) and, with
+    ``kl_penalty``, the KL term (``kl``, ``abs``, ``mse``, ``low_var_kl``) weighted ``kl_coef``."""
+    avg_mode = _avg_mode(f"{names}loss_avg_mode", loss_avg_mode)
+    if not 0.0 <= float_arg(f"{names}clip_ratio_low", clip_ratio_low) < 1.0:
+        raise ValueError(f"{names}clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
+    dual_clip(f"{names}clip_ratio_dual", clip_ratio_dual)  # PolicyLossConfig checks it too, but names it clip_ratio_c
+    kl = {}
+    if kl_penalty is not None:
+        if kl_penalty not in _KL:
+            raise ValueError(f"{names}kl_penalty={kl_penalty!r}: the fused loss implements {', '.join(_KL)}")
+        kl = dict(kl_type=kl_penalty, kl_coef=kl_coef)
+    return PolicyLossConfig(
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_dual,
-        ratio="token" if loss_type == "default" else loss_type, log_ratio_clamp=(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT),
-        loss_agg_mode=loss_avg_mode,
+        ratio=RatioMode.TOKEN if loss_type == "default" else loss_type,
+        log_ratio_clamp=(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), loss_agg_mode=avg_mode, **kl,
     )
-    return loss, _policy_metrics(old_log_probs, log_probs, response_mask, loss_avg_mode, fused)
 
 
 @torch.no_grad()
@@ -168,9 +189,10 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     if config.ulysses_size != 1:
         raise ValueError(f"config.ulysses_size={config.ulysses_size}: the fused loss has no sequence parallelism; set 1")
     temperature = temperature_arg(temperature)
-    avg_mode = _avg_mode("config.loss_avg_mode", config.loss_avg_mode)
-    if not 0.0 <= float_arg("config.clip_ratio_low", config.clip_ratio_low) < 1.0:
-        raise ValueError(f"config.clip_ratio_low={config.clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
+    with_kl = config.use_kl_loss and "ref_log_probs" in micro_batch
+    knobs = loss_config(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_dual, config.loss_type,
+                        config.loss_avg_mode, kl_penalty=config.kl_penalty if with_kl else None, kl_coef=config.kl_coef,
+                        names="config.")
     missing = [key for key in _MICRO_BATCH_KEYS if key not in micro_batch]
     if missing:
         raise KeyError(f"micro_batch has no {', '.join(missing)}: pass update_policy's model_inputs")
@@ -179,18 +201,12 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     tensor_arg("attention_mask", attention, shape=(B, L))
     R = tensor_arg("responses", responses, ndim=2).shape[1]
     tensor_arg("responses", responses, shape=(B, R))
-    with_kl = config.use_kl_loss and "ref_log_probs" in micro_batch
     per_token = {"old_log_probs": micro_batch["old_log_probs"], "advantages": micro_batch["advantages"],
                  "ref_log_probs": micro_batch["ref_log_probs"] if with_kl else None}
     for name in ("old_log_probs", "advantages"):
         tensor_arg(name, per_token[name], shape=(B, R), dtypes=FLOAT_DTYPES)
     response_mask = micro_batch["response_mask"]
     padded_inputs({**per_token, "response_mask": response_mask}, mask="response_mask")
-    kl = {}
-    if with_kl:
-        if config.kl_penalty not in _KL:
-            raise ValueError(f"config.kl_penalty={config.kl_penalty!r}: the fused loss implements {', '.join(_KL)}")
-        kl = dict(kl_type=config.kl_penalty, kl_coef=config.kl_coef)
 
     model_inputs, rows = _model_inputs(ids, attention, micro_batch["position_ids"], config.padding_free, R)
     model_inputs.update(_multi_modal(micro_batch.get("multi_modal_inputs")))
@@ -198,14 +214,11 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     loss_args = {k: v[b, r] for k, v in per_token.items() if v is not None}
     out = _run_fused_head(
         actor.actor_module, model_inputs, index=rows[b, r], targets=responses[b, r], temperature=temperature,
-        mask=response_mask[b, r], sample_index=b, num_samples=B, clip_ratio_low=config.clip_ratio_low,
-        clip_ratio_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_dual,
-        ratio="token" if config.loss_type == "default" else config.loss_type,
-        log_ratio_clamp=(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), loss_agg_mode=avg_mode, **loss_args, **kl,
+        mask=response_mask[b, r], sample_index=b, num_samples=B, config=knobs, **loss_args,
     )
     log_probs = torch.zeros(B, R, device=out.log_probs.device).index_put_((b, r), out.log_probs)
     pg_loss = out.metrics["pg_loss"]
-    metrics = _policy_metrics(per_token["old_log_probs"], log_probs, response_mask, avg_mode, out.metrics)
+    metrics = _policy_metrics(per_token["old_log_probs"], log_probs, response_mask, knobs.loss_agg_mode, out.metrics)
     metrics = {f"actor/{k}": v for k, v in metrics.items()}
     metrics["actor/pg_loss"] = pg_loss.item()
     if with_kl:

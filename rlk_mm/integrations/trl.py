@@ -40,7 +40,11 @@ from torch import Tensor
 from ..ops.linear_loss import linear_policy_loss
 from ..ops.logprob import selected_logprob
 from ..ops.loss import agg_loss, policy_loss
+from ..ops.loss_config import PolicyLossConfig
+from ..ops.options import RatioMode
 from ..schema.checks import FLOAT_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
+
+__all__ = ["grpo_loss", "GRPOTrainer", "loss_config", "LOSS_TYPES", "RLKGRPOMixin"]
 
 #: TRL loss types this adapter reproduces (TRL 1.16)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -107,12 +111,13 @@ def grpo_loss(
     if importance_sampling_ratio is not None:
         importance_sampling_ratio = _per_token_is_ratio(importance_sampling_ratio, B, C)
     gradient_accumulation_steps = int_arg("gradient_accumulation_steps", gradient_accumulation_steps, min=1)
-    agg = _aggregation(loss_type, B, max_completion_length, num_items)
+    config = loss_config(loss_type, level, low, high, delta, num_completions=B,
+                         max_completion_length=max_completion_length, num_items=num_items)
 
     ratio = _importance_ratio(per_token_logps, old_per_token_logps, completion_mask, level)
     loss, _ = policy_loss(
         per_token_logps, old_per_token_logps, advantages.reshape(B, -1).expand(B, C), completion_mask,
-        **_clip_args(low, high, delta, level), rollout_is_weights=importance_sampling_ratio, **agg,
+        rollout_is_weights=importance_sampling_ratio, config=config,
     )
     kl = None
     if beta != 0.0:
@@ -121,7 +126,10 @@ def grpo_loss(
         kl = torch.exp(diff) - diff - 1.0
         if use_bias_correction_kl:
             kl = kl * ratio
-        loss = loss + beta * agg_loss(kl, completion_mask, **agg)
+        loss = loss + beta * agg_loss(kl, completion_mask, config.loss_agg_mode,
+                                      batch_num_tokens=config.batch_num_tokens,
+                                      global_batch_size=config.global_batch_size,
+                                      loss_scale_factor=config.loss_scale_factor)
         kl = kl.detach()
     stats = {"policy_loss": loss.detach(), "ratio": ratio.detach(), "kl": kl}
     if loss_type != "dapo":
@@ -149,10 +157,21 @@ def _importance_ratio(logps: Tensor, old: Tensor, mask: Tensor, level: str) -> T
     return torch.exp(log_ratio)
 
 
-def _clip_args(epsilon_low: float, epsilon_high: float, delta: Optional[float], level: str) -> dict:
-    """``policy_loss``'s clip arguments for TRL's: no log-ratio clamp, ``delta`` as the dual clip."""
-    return dict(clip_ratio_low=epsilon_low, clip_ratio_high=epsilon_high, clip_ratio_c=delta,
-                ratio="gspo" if level == "sequence" else "token", log_ratio_clamp=(None, None))
+def loss_config(loss_type: str, importance_sampling_level: str, epsilon_low: float, epsilon_high: float,
+                delta: Optional[float], *, num_completions: int, max_completion_length: Optional[int] = None,
+                num_items: Optional[float | Tensor] = None, entropy_coeff: float = 0.0) -> PolicyLossConfig:
+    """The ``PolicyLossConfig`` of TRL ``GRPOConfig``'s loss settings, by TRL's names, for a batch
+    of ``num_completions``: ``epsilon_low``/``epsilon_high`` as the clip, no log-ratio clamp,
+    ``delta`` as the dual clip, the ratio of ``importance_sampling_level`` (``sequence``: GSPO
+    with the gradient through the sequence mean), the aggregation of ``loss_type`` (with
+    ``max_completion_length`` for ``dr_grpo``, ``num_items`` for ``dapo``) and the entropy bonus."""
+    loss_type, level, low, high, delta, _ = _options(loss_type, importance_sampling_level, epsilon_low, epsilon_high,
+                                                     delta, 0.0)
+    return PolicyLossConfig(
+        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=delta,
+        ratio=RatioMode.GSPO if level == "sequence" else RatioMode.TOKEN, log_ratio_clamp=(None, None),
+        entropy_coeff=entropy_coeff, **_aggregation(loss_type, num_completions, max_completion_length, num_items),
+    )
 
 
 def _options(loss_type, level, epsilon_low, epsilon_high, delta, beta):
@@ -380,10 +399,9 @@ class RLKGRPOMixin:
         if self.use_vllm and self.vllm_importance_sampling_correction:
             per_token["rollout_is_weights"] = _per_token_is_ratio(inputs["importance_sampling_ratio"], B, C)
         loss_args = {"old_log_probs": None, **{name: x[b, c] for name, x in per_token.items()}}
-        loss_args.update(
-            sample_index=b, num_samples=B, **_clip_args(self.epsilon_low, self.epsilon_high, self.args.delta, level),
-            entropy_coeff=self.entropy_coef, **_aggregation(self.loss_type, B, self.max_completion_length, num_items),
-        )
+        loss_args.update(sample_index=b, num_samples=B, config=loss_config(
+            self.loss_type, level, self.epsilon_low, self.epsilon_high, self.args.delta, num_completions=B,
+            max_completion_length=self.max_completion_length, num_items=num_items, entropy_coeff=self.entropy_coef))
         media = {k: inputs[k] for k in _MEDIA_FIELDS if k in inputs and k not in ("num_images", "num_tiles")}
         with self.accelerator.autocast():
             out = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),

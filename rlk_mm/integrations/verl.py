@@ -28,24 +28,45 @@ import numpy as np
 import torch
 
 from ..ops.loss import policy_loss
-from ..ops.options import Estimator
+from ..ops.loss_config import PolicyLossConfig
+from ..ops.options import Estimator, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import bool_arg, float_arg
 from ._args import clip_ratios, outcome_inputs, padded_inputs
 
+__all__ = [
+    "ADV_ESTIMATORS", "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_gspo",
+    "compute_rloo_outcome_advantage", "disable", "enable", "enabled", "FusedLinearForPPO", "loss_config",
+    "POLICY_LOSSES", "register", "response_rows", "scoring",
+]
+
 POLICY_LOSSES = ("rlk_mm", "rlk_mm_gspo")
 ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
 
 
+def loss_config(config, loss_agg_mode: str, *, gspo: bool = False) -> PolicyLossConfig:
+    """The ``PolicyLossConfig`` of verl's actor ``config`` (``ActorConfig``: its clip ratios,
+    dual clip and ``global_batch_info``) for ``loss_agg_mode``: verl's vanilla PPO loss, or
+    with ``gspo`` verl's ``gspo`` (sequence ratio, log-ratio clamped at 10, no dual clip)."""
+    if config is None:
+        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
+    low, high = clip_ratios(config)
+    if gspo:
+        ratio = dict(clip_ratio_c=None, ratio=RatioMode.GSPO_TOKEN, log_ratio_clamp=(None, 10.0))
+    else:
+        ratio = dict(clip_ratio_c=config.get("clip_ratio_c", 3.0))
+    return PolicyLossConfig(clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=loss_agg_mode, **ratio,
+                            **_global_batch_info(config))
+
+
 def _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
-    """Checks types and shapes under verl's names (``policy_loss`` checks the values);
-    returns the clip ratios (low, high)."""
+    """Checks types and shapes under verl's names (``policy_loss`` checks the values)."""
     if config is None:
         raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
     padded_inputs({"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages,
                    "rollout_is_weights": rollout_is_weights, "response_mask": response_mask}, mask="response_mask")
-    return clip_ratios(config)
+    clip_ratios(config)
 
 
 def _metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -73,18 +94,14 @@ def compute_policy_loss(
     When verl's LM head already computed the loss for this micro-batch (``RLK_MM_VERL_FUSED=1``
     with ``use_fused_kernels=True``: ``rlk_mm.integrations.verl_fused``), that loss is returned.
     """
-    low, high = _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+    _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
     from . import verl_fused
 
     fused = verl_fused.take_fused_loss(log_prob, response_mask)
     if fused is not None:
         return fused[0], _metrics(fused[1])
-    clip_c = config.get("clip_ratio_c", 3.0)
-    loss, metrics = policy_loss(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=clip_c,
-        rollout_is_weights=rollout_is_weights, loss_agg_mode=loss_agg_mode, **_global_batch_info(config),
-    )
+    loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask,
+                                rollout_is_weights=rollout_is_weights, config=loss_config(config, loss_agg_mode))
     return loss, _metrics(metrics)
 
 
@@ -98,13 +115,10 @@ def compute_policy_loss_gspo(
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``compute_policy_loss_gspo``, fused: sequence ratio (log clamped at 10), no dual clip."""
-    low, high = _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
-    loss, metrics = policy_loss(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=None,
-        ratio="gspo_token", log_ratio_clamp=(None, 10.0),
-        rollout_is_weights=rollout_is_weights, loss_agg_mode=loss_agg_mode, **_global_batch_info(config),
-    )
+    _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
+    knobs = loss_config(config, loss_agg_mode, gspo=True)
+    loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask,
+                                rollout_is_weights=rollout_is_weights, config=knobs)
     return loss, _metrics(metrics)
 
 

@@ -46,14 +46,20 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from ..ops.loss_config import kl_estimator
+from ..ops.loss_config import PolicyLossConfig, kl_estimator
 from ..ops.linear_loss import PolicyLossOutput, linear_policy_loss
 from ..ops.logprob import TargetError, selected_logprob
 from ..schema.checks import INTEGER_DTYPES, bool_arg, int_arg, tensor_arg
+from ._args import clip_ratios
+
+__all__ = [
+    "disable", "enable", "enabled", "ENV_SWITCH", "fused_loss_config", "fused_loss_plan", "FusedLinearForPPO",
+    "FusedLossPlan", "register", "response_rows", "scoring", "take_fused_loss",
+]
 
 Tensor = torch.Tensor
 
@@ -147,13 +153,13 @@ def response_rows(micro_batch) -> Optional[tuple[Tensor, Tensor]]:
 @dataclass
 class FusedLossPlan:
     """One micro-batch's ``linear_policy_loss`` inputs besides the LM head's (compact ``[n]``
-    per-token tensors in ``response_rows`` order, the sample of each, the actor config's
-    knobs), and its result once the LM head ran."""
+    per-token tensors in ``response_rows`` order, the sample of each, the loss config from the
+    actor config's knobs: ``fused_loss_config``), and its result once the LM head ran."""
 
     per_token: dict[str, Optional[Tensor]]
     sample_index: Tensor
     num_samples: int
-    knobs: dict[str, Any]
+    config: PolicyLossConfig
     result: Optional[PolicyLossOutput] = field(default=None, repr=False)
 
     def compute(self, hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, temperature: float):
@@ -172,7 +178,7 @@ class FusedLossPlan:
         per_token = {k: None if v is None else v.to(device) for k, v in self.per_token.items()}
         self.result = linear_policy_loss(
             hidden, weight, index=rows, targets=targets, temperature=temperature, **per_token,
-            sample_index=self.sample_index.to(device), num_samples=self.num_samples, **self.knobs,
+            sample_index=self.sample_index.to(device), num_samples=self.num_samples, config=self.config,
         )
         return self.result.log_probs, self.result.entropy
 
@@ -213,21 +219,25 @@ def fused_loss_plan(micro_batch, loss_function) -> Optional[FusedLossPlan]:
         if value is None and theirs != "rollout_is_weights":
             return None  # verl's ppo_loss raises on it; let it say so
         per_token[ours] = None if value is None else value.to(mask.device)[mask]
-    from ._args import clip_ratios
+    loss_config = fused_loss_config(config, micro_batch, mask.shape[1], entropy=flag(key="calculate_entropy"))
+    sample_index = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]
+    return FusedLossPlan(per_token, sample_index, mask.shape[0], loss_config)
 
+
+def fused_loss_config(config, micro_batch, response_length: int, *, entropy: bool) -> PolicyLossConfig:
+    """The ``PolicyLossConfig`` of verl's whole actor loss on one micro-batch: the actor
+    ``config``'s clip ratios, dual clip, ``loss_agg_mode`` and ``loss_scale_factor`` (verl's
+    default for the ``-norm`` mode: the padded ``response_length``), ``entropy_coeff`` when verl
+    computes the entropy, its KL settings with ``use_kl_loss``; the micro-batch's global counts."""
     low, high = clip_ratios(config)
-    knobs = dict(
+    kl = dict(kl_type=config.kl_loss_type, kl_coef=config.kl_loss_coef) if config.use_kl_loss else {}
+    return PolicyLossConfig(
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=config.get("clip_ratio_c", 3.0),
         loss_agg_mode=config.loss_agg_mode, dp_size=micro_batch["dp_size"],
         batch_num_tokens=micro_batch["batch_num_tokens"], global_batch_size=micro_batch["global_batch_size"],
-        # verl's agg_loss defaults the -norm mode's factor to the padded response length
-        loss_scale_factor=config.loss_scale_factor if config.loss_scale_factor is not None else mask.shape[1],
-        entropy_coeff=config.entropy_coeff if flag(key="calculate_entropy") else 0.0,
+        loss_scale_factor=config.loss_scale_factor if config.loss_scale_factor is not None else response_length,
+        entropy_coeff=config.entropy_coeff if entropy else 0.0, **kl,
     )
-    if config.use_kl_loss:
-        knobs.update(kl_type=config.kl_loss_type, kl_coef=config.kl_loss_coef)
-    sample_index = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]
-    return FusedLossPlan(per_token, sample_index, mask.shape[0], knobs)
 
 
 def take_fused_loss(log_prob: Tensor, response_mask: Tensor) -> Optional[tuple[Tensor, dict[str, Tensor]]]:
