@@ -2,7 +2,10 @@
 
 Names are imported on first use so that ``import rlk_mm`` stays light (Triton and the
 kernels load only when an op that needs them is called). Ops depend only on
-``rlk_mm.schema``; model runners live in ``rlk_mm.models``.
+``rlk_mm.schema``; model runners live in ``rlk_mm.models``. The option sets the ops take
+(``AggMode``, ``KLType``, ``RatioMode``, ``Estimator``, ``RewardPlacement``, ``Backend``,
+``PaddingSide``) live in ``rlk_mm.ops.options``; the policy loss's knobs are one
+``PolicyLossConfig``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
+    from ._backend import BackendUnavailableError  # noqa: F401
     from .invariant.mode import batch_invariant  # noqa: F401
     from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
@@ -37,6 +41,7 @@ _EXPORTS = {
     "KLType": "options",
     "RatioMode": "options",
     "Backend": "options",
+    "BackendUnavailableError": "_backend",
     "scatter_rewards": "rewards",
     "group_advantages": "rewards",
     "SpanReward": "rewards",
