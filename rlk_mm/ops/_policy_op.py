@@ -25,8 +25,8 @@ from .loss_config import PolicyLoss, PolicyLossConfig
 from .options import AggMode, RatioMode
 
 __all__ = [
-    "OP_FLOATS", "OP_INTS", "OP_TENSORS", "PER_TOKEN", "SEQ_LOG_RATIO", "CheckedPolicy", "aggregation", "checked_policy",
-    "mask_f32", "policy_loss_partials", "policy_loss_partials_backward", "seq_log_ratio",
+    "OP_FLOATS", "OP_INTS", "OP_TENSORS", "PER_TOKEN", "SEQ_LOG_RATIO", "CheckedPolicy", "aggregation",
+    "checked_policy", "mask_f32", "policy_loss_partials", "policy_loss_partials_backward", "seq_log_ratio",
 ]
 
 # ----------------------------------------------------------------------------- aggregation

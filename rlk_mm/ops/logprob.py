@@ -52,9 +52,9 @@ def selected_logprob(
     MIN_TEMPERATURE``. Give either ``batch`` (an ``RLBatch``: rows and targets from its loss
     spans, target ``t`` scored from the hidden state at ``t - 1``, in loss-span order; with
     ``[B, L, H]`` hidden states also ``padding``, a ``PaddingSide`` (``"right"`` or
-    ``"left"``), where each sample's tokens sit in its row: never guessed) or ``index`` (rows of the flattened hidden states)
-    with ``targets`` (token ids, in ``[0, V)``). Gradients flow to ``hidden`` (only the
-    scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
+    ``"left"``), where each sample's tokens sit in its row: never guessed) or ``index`` (rows of
+    the flattened hidden states) with ``targets`` (token ids, in ``[0, V)``). Gradients flow
+    to ``hidden`` (only the scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
 
     Every argument is checked before any work. One host sync per call, in the forward: the
     index and target ranges, the bias values and whether every row is scored in order are

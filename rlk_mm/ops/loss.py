@@ -87,8 +87,9 @@ def agg_loss(
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: KLType | str = KLType.LOW_VAR_KL) -> Tensor:
     """Per-token KL estimate of the policy to a reference (verl's ``kl_penalty``; EasyR1's ``compute_kl``).
 
-    ``kl_type`` (a ``KLType`` or its string; ``kind=`` is its deprecated old name): ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2;
-    ``k3``/``low_var_kl``: exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT.
+    ``kl_type`` (a ``KLType`` or its string; ``kind=`` is its deprecated old name):
+    ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2; ``k3``/``low_var_kl``:
+    exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT.
     A trailing ``+`` (e.g. ``k3+``) keeps the value and takes k2's gradient (straight-through).
     Both inputs: float tensors of one shape (no broadcasting) and device; no host sync.
     Non-finite values propagate, except through k3's clamps.

@@ -202,7 +202,8 @@ def _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_in
     n, V = rows.numel(), weight.shape[0]
     values = {
         "vocab": V, "start": -1 if vocab_start_index is None else vocab_start_index, "hidden_size": hidden.shape[1],
-        "dtype": KERNEL_FLOAT_DTYPES.index(hidden.dtype), "rows": n, "T": hidden.shape[0], "bias": int(bias is not None),
+        "dtype": KERNEL_FLOAT_DTYPES.index(hidden.dtype), "rows": n, "T": hidden.shape[0],
+        "bias": int(bias is not None),
         "temperature": struct.unpack("<q", struct.pack("<d", temperature))[0], "needs_grad": int(needs_grad),
     }
     stats = {"fingerprint": _fingerprint(rows) * 31 + _fingerprint(targets)}

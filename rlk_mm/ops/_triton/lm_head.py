@@ -34,8 +34,8 @@ from ._common import grouped_tile_ids, interpreted
 Tensor = torch.Tensor
 
 __all__ = [
-    "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config", "forward_tiles_kernel",
-    "ieee", "logits_tile", "mma", "tma_ok",
+    "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config",
+    "forward_tiles_kernel", "ieee", "logits_tile", "mma", "tma_ok",
 ]
 
 

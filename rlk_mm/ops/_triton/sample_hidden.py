@@ -97,7 +97,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     n_vblocks = triton.cdiv(V, cfg.block_n)
     draw = filters.plain
     per_row = n_vblocks * (4 * 2 + (8 + 4 + 4 * _ref.NOISE_BLOCK if draw else 0)) + (0 if draw else 4 * V)
-    step = min(B, max(cfg.block_m, min(cfg.partials_budget, scfg.logits_budget) // per_row // cfg.block_m * cfg.block_m))
+    budget = min(cfg.partials_budget, scfg.logits_budget)
+    step = min(B, max(cfg.block_m, budget // per_row // cfg.block_m * cfg.block_m))
     part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
     part_sum = torch.empty_like(part_max)
     best = torch.empty(n_vblocks * step if draw else 1, dtype=torch.float64, device=dev)
