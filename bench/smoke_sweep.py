@@ -7,7 +7,7 @@ its options are command-line words, its other settings a `SmokeTuning` (no modul
 is changed), and every finished GRPO step is appended to DIR/NAME.steps.jsonl as it ends,
 so a run cut off by `--deadline` still reports its curve.
 
-    python bench/smoke_sweep.py CONFIGS.json --out DIR [--cpu-workers 6] [--threads 2] [--deadline 540]
+    python -m bench.smoke_sweep CONFIGS.json --out DIR [--cpu-workers 6] [--threads 2] [--deadline 540]
 
 CONFIGS.json: a list of {"name": str, "device": "cuda" | "cpu", "args": [smoke options],
 "tuning": {SmokeTuning field: value}}; earlier configs' "set" ({"LR_FLOOR": 0.3}: the module
