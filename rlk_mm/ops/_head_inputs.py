@@ -2,7 +2,9 @@
 spans or given), the hidden states, the head and its bias, and the errors that name them.
 
 ``selected_logprob``, ``linear_policy_loss``, ``sample_from_hidden`` and ``vocab_parallel``
-(which checks each rank's shard with them) share these checks: one home, no import cycle."""
+(which checks each rank's shard with them) share these checks: one home, no import cycle; and
+``local_head``: which head a call computes with (a plain head, or a ``Shard(0)`` DTensor's
+local shard and group, or the gathered whole)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,16 @@ from ..schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, tem
 Tensor = torch.Tensor
 
 __all__ = [
-    "IGNORE_INDEX", "TargetError", "check_bias", "check_head", "check_ranges", "check_values", "contiguous_rows",
-    "index_arg", "refuse_padding", "rows_from_batch", "scored_rows", "targets_named_by",
+    "IGNORE_INDEX", "TargetError", "VOCAB_ALIGN", "check_bias", "check_head", "check_ranges", "check_values",
+    "contiguous_rows", "index_arg", "local_head", "refuse_padding", "rows_from_batch", "scored_rows",
+    "targets_named_by",
 ]
 
 IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
+#: columns of one vocabulary segment: the global grid every backend reduces logits on (a
+#: segment's partial sums, then the segments folded in order), whatever the dtype, device or
+#: tensor-parallel layout; a vocabulary shard must start on it (``vocab_parallel``)
+VOCAB_ALIGN = 128
 
 
 class TargetError(ValueError):
@@ -160,6 +167,66 @@ def check_bias(bias: Tensor, targets: Tensor, top, target_low) -> None:
 
 def contiguous_rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ------------------------------------------------------------------ the head (vocabulary-parallel ops)
+def local_head(weight, bias, tp_group, vocab_start_index, gather_weight: bool):
+    """``(weight, bias, group)`` to compute with: a ``DTensor`` head as its
+    local shard and its mesh's group (or, with ``gather_weight``, the whole head and no
+    group); a plain head as given. Refuses ambiguous combinations."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(gather_weight, bool):
+        raise TypeError(f"gather_weight must be a bool, got {type(gather_weight).__name__}")
+    if not isinstance(weight, DTensor):
+        if isinstance(bias, DTensor):
+            raise TypeError("bias is a DTensor but weight is not: pass both as DTensors on one mesh, or both local")
+        if gather_weight:
+            raise ValueError("gather_weight=True applies to a DTensor weight only; this weight is a plain tensor")
+        if tp_group is None and vocab_start_index is not None:
+            raise ValueError("vocab_start_index applies only with tp_group= (a vocabulary shard); leave it out")
+        return weight, bias, tp_group
+    from torch.distributed.tensor import Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(
+            f"weight is a DTensor placed {tuple(weight.placements)} on a {mesh.ndim}-D mesh; the head must be Shard(0) "
+            "on a 1-D mesh (FSDP2 fully_shard's layout): redistribute it, or pass the local shard with tp_group="
+        )
+    if bias is not None and (not isinstance(bias, DTensor) or bias.device_mesh != mesh
+                             or tuple(bias.placements) != (Shard(0),)):
+        raise TypeError("weight is a Shard(0) DTensor: bias must be a Shard(0) DTensor on the same mesh (or None)")
+    if tp_group is not None:
+        raise ValueError("weight is a DTensor: its mesh gives the group; leave tp_group out")
+    if vocab_start_index is not None:
+        raise ValueError("weight is a DTensor: its placement gives the shard's start; leave vocab_start_index out")
+    if gather_weight:
+        return _gathered(weight), None if bias is None else _gathered(bias), None
+    return weight.to_local(), None if bias is None else bias.to_local(), mesh.get_group()
+
+
+def _gathered(t):
+    """The whole of a ``Shard(0)`` DTensor on every rank (an all-gather). Data-parallel ranks
+    score different rows, so each rank's gradient is a partial one: reduce-scattered back to
+    the shards and averaged over the mesh, as FSDP2 averages its gradients."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    full = t.redistribute(t.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    return _ScaleGrad.apply(full, 1.0 / t.device_mesh.size())
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose gradient is scaled (the mesh average of a gathered head's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 # ------------------------------------------------------------------ the scored rows

@@ -104,7 +104,9 @@ def linear_policy_loss(
     ``tp_group``, ``vocab_start_index`` and ``gather_weight`` are ``selected_logprob``'s: a
     vocabulary-sharded head (``vocab_parallel``), every rank passing the same rows and loss
     inputs and getting the same loss; d hidden is summed over the group in rank order, each
-    rank gets its shard's d weight. One collective per chunk of rows in the forward.
+    rank gets its shard's d weight. One collective per chunk of rows in the forward. The
+    log-probs and entropies are bitwise ``selected_logprob``'s (on one device or on any
+    vocabulary split of the same head); the loss and gradients within the numerical contract.
     """
     config = policy_loss_config(config, knobs, "linear_policy_loss")
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)

@@ -63,12 +63,21 @@ def selected_logprob(
     and ``weight`` are not read for checks: a non-finite value there propagates (a NaN
     hidden row gives NaN for that row).
 
+    Reduction order: the logits of each 128-column vocabulary segment (a global grid from
+    column 0) are reduced to per-row partials, which are folded in vocabulary order; so a
+    row's log-prob and entropy do not depend on the other rows, on where the row stands, or
+    on how the vocabulary is sharded over ranks (bitwise run to run, on one backend and dtype).
+
     Vocabulary-parallel (``vocab_parallel``: layouts, collectives, bytes per token): with
     ``tp_group`` (a ``torch.distributed`` group) ``weight``/``bias`` are this rank's
     contiguous shard of the head's rows, every rank passing the same hidden rows and
-    targets (global token ids); ``vocab_start_index`` is checked when given. A ``DTensor``
-    head (``Shard(0)``, FSDP2) runs that way over its mesh's group; ``gather_weight=True``
-    gathers it instead, for ranks that score different rows. Every rank gets the same result.
+    targets (global token ids); ``vocab_start_index`` is checked when given. Every shard but
+    the last holds a multiple of 128 rows (a misaligned shard is refused, saying how to pad).
+    A ``DTensor`` head (``Shard(0)``, FSDP2) runs that way over its mesh's group;
+    ``gather_weight=True`` gathers it instead, for ranks that score different rows. Every
+    rank gets the same result: the log-probs and entropies are bitwise the single-device
+    op's for every group size and split; the gradients are within the numerical contract
+    (``parity/contract.py``) of the single-device op's.
     """
     return_entropy = bool_arg("return_entropy", return_entropy)
     temperature = temperature_arg(temperature)

@@ -31,6 +31,7 @@ from ..schema.checks import (
 from ._backend import backend_arg, resolve_backend
 from ._head_inputs import check_bias, check_head, contiguous_rows
 from ._torch import sampling as _ref
+from .logprob import sharded_head
 from .options import Backend
 
 __all__ = ["BACKENDS", "group_seeds", "MAX_VOCAB", "sample", "sample_from_hidden", "SampleResult"]
@@ -92,7 +93,7 @@ def sample(
 def sample_from_hidden(
     hidden: Tensor, weight: Tensor, *, bias: Optional[Tensor] = None, temperature: float = 1.0,
     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-    seeds: Tensor, step=0, backend: Backend | str | None = None,
+    seeds: Tensor, step=0, backend: Backend | str | None = None, tp_group=None,
 ) -> SampleResult:
     """``sample`` of the logits ``(hidden · weightᵀ + bias) / temperature``, the LM head fused
     with the draw: ``hidden [B, H]``, ``weight [V, H]``, ``bias [V]`` (finite, or -inf to mask
@@ -100,21 +101,35 @@ def sample_from_hidden(
     targets=tokens, temperature=..., bias=...)`` bitwise on the same backend (under
     ``batch_invariant()`` too). Plain temperature never writes ``[B, V]`` logits (Triton);
     filters take a second pass over logits written a row chunk at a time. Backends as
-    ``sample``, without "flashinfer" (it samples from logits only)."""
+    ``sample``, without "flashinfer" (it samples from logits only).
+
+    Vocabulary-parallel heads (``vocab_parallel``): with ``tp_group`` (or a ``Shard(0)``
+    DTensor head) ``weight``/``bias`` are this rank's contiguous shard, starting on the
+    128-row grid, every rank passing the same hidden rows, seeds and settings; every rank
+    gets the single device's tokens and log-probs, bitwise, for plain temperature and for
+    every filter (filters gather the rows' logits: they need the whole row)."""
     tensor_arg("hidden", hidden)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [B, H] (one hidden state per sample); got shape {tuple(hidden.shape)}")
     B = hidden.shape[0]
     rows = torch.arange(B, device=hidden.device)
+    weight, bias, tp_group = sharded_head(weight, bias, tp_group, None, False)
     tensor_arg("weight", weight)
-    check_head(hidden, weight, rows, rows, bias, 1.0)  # shapes, dtypes, devices
-    V = weight.shape[0]
-    inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
+    check_head(hidden, weight, rows, rows, bias, 1.0, shard=tp_group is not None)  # shapes, dtypes, devices
+    V = weight.shape[0]  # a shard's: the group's vocabulary settles top-k and the size check (vocab_parallel)
+    inv_t, filters = _settings(temperature, top_k, top_p, min_p, V if tp_group is None else MAX_VOCAB)
     temperature = float(temperature)
     seeds, steps = _seeds_and_steps(seeds, step, B, hidden.device)
     backend = backend_arg(backend, "backend", BACKENDS[1:])
     if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
+    if tp_group is not None:
+        from . import vocab_parallel
+
+        triton = resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON
+        out = vocab_parallel.sample_from_hidden(hidden, weight, bias, temperature, filters, seeds, steps, triton,
+                                                tp_group, MAX_VOCAB)
+        return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias")
     if bias is not None:
         check_bias(bias, rows[:0], float(bias.amax()), 0.0)
     hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)

@@ -1,43 +1,57 @@
-"""Vocabulary-parallel selected log-prob and fused policy loss over ``torch.distributed``.
+"""Vocabulary-parallel selected log-prob, fused policy loss and sampling over ``torch.distributed``.
 
-Layout (Megatron's ``VocabParallelEmbedding`` / verl's tensor-parallel LM head, and FSDP2's
-``Shard(0)``): each rank of the group holds a contiguous slice of the head's rows,
-``weight[start_r : start_r + V_r]`` (and of the bias), in rank order with no gap, and the
-*same* scored hidden rows and targets (global token ids). Shards may be uneven, and on the
-CPU backend even empty (torch's ``Shard(0)`` of V < group size). The global vocabulary is the
-concatenation of the shards, so a padded vocabulary (Megatron pads to a multiple of 128 x the
-group size; Qwen2.5's 152,064 head rows exceed its tokenizer's vocabulary) is scored like any
-row, as the single-device op scores it; pass a bias of -inf at the padding rows to exclude them. ``vocab_start_index`` (Megatron's and verl's name)
-is optional: when given it must equal the sum of the lower ranks' shard sizes.
+Layout (Megatron's ``VocabParallelEmbedding``, verl's tensor-parallel LM head, FSDP2's
+``Shard(0)``): each rank holds a contiguous slice of the head's rows, ``weight[start_r :
+start_r + V_r]`` (and of the bias), in rank order with no gap, and the *same* scored hidden
+rows and targets (global token ids). Every non-empty shard starts on the ``VOCAB_ALIGN`` =
+128-row segment grid: every shard but the last holds a multiple of 128 rows (the last may
+end anywhere; shards may be uneven, and on the CPU backend empty). Megatron pads the
+vocabulary to a multiple of 128 x the group size (Qwen2.5's 152,064 = 1,188 x 128 head rows),
+so its shards qualify; a misaligned shard is refused on every rank, naming the alignment
+and how to pad. Padding rows are scored like any row, as on one device: give them a bias
+of -inf. ``vocab_start_index`` (Megatron's and verl's name), when given, must equal the sum
+of the lower ranks' shard sizes.
 
-Per call, collectives (group size P > 1, ``n`` scored rows, hidden size ``H``):
+The guarantee: forward results -- the log-probs, entropies and row log-sum-exps of
+``selected_logprob`` and ``linear_policy_loss``, ``sample_from_hidden``'s tokens and
+log-probs -- are bitwise the same for every group size and split (even or uneven), and
+bitwise the single-device op's (same backend and dtype). The single-device op reduces each
+128-column segment's logits to per-row partials and folds them in vocabulary order
+(``_triton/lm_head.py``, ``_torch/logprob.py``); here each rank computes its own segments'
+partials (the same numbers: its shard starts on the grid), they are all-gathered, and every
+rank folds them in that order. The loss, d hidden (summed over the group) and each rank's
+d weight / d bias shard are within the numerical contract of the single-device op, bitwise
+run to run for a group size, and per row independent of the other rows.
+
+Collectives per call (group size P > 1, ``n`` rows, hidden size ``H``, largest shard ``L``,
+``G`` columns per partial: 128 for bf16/fp16 on CUDA and the torch backend; fp32 on CUDA 64
+and Triton's interpreter 32, tiles narrower than a segment):
 
 1. ``agree``: one ``all_gather`` of a few int64 per rank (shard sizes, dtypes, ``n``, value
-   checks, a fingerprint of rows and targets, and with ``RLK_MM_TP_DEBUG=1`` of the scored
-   hidden rows): a bad setup raises on *every* rank, naming the rank, instead of hanging;
-2. forward, ``combine``: one ``all_gather`` of each rank's per-row (target logit, log-sum-exp
-   [, entropy]) -- 2 or 3 fp32 -- combined on every rank in rank order 0, 1, ..., P-1;
-3. backward, ``sum_rows``: the shards' fp32 d hidden ``[n, H]`` summed in rank order: an
-   ``all_to_all`` hands rank r the column block r of every rank's part, rank r adds them in
-   rank order, an ``all_gather`` returns the sums (a reduce-scatter + all-gather whose sum
-   order is ours, not the library's: NCCL's all-reduce picks ring or tree by message size,
-   which would tie a row's bits to the batch size). Weight and bias gradients stay local.
+   checks, fingerprints of rows and targets, and with ``RLK_MM_TP_DEBUG=1`` of the hidden
+   rows): a bad setup raises on *every* rank, naming the rank, instead of hanging;
+2. forward, ``Exchange``: per chunk of rows one ``all_gather`` of each rank's partials, ``k``
+   fp32 per row and partial (max, Σ exp, and with entropy the entropy sum: k = 3, else 2),
+   ``⌈L/G⌉`` partials per rank (smaller shards pad), plus the row's target logit;
+3. backward, ``sum_rows``: the shards' fp32 d hidden ``[n, H]`` summed in rank order (an
+   ``all_to_all`` of column blocks, rank r adds block r in rank order, an ``all_gather``:
+   a sum order of ours, not NCCL's all-reduce, whose ring or tree follows the message
+   size). Weight and bias gradients stay local.
 
-Bytes each rank sends per scored token (``comm_bytes_per_token``): forward ``(P-1)·4·k``
-(k = 2, 3 with entropy), backward ``2·(P-1)·4·⌈H/P⌉``; e.g. H = 3584, P = 2: 8 or 12 B
-forward, 14,336 B backward (``bench/bench_tp.py`` and ``tests/test_vocab_parallel.py``
-check it against the profiler's collectives). Every reduction has a fixed order and works
-row by row, so results are bitwise the same run to run for a group size, and a row's result
-does not depend on the other rows; with P = 1 they are bitwise the single-device op's.
+Bytes each rank sends per scored token (``comm_bytes_per_token``): forward
+``(P-1)·4·(k·⌈L/G⌉ + 1)``, backward ``2·(P-1)·4·⌈H/P⌉``. The 7B head (H = 3584, V = 152,064,
+bf16, even shards), with entropy: P = 2, 7,132 B forward and 14,336 B backward; P = 4, 10,704
+B and 21,504 B: about 12·V/128 B per row over the group, never a vocabulary-sized row
+(``bench/bench_tp.py`` and ``tests/test_vocab_parallel.py`` check it against the profiler).
+``sample_from_hidden``: plain temperature gathers each rank's best noise block per row
+(144 B) and the partials; top-k, top-p and min-p need whole rows: they gather the fp32 logits.
 
-``DTensor`` heads: a ``Shard(0)`` weight on a 1-D mesh runs vocabulary-parallel on its
-local shard over the mesh's group (``to_local``: its gradient lands as the ``Shard(0)``
-gradient); nothing is gathered unless ``gather_weight=True``, which all-gathers the head
-once for a data-parallel caller whose ranks score *different* rows, and reduce-scatters its
-gradient, averaged over the mesh as FSDP2 averages. Under ``torch.compile`` the
-vocabulary-parallel call is a graph break (``torch.compiler.disable``: collectives with
-host-side checks); the compiled graph sees a DTensor head's ``to_local()`` (a view, no
-communication) or, with ``gather_weight``, its redistribution (the all-gather), then the call.
+``DTensor`` heads: a ``Shard(0)`` weight on a 1-D mesh runs on its local shard over the
+mesh's group (its gradient lands as the ``Shard(0)`` gradient); ``gather_weight=True``
+all-gathers the head instead, for data-parallel ranks scoring *different* rows, and
+reduce-scatters its gradient, averaged over the mesh as FSDP2 averages. Under
+``torch.compile`` the vocabulary-parallel call is a graph break (collectives with host-side
+checks); the compiled graph sees a DTensor head's ``to_local()`` or its redistribution.
 """
 
 from __future__ import annotations
@@ -54,12 +68,14 @@ from torch import Tensor
 
 from ..schema.checks import KERNEL_FLOAT_DTYPES, first_true
 from ._backend import use_triton
-from ._head_inputs import TargetError, check_head, check_ranges, contiguous_rows
+from ._head_inputs import VOCAB_ALIGN, TargetError, check_head, check_ranges, contiguous_rows, local_head
 from ._torch import logprob as _ref
+from ._torch import sampling as _sampling
 
 __all__ = [
-    "agree", "combine", "comm_bytes_per_token", "debug_checks", "local_head", "loss_grads", "merge_stats",
-    "profiled_sent_bytes", "scatter_rows", "selected_logprob", "sum_rows", "VocabShard",
+    "agree", "comm_bytes_per_token", "debug_checks", "Exchange", "local_head", "loss_grads", "partial_columns",
+    "profiled_sent_bytes", "sample_from_hidden", "scatter_rows", "selected_logprob", "shard_forward", "sum_rows",
+    "VOCAB_ALIGN", "VocabShard",
 ]
 
 #: the per-rank fields ``agree`` gathers, in order
@@ -72,18 +88,34 @@ def debug_checks() -> bool:
     return os.environ.get("RLK_MM_TP_DEBUG", "0") == "1"
 
 
-def comm_bytes_per_token(group_size: int, hidden_size: int, with_entropy: bool) -> dict[str, int]:
-    """Bytes each rank sends per scored token: ``forward`` (the stats' all-gather) and
+def comm_bytes_per_token(group_size: int, hidden_size: int, with_entropy: bool, vocab_size: int, *,
+                         largest_shard: Optional[int] = None, partial_columns: int = VOCAB_ALIGN) -> dict[str, int]:
+    """Bytes each rank sends per scored token: ``forward`` (the all-gather of every shard's
+    partials: ``(P-1)·4·(k·⌈L/G⌉ + 1)``, k = 3 with entropy else 2, ``L = largest_shard``,
+    by default Megatron's even split ``⌈V / (128·P)⌉·128``, ``G = partial_columns``) and
     ``backward`` (the ordered d hidden sum: all-to-all + all-gather of fp32 column blocks)."""
     P = group_size
-    return {"forward": (P - 1) * 4 * (3 if with_entropy else 2),
+    if largest_shard is None:
+        largest_shard = math.ceil(vocab_size / (VOCAB_ALIGN * P)) * VOCAB_ALIGN
+    k = 3 if with_entropy else 2
+    return {"forward": (P - 1) * 4 * (k * math.ceil(largest_shard / partial_columns) + 1),
             "backward": 2 * (P - 1) * 4 * math.ceil(hidden_size / P)}
+
+
+def partial_columns(weight: Tensor) -> int:
+    """Columns per partial of the backend that runs on ``weight``: ``comm_bytes_per_token``'s ``partial_columns``."""
+    if use_triton(weight):
+        from ._triton import lm_head
+
+        return lm_head.partial_columns(lm_head.default_config(weight.dtype, weight.device))
+    return VOCAB_ALIGN
 
 
 @dataclass(frozen=True)
 class VocabShard:
     """This rank's place in the group: vocabulary rows ``[start, start + size)`` of ``total``;
-    ``largest`` is the largest shard (every rank cuts the same row chunks from it)."""
+    ``sizes``: every rank's shard size, in rank order; ``largest`` is the largest shard (every
+    rank cuts the same row chunks from it)."""
 
     group: object
     rank: int
@@ -92,73 +124,70 @@ class VocabShard:
     size: int
     total: int
     largest: int
+    sizes: tuple = ()
 
     def local_targets(self, targets: Tensor) -> Tensor:
         """Targets as rows of this shard; -1 for a target on another shard."""
         local = targets - self.start
         return torch.where((local >= 0) & (local < self.size), local, -1)
 
+    def owner(self, targets: Tensor) -> Tensor:
+        """The rank holding each target (int64, on the targets' device)."""
+        starts = torch.tensor([sum(self.sizes[:r]) for r in range(self.world)], device=targets.device)
+        return torch.searchsorted(starts, targets, right=True) - 1
+
+
+class Exchange:
+    """The forward's collectives. Called (``_triton.lm_head.Exchange``): every shard's partials
+    of a chunk of rows, in vocabulary order, and each row's target logit from the rank holding
+    it (``targets``: the global targets; None: the caller's are the same on every rank). And
+    the sampler's (``_triton.sample_hidden``): ``gather_best``, ``gather_logits``."""
+
+    def __init__(self, shard: VocabShard, targets: Optional[Tensor] = None):
+        self.shard, self.targets = shard, targets
+        self.start, self.total, self.world = shard.start, shard.total, shard.world
+
+    def __call__(self, parts: Tensor, tgt_logit: Tensor, start: int, cols: int) -> tuple[Tensor, Tensor]:
+        k, own, m = parts.shape
+        if self.world == 1:
+            return parts.contiguous(), tgt_logit
+        counts = [-(-size // cols) for size in self.shard.sizes]
+        widest = max(counts)
+        send = parts.new_empty(k * widest * m + m)
+        send[: k * widest * m].view(k, widest, m)[:, :own] = parts
+        send[k * widest * m :] = tgt_logit
+        got = parts.new_empty(self.world * send.numel())  # flat: gloo chunks the output like the input
+        dist.all_gather_into_tensor(got, send, group=self.shard.group)
+        got = got.view(self.world, -1)
+        blocks = got[:, : k * widest * m].view(self.world, k, widest, m)
+        every = torch.cat([blocks[r, :, : counts[r]] for r in range(self.world)], dim=1)
+        if self.targets is None:
+            return every, tgt_logit
+        return every, got[:, k * widest * m :].gather(0, self.shard.owner(self.targets[start : start + m])[None])[0]
+
+    def gather_best(self, score: Tensor, block: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every rank's (score f64 [m], block int32 [m], logits fp32 [m, 32]), flat ``[P, m(, 32)]``."""
+        pack = block.new_empty((score.numel(), 2 + z.shape[1] // 2), dtype=torch.int64)  # bits, as integers
+        pack[:, 0], pack[:, 1] = score.contiguous().view(torch.int64), block
+        pack[:, 2:] = z.contiguous().view(torch.int64)
+        got = pack.new_empty(self.world * pack.numel())
+        dist.all_gather_into_tensor(got, pack.flatten(), group=self.shard.group)
+        got = got.view((self.world,) + tuple(pack.shape))
+        return (got[:, :, 0].contiguous().view(torch.float64).flatten(), got[:, :, 1].to(torch.int32).contiguous(),
+                got[:, :, 2:].contiguous().view(torch.float32).flatten())
+
+    def gather_logits(self, z: Tensor, dim: int = 1) -> Tensor:
+        """The whole vocabulary's logits from every shard's ``z`` (vocabulary along ``dim``)."""
+        sizes, zt = self.shard.sizes, z.movedim(dim, 0)
+        send = zt.new_empty((max(sizes),) + tuple(zt.shape[1:]))
+        send[: zt.shape[0]] = zt
+        got = send.new_empty(self.world * send.numel())
+        dist.all_gather_into_tensor(got, send.flatten(), group=self.shard.group)
+        got = got.view((self.world,) + tuple(send.shape))
+        return torch.cat([got[r, : sizes[r]] for r in range(self.world)]).movedim(0, dim).contiguous()
+
 
 # ------------------------------------------------------------------ arguments
-def local_head(weight, bias, tp_group, vocab_start_index, gather_weight: bool):
-    """``(weight, bias, group)`` to compute with: a ``DTensor`` head as its
-    local shard and its mesh's group (or, with ``gather_weight``, the whole head and no
-    group); a plain head as given. Refuses ambiguous combinations."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(gather_weight, bool):
-        raise TypeError(f"gather_weight must be a bool, got {type(gather_weight).__name__}")
-    if not isinstance(weight, DTensor):
-        if isinstance(bias, DTensor):
-            raise TypeError("bias is a DTensor but weight is not: pass both as DTensors on one mesh, or both local")
-        if gather_weight:
-            raise ValueError("gather_weight=True applies to a DTensor weight only; this weight is a plain tensor")
-        if tp_group is None and vocab_start_index is not None:
-            raise ValueError("vocab_start_index applies only with tp_group= (a vocabulary shard); leave it out")
-        return weight, bias, tp_group
-    from torch.distributed.tensor import Shard
-
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(
-            f"weight is a DTensor placed {tuple(weight.placements)} on a {mesh.ndim}-D mesh; the head must be Shard(0) "
-            "on a 1-D mesh (FSDP2 fully_shard's layout): redistribute it, or pass the local shard with tp_group="
-        )
-    if bias is not None and (not isinstance(bias, DTensor) or bias.device_mesh != mesh
-                             or tuple(bias.placements) != (Shard(0),)):
-        raise TypeError("weight is a Shard(0) DTensor: bias must be a Shard(0) DTensor on the same mesh (or None)")
-    if tp_group is not None:
-        raise ValueError("weight is a DTensor: its mesh gives the group; leave tp_group out")
-    if vocab_start_index is not None:
-        raise ValueError("weight is a DTensor: its placement gives the shard's start; leave vocab_start_index out")
-    if gather_weight:
-        return _gathered(weight), None if bias is None else _gathered(bias), None
-    return weight.to_local(), None if bias is None else bias.to_local(), mesh.get_group()
-
-
-def _gathered(t):
-    """The whole of a ``Shard(0)`` DTensor on every rank (an all-gather). Data-parallel ranks
-    score different rows, so each rank's gradient is a partial one: reduce-scattered back to
-    the shards and averaged over the mesh, as FSDP2 averages its gradients."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    full = t.redistribute(t.device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-    return _ScaleGrad.apply(full, 1.0 / t.device_mesh.size())
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose gradient is scaled (the mesh average of a gathered head's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def _fingerprint(t: Tensor) -> Tensor:
     """An int64 hash of ``t``'s bits and order (exact integer sums: the same on every device)."""
     flat = t.contiguous().flatten()
@@ -167,11 +196,13 @@ def _fingerprint(t: Tensor) -> Tensor:
     return (x * (torch.arange(x.numel(), device=x.device) % 1_000_003 + 1)).sum()
 
 
-def agree(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
-          group, vocab_start_index, needs_grad: bool, local_check) -> tuple[VocabShard, bool]:
+def agree(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Optional[Tensor], bias: Optional[Tensor],
+          temperature: float, group, vocab_start_index, needs_grad: bool, local_check,
+          extra: Optional[Tensor] = None) -> tuple[VocabShard, bool]:
     """Check the call on every rank (one all-gather); the shard and whether the rows are
     every row of hidden in order. ``local_check()`` runs this rank's own argument checks;
-    whatever fails on one rank raises on all of them."""
+    whatever fails on one rank raises on all of them. ``targets`` None: none are scored (the
+    sampler); ``extra``: an int64 fingerprint of other inputs every rank must share."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: Optional[BaseException] = None
     try:
@@ -183,7 +214,7 @@ def agree(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: O
         error = e
     meta = torch.zeros(len(_FIELDS), dtype=torch.int64, device=hidden.device)
     if error is None:
-        meta = _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_index, needs_grad)
+        meta = _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_index, needs_grad, extra)
     elif vocab_start_index is not None and isinstance(vocab_start_index, int):
         meta[_FIELDS.index("start")] = vocab_start_index
     meta[0] = int(error is not None)
@@ -198,7 +229,7 @@ def agree(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: O
     return _check_table(table, rank, world, group, vocab_start_index, hidden, rows, targets, bias)
 
 
-def _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_index, needs_grad) -> Tensor:
+def _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_index, needs_grad, extra) -> Tensor:
     n, V = rows.numel(), weight.shape[0]
     values = {
         "vocab": V, "start": -1 if vocab_start_index is None else vocab_start_index, "hidden_size": hidden.shape[1],
@@ -206,12 +237,17 @@ def _local_meta(hidden, weight, rows, targets, bias, temperature, vocab_start_in
         "bias": int(bias is not None),
         "temperature": struct.unpack("<q", struct.pack("<d", temperature))[0], "needs_grad": int(needs_grad),
     }
-    stats = {"fingerprint": _fingerprint(rows) * 31 + _fingerprint(targets)}
+    fingerprint = _fingerprint(rows) * 31
+    for t in (targets, extra):
+        if t is not None:
+            fingerprint = fingerprint * 31 + _fingerprint(t)
+    stats = {"fingerprint": fingerprint}
     if debug_checks():
         stats["hidden_fingerprint"] = _fingerprint(hidden.index_select(0, rows))
     if n:
         stats["row_lo"], stats["row_hi"] = torch.aminmax(rows)
-        stats["tgt_lo"], stats["tgt_hi"] = torch.aminmax(targets)
+        if targets is not None:
+            stats["tgt_lo"], stats["tgt_hi"] = torch.aminmax(targets)
     if bias is not None and V:
         stats["bias_bad"] = (torch.isnan(bias) | (bias == math.inf)).any()
         stats["bias_live"] = (bias > -math.inf).any()
@@ -229,7 +265,8 @@ def _check_table(table, rank, world, group, vocab_start_index, hidden, rows, tar
     for key, what in (("dtype", "dtype"), ("hidden_size", "hidden size H"), ("rows", "number of scored rows"),
                       ("T", "number of hidden rows T"), ("bias", "bias presence"), ("temperature", "temperature"),
                       ("needs_grad", "need for gradients (requires_grad of hidden/weight/bias)"),
-                      ("fingerprint", "scored rows and targets"), ("hidden_fingerprint", "scored hidden rows")):
+                      ("fingerprint", "scored rows and targets (sampling: seeds, steps, filters)"),
+                      ("hidden_fingerprint", "scored hidden rows")):
         other = next((r for r, m in enumerate(table) if m[key] != table[0][key]), None)
         if other is not None:
             show = (lambda v: KERNEL_FLOAT_DTYPES[v]) if key == "dtype" else (lambda v: v)
@@ -250,14 +287,17 @@ def _check_table(table, rank, world, group, vocab_start_index, hidden, rows, tar
     total = sum(sizes)
     if total == 0:
         raise ValueError("every tp rank's weight shard is empty (V = 0)")
+    _check_aligned(sizes, starts)
     if 0 in sizes and use_triton(hidden):
         raise ValueError(f"tp rank {sizes.index(0)} holds no vocabulary rows (shard sizes {sizes}); the CUDA "
                          "kernels need at least one row per rank: shard the head over fewer ranks")
-    shard = VocabShard(group, rank, world, starts[rank], sizes[rank], total, max(sizes))
+    shard = VocabShard(group, rank, world, starts[rank], sizes[rank], total, max(sizes), tuple(sizes))
     n, T = mine["rows"], mine["T"]
     if n:
-        check_ranges(T, total, rows, targets, min(m["row_lo"] for m in table), max(m["row_hi"] for m in table),
-                          min(m["tgt_lo"] for m in table), max(m["tgt_hi"] for m in table))
+        lo_t, hi_t = (0, 0) if targets is None else \
+            (min(m["tgt_lo"] for m in table), max(m["tgt_hi"] for m in table))
+        check_ranges(T, total, rows, rows[:0] if targets is None else targets, min(m["row_lo"] for m in table),
+                     max(m["row_hi"] for m in table), lo_t, hi_t)
     if bias is not None:
         bad = [r for r, m in enumerate(table) if m["bias_bad"]]
         if bad:
@@ -269,9 +309,25 @@ def _check_table(table, rank, world, group, vocab_start_index, hidden, rows, tar
                              "to mask its token")
         if not any(m["bias_live"] for m in table):
             raise ValueError("bias is -inf at every vocabulary entry of every shard: no token can be scored")
-        _masked_target(bias, targets, shard)
+        if targets is not None:
+            _masked_target(bias, targets, shard)
     all_rows = n == T and n > 0 and bool((rows == torch.arange(T, device=rows.device)).all())
     return shard, all_rows
+
+
+def _check_aligned(sizes: list[int], starts: list[int]) -> None:
+    """Every non-empty shard starts on the ``VOCAB_ALIGN`` grid (else the partials of the
+    segment it splits are not the single device's); refused with how to pad."""
+    bad = next((r for r, (size, start) in enumerate(zip(sizes, starts)) if size and start % VOCAB_ALIGN), None)
+    if bad is not None:
+        a, P = VOCAB_ALIGN, len(sizes)
+        raise ValueError(
+            f"tp rank {bad}'s vocabulary shard starts at row {starts[bad]}, not a multiple of {a} (shard sizes "
+            f"{sizes}): results equal the single device's bitwise only when every shard starts on the {a}-row "
+            f"segment grid, so every shard but the last must hold a multiple of {a} rows. Pad the vocabulary to a "
+            f"multiple of {a} x {P} = {a * P} (Megatron's make_vocab_size_divisible_by={a}, HF's "
+            f"resize_token_embeddings(..., pad_to_multiple_of={a * P}); give the padding rows a bias of -inf) and "
+            "shard it evenly; a DTensor head may instead be gathered (gather_weight=True)")
 
 
 def _masked_target(bias: Tensor, targets: Tensor, shard: VocabShard) -> None:
@@ -291,44 +347,6 @@ def _masked_target(bias: Tensor, targets: Tensor, shard: VocabShard) -> None:
 
 
 # ------------------------------------------------------------------ the collectives
-def combine(raw: Tensor, entropy: Tensor, lse: Tensor, shard: VocabShard,
-            with_entropy: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """The group's ``(log-prob, entropy, log-sum-exp)`` per row from this rank's (target
-    logit, entropy (empty without ``with_entropy``), log-sum-exp) over its shard: one
-    all-gather, then ``merge_stats`` on every rank."""
-    mine = torch.stack([lse, raw] + ([entropy] if with_entropy else [])).float().contiguous()
-    if shard.world == 1:
-        return merge_stats(mine[None], entropy)
-    stats = torch.empty(shard.world * mine.numel(), dtype=mine.dtype, device=mine.device)
-    dist.all_gather_into_tensor(stats, mine.flatten(), group=shard.group)
-    return merge_stats(stats.view((shard.world,) + tuple(mine.shape)), entropy)
-
-
-def merge_stats(stats: Tensor, no_entropy: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(log-prob, entropy, log-sum-exp)`` ``[n]`` from the shards' stats ``[P, k, n]``
-    (log-sum-exp, target logit (0 off the owner), and with k = 3 entropy), per row in rank
-    order: ``lse = M + log Σ_r exp(lse_r - M)``, ``H = Σ_r w_r (H_r + lse - lse_r)`` with
-    ``w_r = exp(lse_r - lse)``, a shard's share of the probability (an empty or fully masked
-    shard has ``lse_r = -inf`` and adds nothing). ``no_entropy`` is returned as the entropy
-    when k = 2. With P = 1 the results are the shard's own, bitwise."""
-    if stats.dim() != 3 or stats.shape[1] not in (2, 3) or stats.dtype != torch.float32:
-        raise ValueError(f"stats must be fp32 [P, 2 or 3, n]; got {stats.dtype} {tuple(stats.shape)}")
-    lse_r = stats[:, 0]
-    top = lse_r.amax(0)  # exact and order-free; finite: some shard has a finite logit (checked)
-    total, target = torch.zeros_like(top), torch.zeros_like(top)
-    for r in range(stats.shape[0]):
-        total = total + torch.exp(lse_r[r] - top)
-        target = target + stats[r, 1]
-    lse = top + torch.log(total)
-    entropy = no_entropy
-    if stats.shape[1] == 3:
-        entropy = torch.zeros_like(top)
-        for r in range(stats.shape[0]):
-            w = torch.exp(lse_r[r] - lse)
-            entropy = entropy + torch.where(w > 0, w * (stats[r, 2] + (lse - lse_r[r])), 0.0)
-    return target - lse, entropy, lse
-
-
 def sum_rows(parts: Tensor, shard: VocabShard) -> Tensor:
     """``Σ_r parts_r`` over the group, fp32 ``[n, H]``, added in rank order on every rank:
     all-to-all of column blocks, ordered sum, all-gather."""
@@ -358,27 +376,28 @@ def scatter_rows(d_rows: Tensor, rows: Tensor, T: int, dtype: torch.dtype, all_r
 
 
 # ------------------------------------------------------------------ selected_logprob
-def _shard_forward(hidden, weight, rows, local_targets, bias, temperature, with_entropy, all_rows):
-    """This shard's (target logit, entropy, log-sum-exp) per row, fp32; an empty shard gives -inf sums."""
-    n = rows.numel()
-    if weight.shape[0] == 0 or n == 0:
-        z = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        return z, z.clone() if with_entropy else z[:0], torch.full_like(z, -math.inf)
+def shard_forward(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor],
+                  temperature: float, with_entropy: bool, all_rows: bool,
+                  shard: VocabShard) -> tuple[Tensor, Tensor, Tensor]:
+    """The group's ``(log-prob, entropy (empty without with_entropy), log-sum-exp)`` per row,
+    fp32, from this rank's shard (``targets``: global ids; inputs checked by ``agree``):
+    the backend's forward with ``Exchange``, bitwise the single-device op's forward."""
+    exchange = Exchange(shard, targets)
+    local = shard.local_targets(targets)
     if use_triton(hidden, weight):
         from ._triton import logprob as _tri
 
-        return _tri.forward(hidden, weight, rows, local_targets, bias, temperature, with_entropy, all_rows,
-                            raw_target=True)
-    return _ref.selected_logprob_forward(hidden, weight, rows, local_targets, bias, temperature,
-                                         with_entropy=with_entropy, raw_target=True)
+        return _tri.forward(hidden, weight, rows, local, bias, temperature, with_entropy, all_rows,
+                            exchange=exchange, total_vocab=shard.total)
+    return _ref.selected_logprob_forward(hidden, weight, rows, local, bias, temperature, with_entropy=with_entropy,
+                                         exchange=exchange)
 
 
 def _shard_backward(g, ge, hidden, weight, rows, local_targets, bias, lse, entropy, temperature, all_rows, need):
     """This shard's ``(d hidden per scored row fp32 [n, H], d weight, d bias)``; None where not needed."""
-    need_hidden, need_weight, need_bias = need
-    n, H = rows.numel(), hidden.shape[1]
-    if weight.shape[0] == 0 or n == 0:
-        return (hidden.new_zeros((n, H), dtype=torch.float32) if need_hidden else None,
+    need_hidden, need_weight, need_bias = need  # an empty shard adds zeros
+    if weight.shape[0] == 0 or rows.numel() == 0:
+        return (hidden.new_zeros((rows.numel(), hidden.shape[1]), dtype=torch.float32) if need_hidden else None,
                 torch.zeros_like(weight) if need_weight else None,
                 torch.zeros_like(bias) if need_bias and bias is not None else None)
     if use_triton(hidden, weight):
@@ -396,10 +415,8 @@ class _VocabParallelLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, rows, targets, temperature, with_entropy, shard, all_rows):
-        local = shard.local_targets(targets)
-        raw, ent, lse = _shard_forward(hidden, weight, rows, local, bias, temperature, with_entropy, all_rows)
-        logp, ent, lse = combine(raw, ent, lse, shard, with_entropy)
-        ctx.save_for_backward(hidden, weight, bias, rows, local, lse, ent)
+        logp, ent, lse = shard_forward(hidden, weight, rows, targets, bias, temperature, with_entropy, all_rows, shard)
+        ctx.save_for_backward(hidden, weight, bias, rows, shard.local_targets(targets), lse, ent)
         ctx.temperature, ctx.with_entropy, ctx.shard, ctx.all_rows = temperature, with_entropy, shard, all_rows
         ctx.mark_non_differentiable(lse)
         return logp, ent
@@ -447,27 +464,64 @@ def selected_logprob(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tens
 def loss_grads(hidden, weight, rows, targets, bias, temperature, all_rows, upstream, need, shard: VocabShard):
     """The fused loss's backend call on a vocabulary shard: ``(log-prob, entropy, d hidden
     [T, H] summed over the group, this shard's d weight, d bias)``, gradients None when not
-    needed. The backends call ``combine`` per chunk of rows, before the gradient."""
-    local = shard.local_targets(targets)
-
-    def combined(raw, ent, lse):
-        return combine(raw, ent, lse, shard)
-
+    needed. The backends call ``Exchange`` per chunk of rows, before the gradient."""
+    local, exchange = shard.local_targets(targets), Exchange(shard, targets)
     if use_triton(hidden, weight):
         from ._triton import linear_loss as _backend
 
         logp, entropy, d_rows, d_weight, d_bias = _backend.loss_grads(
             hidden, weight, rows, local, bias, temperature, all_rows, upstream, *need,
-            combine=combined, chunk_vocab=shard.largest)
+            exchange=exchange, chunk_vocab=shard.largest)
     else:
         from ._torch import linear_loss as _backend
 
         logp, entropy, d_rows, d_weight, d_bias = _backend.loss_grads(
-            hidden, weight, rows, local, bias, temperature, upstream, *need, combine=combined)
+            hidden, weight, rows, local, bias, temperature, upstream, *need, exchange=exchange)
     d_hidden = None
     if d_rows is not None:
         d_hidden = scatter_rows(sum_rows(d_rows.float(), shard), rows, hidden.shape[0], hidden.dtype, all_rows)
     return logp, entropy, d_hidden, d_weight, d_bias
+
+
+# ------------------------------------------------------------------ sample_from_hidden
+@torch.compiler.disable
+def sample_from_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters,
+                       seeds: Tensor, steps: Tensor, triton: bool, tp_group,
+                       max_vocab: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``sampling.sample_from_hidden`` on a vocabulary shard (arguments resolved there; top-k
+    settled here against the group's vocabulary, of at most ``max_vocab`` entries):
+    ``(tokens, log_probs, sampled_log_probs, status)``, the same on every rank and bitwise the
+    single device's (``triton``: the Triton backend, else torch)."""
+    _check_group(tp_group)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    settings = [-1 if v is None else struct.unpack("<q", struct.pack("<d", v))[0] for v in filters]  # exact bits
+    extra = torch.cat([seeds, steps, torch.tensor(settings, device=seeds.device)])
+    shard, _ = agree(hidden, weight, rows, None, bias, temperature, tp_group, None, False,
+                     lambda: check_head(hidden, weight, rows, rows, bias, temperature, shard=True), extra=extra)
+    if shard.total > max_vocab:
+        raise ValueError(f"the vocabulary has {shard.total} entries over the group; sampling supports {max_vocab}")
+    if filters.top_k is not None and filters.top_k >= shard.total:  # keeps every token (as one device settles it)
+        filters = filters._replace(top_k=None)
+    hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
+    if triton:
+        from ._triton import sample_hidden as _tri
+
+        return _tri.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps, shard=Exchange(shard))
+    gather = Exchange(shard)
+    w = weight.float()
+    b = _ref.tempered(None if bias is None else bias.float(), temperature)
+    out = [torch.zeros(rows.numel(), dtype=t, device=hidden.device) for t in (torch.int64, *[torch.float32] * 2,
+                                                                                torch.int8)]  # as sample_rows
+    for s, e, h_t in _ref.row_chunks(hidden, rows, torch.float32, temperature):  # as _torch.sampling.sample_hidden_rows
+        tiles = [_ref.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _ref.VOCAB_TILE)]
+        z = gather.gather_logits(torch.cat(tiles) if tiles else h_t.new_empty((0, h_t.shape[1])), dim=0)
+        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s], 1.0, filters, seeds[s:e], steps[s:e])):
+            o[s:e] = part
+    tokens, _, sampled, status = out
+    if bool((status == _sampling.OK).all()):
+        log_probs, _, _ = shard_forward(hidden, weight, rows, tokens, bias, temperature, False, True, shard)
+        return tokens, log_probs, log_probs if filters.plain else sampled, status
+    return tokens, out[1], sampled, status
 
 
 # ------------------------------------------------------------------ measuring the traffic

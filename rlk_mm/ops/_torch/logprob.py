@@ -3,31 +3,45 @@
 Logits ``z = (h · Wᵀ + bias) / temperature`` are formed one tile at a time: ``ROW_CHUNK``
 rows (the last chunk zero-padded to that size) by ``VOCAB_TILE`` vocabulary entries,
 transposed (``[tile, rows]``: on a CPU that product is the faster way round, and the tile
-stays in cache), with an online log-sum-exp over the tiles in vocabulary order. Memory
-stays at one tile, never ``[n, V]``, and every matrix product has a shape fixed by H and V
-alone: a row's result does not depend on the other rows (batch invariance) on BLAS
-libraries whose per-element order is fixed for a fixed shape. ``compute_dtype=torch.float64``
-gives the oracle the tests compare against.
+stays in cache). A tile is a batch of matrix products, one per 128-column segment of the
+global grid (``VOCAB_ALIGN``; ``logits_tile``), each of one fixed shape: a CPU BLAS may sum a
+product's entries in an order that depends on the entry's row in the product, so a
+segment's logits are always computed at the same rows of the same product, wherever the
+segment sits in a tile or in a vocabulary shard. Each segment is reduced to per-row
+partials (max, Σ exp(z - max), Σ exp(z - max)·(z - max)); a row's partials over the whole
+vocabulary are then combined (``combine_partials``): the max over segments, then each
+rescaled sum over the segments in vocabulary order, per row of a fixed-shape tensor. So a
+row's result depends neither on the other rows (batch invariance) nor on how the
+vocabulary is split over ranks (``vocab_parallel`` gathers every shard's partials in
+between, ``exchange``). Memory stays at one tile and one row chunk's partials (``[V / 128,
+ROW_CHUNK]``), never ``[n, V]``. ``compute_dtype=torch.float64`` gives the oracle the tests
+compare against.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from .._head_inputs import VOCAB_ALIGN
+
 __all__ = [
-    "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward", "selected_logprob_forward", "tempered",
-    "VOCAB_TILE",
+    "combine_partials", "Exchange", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
+    "selected_logprob_forward", "tempered", "VOCAB_ALIGN", "VOCAB_TILE",
 ]
 
 Tensor = torch.Tensor
 
 #: rows per matrix product; a constant so that products have one shape whatever ``n`` is
 ROW_CHUNK = 128
-#: vocabulary entries per logits tile (``[VOCAB_TILE, ROW_CHUNK]`` fp32 is 2 MiB)
-VOCAB_TILE = 4096
+#: vocabulary entries per logits tile (``[VOCAB_TILE, ROW_CHUNK]`` fp32 is 2 MiB): 32 segments
+VOCAB_TILE = 32 * VOCAB_ALIGN
+#: a vocabulary shard's exchange (``vocab_parallel``; as ``_triton.lm_head.Exchange``): (this
+#: shard's partials ``[k, segments, m]``, its target logits ``[m]``, the first row, columns per
+#: partial) -> (every shard's partials in vocabulary order, each row's target logit)
+Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
 
 
 def _padded(x: Tensor, rows: int) -> Tensor:
@@ -52,13 +66,63 @@ def tempered(x: Optional[Tensor], temperature: float) -> Optional[Tensor]:
     return x / temperature if x is not None and temperature != 1.0 else x
 
 
+def _segment_logits(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> tuple[Tensor, int]:
+    """``([segments, VOCAB_ALIGN, ROW_CHUNK] logits, columns)`` of vocabulary entries ``[c, c +
+    VOCAB_TILE)`` (fewer at the end; a last partial segment is padded with -inf): one product
+    of one shape per segment (``torch.bmm``), so an entry's bits depend on its place in its
+    segment only."""
+    cols = min(VOCAB_TILE, w.shape[0] - c)
+    segs = -(-cols // VOCAB_ALIGN)
+    w_tile = w[c : c + cols]
+    if cols < segs * VOCAB_ALIGN:
+        w_tile = _padded(w_tile, segs * VOCAB_ALIGN)
+    z = torch.bmm(w_tile.view(segs, VOCAB_ALIGN, w.shape[1]), h_t.expand(segs, *h_t.shape))
+    flat = z.view(segs * VOCAB_ALIGN, h_t.shape[1])
+    if bias_t is not None:
+        flat[:cols] += bias_t[c : c + cols, None]
+    if cols < segs * VOCAB_ALIGN:
+        flat[cols:] = -float("inf")
+    return z, cols
+
+
 def logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
     """Logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh), from
-    tempered rows ``h_t`` and tempered bias ``bias_t``."""
-    z = w[c : c + VOCAB_TILE] @ h_t
-    if bias_t is not None:
-        z += bias_t[c : c + VOCAB_TILE, None]
-    return z
+    tempered rows ``h_t`` and tempered bias ``bias_t``; an entry's bits are the same whatever
+    ``c`` is, for a ``w`` that starts on the segment grid."""
+    z, cols = _segment_logits(h_t, w, bias_t, c)
+    return z.view(-1, h_t.shape[1])[:cols]
+
+
+def _tile_partials(z: Tensor, with_entropy: bool) -> list[Tensor]:
+    """Per (segment, row) of ``z [segments, VOCAB_ALIGN, rows]`` (changed in place): max,
+    Σ exp(z - max) and with ``with_entropy`` Σ exp(z - max)·(z - max), each ``[segments, rows]``;
+    a segment masked whole (-inf) has max -inf and sums 0."""
+    top = z.amax(1)
+    z -= torch.where(top == -float("inf"), 0.0, top)[:, None, :]
+    u = torch.exp(z)
+    out = [top, u.sum(1)]
+    if with_entropy:
+        out.append(u.mul_(z).nan_to_num_(0.0).sum(1))  # masked entries: 0 x -inf -> 0
+    return out
+
+
+def combine_partials(parts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(log-sum-exp, log Σ exp(z - max), Σ p·(z - max) · Σ exp(z - max))`` per row from the
+    partials ``[k, segments, rows]`` of the whole vocabulary (k = 2, or 3 with the entropy
+    sums; the third output is empty for k = 2): the max over segments, then the rescaled sums
+    over segments in vocabulary order, per row of one ``[rows, segments]`` tensor."""
+    seg_max = parts[0].T.contiguous()
+    top = seg_max.amax(1)
+    shift = seg_max - torch.where(top == -float("inf"), 0.0, top)[:, None]  # <= 0; -inf for a masked segment
+    scale = torch.exp(shift)
+    seg_sum = parts[1].T.contiguous()
+    total = (seg_sum * scale).sum(1)
+    zsum = parts[0][:0, 0]
+    if parts.shape[0] == 3:
+        seen = torch.where(scale > 0, shift, 0.0)
+        zsum = (scale * (parts[2].T.contiguous() + seen * seg_sum)).sum(1)
+    log_total = total.log()
+    return top + log_total, log_total, zsum / total if zsum.numel() else zsum
 
 
 def _rows_by_tile(targets: Tensor) -> dict[int, Tensor]:
@@ -91,17 +155,18 @@ def selected_logprob_forward(
     temperature: float = 1.0,
     compute_dtype: torch.dtype = torch.float32,
     with_entropy: bool = True,
-    raw_target: bool = False,
+    exchange: Optional[Exchange] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy, log-sum-exp) of ``hidden[rows]`` at ``targets``, each ``[n]``.
 
     ``hidden`` is ``[T, H]``, ``weight`` ``[V, H]``, ``rows``/``targets`` int64 ``[n]``.
     Results are in ``compute_dtype``; without ``with_entropy`` the entropy is left empty.
-    ``raw_target`` (a vocabulary shard, ``vocab_parallel``): the first output is the target's
-    logit instead of its log-prob, 0 where the target lies outside ``[0, V)`` (another shard).
-    Per row, over the tiles: the running max ``top``, ``total = Σ exp(z - top)`` and
-    ``zsum = Σ exp(z - top)(z - top)`` (the entropy ``log total - zsum / total`` is then
-    free of the cancellation ``lse - Σ p z``), each rescaled when ``top`` grows.
+    ``exchange`` (a vocabulary shard, ``vocab_parallel``; targets off the shard are -1): called
+    once per row chunk with this shard's partials; the results are then the whole
+    vocabulary's. Per row: each segment's max ``m_s``, ``Σ exp(z - m_s)`` and ``Σ exp(z -
+    m_s)(z - m_s)``, combined into ``total = Σ exp(z - top)`` and ``zsum = Σ exp(z - top)(z -
+    top)`` (the entropy ``log total - zsum / total`` is then free of the cancellation ``lse -
+    Σ p z``).
     """
     w = weight.to(compute_dtype)
     b = tempered(None if bias is None else bias.to(compute_dtype), temperature)
@@ -112,28 +177,28 @@ def selected_logprob_forward(
     lse = torch.empty_like(logp)
     for s, e, h_t in row_chunks(hidden, rows, compute_dtype, temperature):
         tgt = _padded(targets[s:e], ROW_CHUNK)
-        top = torch.full((ROW_CHUNK,), -float("inf"), dtype=compute_dtype, device=dev)
-        total, zsum, tgt_logit = (torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev) for _ in range(3))
+        tgt_logit = torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev)
         by_tile = _rows_by_tile(tgt)
+        tiles = []
         for c in range(0, V, VOCAB_TILE):
-            z = logits_tile(h_t, w, b, c)
+            z, _ = _segment_logits(h_t, w, b, c)
             hit = by_tile.get(c)
             if hit is not None:
-                tgt_logit[hit] = z[tgt[hit] - c, hit]
-            new_top = torch.maximum(top, z.amax(0))
-            shift = torch.where(total > 0, top - new_top, 0.0)  # ≤ 0; 0 before the first finite logit
-            scale = shift.exp()
-            z -= torch.where(torch.isfinite(new_top), new_top, 0.0)
-            u = torch.exp(z)
-            if with_entropy:
-                zsum = scale * (zsum + shift * total) + (u * z).nan_to_num_(0.0).sum(0)
-            total = scale * total + u.sum(0)
-            top = new_top
-        log_total = total.log()[: e - s]
-        lse[s:e] = top[: e - s] + log_total
-        logp[s:e] = tgt_logit[: e - s] if raw_target else tgt_logit[: e - s] - lse[s:e]
+                tgt_logit[hit] = z.view(-1, ROW_CHUNK)[tgt[hit] - c, hit]
+            tiles.append(_tile_partials(z, with_entropy))
+        k = 3 if with_entropy else 2
+        parts = torch.stack([torch.cat([t[i] for t in tiles]) for i in range(k)]) if tiles else \
+            torch.empty((k, 0, ROW_CHUNK), dtype=compute_dtype, device=dev)
+        if exchange is not None:  # every shard's partials, in vocabulary order; the owner's target logit
+            got, tgt_got = exchange(parts[:, :, : e - s].contiguous(), tgt_logit[: e - s].contiguous(), s, VOCAB_ALIGN)
+            parts = torch.zeros((k, got.shape[1], ROW_CHUNK), dtype=compute_dtype, device=dev)
+            parts[:, :, : e - s] = got
+            tgt_logit[: e - s] = tgt_got
+        row_lse, log_total, mean_z = combine_partials(parts)
+        lse[s:e] = row_lse[: e - s]
+        logp[s:e] = tgt_logit[: e - s] - lse[s:e]
         if with_entropy:
-            entropy[s:e] = log_total - zsum[: e - s] / total[: e - s]
+            entropy[s:e] = log_total[: e - s] - mean_z[: e - s]
     return logp, entropy, lse
 
 

@@ -2,10 +2,12 @@
 
 For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in order):
 
-1. ``lm_head.forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its row partials
-   in fp32 (so the log-sum-exp, log-prob and entropy are ``selected_logprob``'s, bitwise),
-   and the tile's logits, less the tile's row maximum, stored in the weight's dtype;
-2. the combine kernel: log-prob, entropy and log-sum-exp of the chunk's rows;
+1. ``lm_head.forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its per-(row,
+   segment) partials in fp32 (so the log-sum-exp, log-prob and entropy are
+   ``selected_logprob``'s, bitwise), and the tile's logits, less their segment's row
+   maximum, stored in the weight's dtype;
+2. the combine kernel: log-prob, entropy and log-sum-exp of the chunk's rows (a vocabulary
+   shard first gathers every shard's partials: ``exchange``);
 3. the caller's ``upstream``: each token's loss gradient with respect to its log-prob and
    entropy (a function of that token alone and of inputs known before the forward);
 4. ``_dz_kernel``: the stored logits become d loss / d logits in place;
@@ -13,7 +15,7 @@ For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in ord
    the weight's dtype) and d bias (fp32).
 
 Three logits-sized products in all (forward, d hidden, d weight) instead of four. The stored
-difference to the tile's max keeps the dtype's precision where probability mass is (near the
+difference to the segment's max keeps the dtype's precision where probability mass is (near the
 max); entries far below it have probabilities that round to what they are anyway.
 """
 
@@ -26,15 +28,13 @@ import triton
 import triton.language as tl
 
 from .lm_head import (
-    LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel, ieee,
+    Exchange, LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel,
+    ieee, partial_columns,
 )
 
 Tensor = torch.Tensor
 
-__all__ = ["Combine", "DZ_BLOCK_M", "DZ_WARPS", "Upstream", "chunk_rows", "default_config", "loss_grads"]
-#: a vocabulary shard's (target logit, entropy, log-sum-exp) of a chunk's rows, fp32 [m] -> the
-#: group's (log-prob, entropy, log-sum-exp) (``vocab_parallel.combine``: collective, in rank order)
-Combine = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+__all__ = ["DZ_BLOCK_M", "DZ_WARPS", "Exchange", "Upstream", "chunk_rows", "default_config", "loss_grads"]
 #: (chunk start, chunk end, log-prob [m], entropy [m]) -> (d loss / d log-prob, d loss / d entropy
 #: or None when the loss has no entropy term), fp32 [m]
 Upstream = Callable[[int, int, Tensor, Tensor], tuple[Tensor, Optional[Tensor]]]
@@ -48,9 +48,9 @@ def _dz_kernel(
     n_rows, V, inv_temp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """In place: the stored ``z - tile max`` of tile (row block, vocabulary block) becomes
-    ``dz = (onehot g - p (g + ge (log p + entropy))) / T`` with ``log p = (z - tile max) +
-    (tile max - lse)``; masked (-inf) entries give 0."""
+    """In place: the stored ``z - segment max`` of tile (row block, segment) becomes
+    ``dz = (onehot g - p (g + ge (log p + entropy))) / T`` with ``log p = (z - segment max) +
+    (segment max - lse)``; masked (-inf) entries give 0. ``BLOCK_N``: the partials' columns."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +60,7 @@ def _dz_kernel(
     ok = m_ok[:, None] & n_ok[None, :]
     u = tl.load(ptrs, mask=ok, other=-float("inf")).to(tl.float32)
     top = tl.load(part_max_ptr + pid_n * n_rows + offs_m, mask=m_ok, other=0.0)
-    top = tl.where(top == -float("inf"), 0.0, top)  # a block masked whole: every u is -inf
+    top = tl.where(top == -float("inf"), 0.0, top)  # a segment masked whole: every u is -inf
     lse = tl.load(lse_ptr + offs_m, mask=m_ok, other=0.0)
     log_p = u + (top - lse)[:, None]
     p = tl.exp(log_p)
@@ -82,14 +82,15 @@ def chunk_rows(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
 def loss_grads(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
     all_rows: bool, upstream: Upstream, need_hidden: bool, need_weight: bool, need_bias: bool,
-    config: Optional[LogprobConfig] = None, combine: Optional[Combine] = None, chunk_vocab: Optional[int] = None,
+    config: Optional[LogprobConfig] = None, exchange: Optional[Exchange] = None, chunk_vocab: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(log-prob [n], entropy [n], d hidden of the scored rows fp32 [n, H], d weight [V, H],
     d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each gradient
     None when not needed. Inputs are validated by the caller; ``all_rows`` as in
-    ``logprob.forward``. A vocabulary shard (``vocab_parallel``) gives ``combine``, called
-    once per chunk between the reduction and the gradient (targets off the shard are -1),
-    and ``chunk_vocab``, the group's largest shard: every rank then cuts the same chunks."""
+    ``logprob.forward``. A vocabulary shard (``vocab_parallel``) gives ``exchange`` (as
+    ``logprob.forward``: once per chunk, between the tiles and the combine; targets off the
+    shard are -1) and ``chunk_vocab``, the group's largest shard: every rank then cuts the
+    same chunks."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     cfg = config or default_config(weight.dtype, dev)
@@ -102,39 +103,41 @@ def loss_grads(
     if n == 0:
         return logp, entropy, d_sel, d_weight, d_bias
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
-    n_vblocks = triton.cdiv(V, cfg.block_n)
+    cols = partial_columns(cfg)
+    n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
     step = chunk_rows(n, chunk_vocab or V, weight.dtype, cfg)
     z = torch.empty(step * V, dtype=weight.dtype, device=dev)
-    part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
-    part_sum, part_zsum = torch.empty_like(part_max), torch.empty_like(part_max)
+    parts = torch.empty((3, n_parts * step), dtype=torch.float32, device=dev)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
         m = min(step, n - s)
-        if combine is not None:  # only the program holding a row's target writes its logit
+        if exchange is not None:  # only the program holding a row's target writes its logit
             tgt_logit.zero_()
         h_src, w_src, rows_s = ops.args(s, m)
         forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, bias_arg(bias, weight), rows_s, targets[s:],
-            part_max, part_sum, part_zsum, tgt_logit, z,
-            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
+            parts[0], parts[1], parts[2], tgt_logit, z,
+            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks, n_parts,
             HAS_BIAS=bias is not None, WITH_ENTROPY=True, IEEE=ieee(weight),
             EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SEG=cols,
             STORE_Z=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        every, tgt, total_parts = parts, tgt_logit, n_parts
+        if exchange is not None:
+            every, tgt = exchange(parts[:, : n_parts * m].view(3, n_parts, m), tgt_logit[:m], s, cols)
+            total_parts = every.shape[1]
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            part_max, part_sum, part_zsum, tgt_logit, logp[s:], entropy[s:], lse[s:], m, n_vblocks,
-            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll, RAW_TARGET=combine is not None,
+            every[0], every[1], every[2], tgt, logp[s:], entropy[s:], lse[s:], m, total_parts,
+            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
         )
-        if combine is not None:
-            logp[s : s + m], entropy[s : s + m], lse[s : s + m] = combine(logp[s : s + m], entropy[s : s + m], lse[s : s + m])
         if not (need_hidden or need_weight or need_bias):
             continue
         g, ge = upstream(s, s + m, logp[s : s + m], entropy[s : s + m])
         ge = torch.zeros_like(g) if ge is None else ge
-        _dz_kernel[(triton.cdiv(m, DZ_BLOCK_M), n_vblocks)](
-            z, part_max, lse[s:], entropy[s:], g.float().contiguous(), ge.float().contiguous(), targets[s:],
-            m, V, 1.0 / temperature, BLOCK_M=DZ_BLOCK_M, BLOCK_N=cfg.block_n, num_warps=DZ_WARPS,
+        _dz_kernel[(triton.cdiv(m, DZ_BLOCK_M), n_parts)](
+            z, parts[0], lse[s:], entropy[s:], g.float().contiguous(), ge.float().contiguous(), targets[s:],
+            m, V, 1.0 / temperature, BLOCK_M=DZ_BLOCK_M, BLOCK_N=cols, num_warps=DZ_WARPS,
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:

@@ -7,35 +7,49 @@ token's log-prob is bitwise the same in each:
 * ``LogprobConfig`` / ``default_config``: tiles and budgets, a function of dtype and device only;
 * ``logits_tile``: one ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, ``(h[rows] · Wᵀ + b) / T``
   in an fp32 accumulator (``mma``: the dot product at the precision ``ieee`` picks);
-* ``forward_tiles_kernel``: each tile reduced at once to per-row partials (max, Σ exp(z -
-  max), Σ exp(z - max)·(z - max)) and the target logit (optionally also storing the tile);
-* ``combine_kernel``: each row's partials combined over the vocabulary blocks in block
-  order, by one thread (no cross-thread reduction whose tree would follow the launch);
+* ``forward_tiles_kernel`` / ``store_partials``: each tile reduced at once to per-(row,
+  segment) partials (max, Σ exp(z - max), Σ exp(z - max)·(z - max)) and the target logit
+  (optionally also storing the tile, relative to its segments' maxima);
+* ``combine_kernel``: each row's partials folded over the segments in vocabulary order, by
+  one thread (no cross-thread reduction whose tree would follow the launch);
 * ``Operands``: how kernels read hidden rows and W (tensor descriptors where alignment
   allows, else pointers with the row gather in the kernel); ``bias_arg``, ``accumulate_mm``.
 
-Reduction order: tile sizes depend only on the dtype and the device, every logit is one dot
-product over H in the same order, and the combine is each row's own sequential sum, so a
-row's results are the same whatever else is in the batch and wherever the row stands.
+Reduction order: the vocabulary is cut on one global grid, segments of ``VOCAB_ALIGN`` = 128
+columns from column 0 (``partial_columns``: a tile narrower than a segment, fp32's 64 and the
+interpreter's 32, makes partials of its own width, which divide the segment). A partial is
+reduced from its own columns only (a 256-column tile as two 128-column halves), so it does
+not depend on where its segment sits in a tile; every logit is one dot product over H in
+the same order; the combine folds a row's partials sequentially in global order 0, 1, 2, ...
+So a row's log-prob, entropy and log-sum-exp are the same whatever else is in the batch,
+wherever the row stands, and whichever ranks hold the vocabulary: a vocabulary shard that
+starts on the grid computes exactly its segments' partials, and the group folds the
+gathered partials in the same order (``vocab_parallel``), bitwise the single device's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .._head_inputs import VOCAB_ALIGN
 from ._common import grouped_tile_ids, interpreted
 
 Tensor = torch.Tensor
+#: a vocabulary shard's exchange (``vocab_parallel``): (this shard's partials ``[k, n_parts, m]``
+#: fp32, its target logits ``[m]`` (0 where the target is on another shard), the chunk's first
+#: scored row, columns per partial) -> (every shard's partials ``[k, total parts, m]`` in
+#: vocabulary order, each row's target logit ``[m]`` from the shard that holds it); collective
+Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
 
 __all__ = [
-    "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config",
-    "forward_tiles_kernel", "ieee", "logits_tile", "mma", "tma_ok",
+    "Exchange", "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config",
+    "forward_tiles_kernel", "ieee", "logits_tile", "mma", "partial_columns", "store_partials", "tma_ok", "VOCAB_ALIGN",
 ]
 
 
@@ -45,12 +59,12 @@ class LogprobConfig:
 
     Tiles depend on the dtype and device only (never on the number of rows), so a row's
     reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
-    where alignment allows. ``partials_budget``: bytes of per-(row, vocab block) partials
+    where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
     ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
     says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
     ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_unroll``: rows per
-    program and vocabulary blocks per unrolled step of the combine kernel."""
+    program and partials per unrolled step of the combine kernel."""
 
     block_m: int
     block_n: int
@@ -74,6 +88,15 @@ def default_config(dtype: torch.dtype, device: torch.device) -> LogprobConfig:
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
         return LogprobConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
     return LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+
+def partial_columns(cfg: LogprobConfig) -> int:
+    """Vocabulary columns per partial: a ``VOCAB_ALIGN`` segment, or a tile narrower than one
+    (which divides it). Partial ``j`` covers columns ``[j·cols, (j + 1)·cols)`` of the shard."""
+    cols = min(cfg.block_n, VOCAB_ALIGN)
+    if cfg.block_n % cols or VOCAB_ALIGN % cols:
+        raise ValueError(f"block_n={cfg.block_n} must be a multiple or a divisor of VOCAB_ALIGN={VOCAB_ALIGN}")
+    return cols
 
 
 @triton.jit
@@ -126,18 +149,46 @@ def logits_tile(
 
 
 @triton.jit
+def store_partials(
+    z, pid_n, offs_m, m_ok, n_rows, n_parts, part_max_ptr, part_sum_ptr, part_zsum_ptr,
+    WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEG: tl.constexpr,
+):
+    """Tile ``pid_n``'s partials per (row, ``SEG``-column segment): max, Σ exp(z - max) and with
+    ``WITH_ENTROPY`` Σ exp(z - max)·(z - max), stored ``[n_parts, n_rows]`` (coalesced); each
+    reduced from its own columns only (the tile viewed ``[BLOCK_M, BLOCK_N / SEG, SEG]``), so
+    a segment's partial does not depend on where it sits in the tile. Returns ``z`` less its
+    segment's row max ``[BLOCK_M, BLOCK_N]``. A segment whose logits are all -inf (masked by
+    a bias of -inf, or past V) has max -inf and sums 0."""
+    SEGS: tl.constexpr = BLOCK_N // SEG
+    z3 = tl.reshape(z, (BLOCK_M, SEGS, SEG))
+    z_max = tl.max(z3, 2)
+    safe = tl.where(z_max == -float("inf"), 0.0, z_max)
+    shifted = z3 - safe[:, :, None]
+    e = tl.exp(shifted)
+    segs = pid_n * SEGS + tl.arange(0, SEGS)
+    part = segs[None, :] * n_rows + offs_m[:, None]
+    ok = m_ok[:, None] & (segs < n_parts)[None, :]
+    tl.store(part_max_ptr + part, z_max, mask=ok)
+    tl.store(part_sum_ptr + part, tl.sum(e, 2), mask=ok)
+    if WITH_ENTROPY:
+        centered = tl.where(e > 0, shifted, 0.0)  # masked entries add 0, not 0 x -inf
+        tl.store(part_zsum_ptr + part, tl.sum(e * centered, 2), mask=ok)
+    return tl.reshape(shifted, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def forward_tiles_kernel(
     h_src, w_src, b_ptr, rows_ptr, tgt_ptr,
     part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr, z_ptr,
-    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
+    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks, n_parts,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SEG: tl.constexpr,
     STORE_Z: tl.constexpr = False,
 ):
-    """Each tile's row partials (max, sum of exp, entropy sum) and target logits; with
-    ``STORE_Z`` also the tile's logits less the tile's row max, ``z_ptr [n_rows, V]`` in its
-    dtype (the fused loss's chunk buffer: entries near the max, the ones with probability,
-    keep the dtype's full precision)."""
+    """Each tile's per-(row, segment) partials (``store_partials``) and target logits; with
+    ``STORE_Z`` also the tile's logits less their segment's row max, ``z_ptr [n_rows, V]`` in
+    its dtype (the fused loss's chunk buffer: entries near the max, the ones with
+    probability, keep the dtype's full precision)."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows
@@ -147,19 +198,11 @@ def forward_tiles_kernel(
     z = logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
                      inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     z = tl.where(n_ok[None, :], z, -float("inf"))
-    z_max = tl.max(z, axis=1)
-    # a block whose logits are all -inf (a bias of -inf masks it) has max -inf and sums 0
-    safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)[:, None]
-    e = tl.exp(z - safe_max)
-    part = pid_n * n_rows + offs_m  # partials are [n_vblocks, n_rows]: coalesced stores
-    tl.store(part_max_ptr + part, z_max, mask=m_ok)
-    tl.store(part_sum_ptr + part, tl.sum(e, axis=1), mask=m_ok)
+    shifted = store_partials(z, pid_n, offs_m, m_ok, n_rows, n_parts, part_max_ptr, part_sum_ptr, part_zsum_ptr,
+                             WITH_ENTROPY, BLOCK_M, BLOCK_N, SEG)
     if STORE_Z:
         out = z_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :]
-        tl.store(out, (z - safe_max).to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    if WITH_ENTROPY:
-        centered = tl.where(e > 0, z, safe_max) - safe_max  # masked entries add 0, not 0 x -inf
-        tl.store(part_zsum_ptr + part, tl.sum(e * centered, axis=1), mask=m_ok)
+        tl.store(out, shifted.to(z_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     tgt = tl.load(tgt_ptr + offs_m, mask=m_ok, other=-1)
     hit = offs_n[None, :] == tgt[:, None]
     mine = m_ok & (tgt >= pid_n * BLOCK_N) & (tgt < pid_n * BLOCK_N + BLOCK_N)
@@ -169,32 +212,32 @@ def forward_tiles_kernel(
 @triton.jit
 def combine_kernel(
     part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
-    logp_ptr, entropy_ptr, lse_ptr, n_rows, n_vblocks,
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr, RAW_TARGET: tl.constexpr = False,
+    logp_ptr, entropy_ptr, lse_ptr, n_rows, n_parts,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    """Per row: log-sum-exp, log-prob and entropy from the vocabulary blocks' partials
-    (with ``RAW_TARGET``, the target logit in place of the log-prob: a vocabulary shard's part).
+    """Per row: log-sum-exp, log-prob and entropy from the partials ``[n_parts, n_rows]`` of
+    the whole vocabulary (a shard's group passes the gathered partials of every shard).
 
-    Each row is one thread's sequential online sum over blocks 0, 1, 2, ... (no
-    cross-thread reduction, whose tree would follow the layout Triton picks for this
-    launch's row count): one pass, the running max rescaling the sums as it grows,
-    unrolled so that several blocks' loads are in flight at once.
+    Each row is one thread's sequential online sum over partials 0, 1, 2, ... in vocabulary
+    order (no cross-thread reduction, whose tree would follow the layout Triton picks for
+    this launch's row count): one pass, the running max rescaling the sums as it grows,
+    unrolled so that several partials' loads are in flight at once.
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
     top = tl.full((BLOCK,), -float("inf"), tl.float32)
     total = tl.zeros((BLOCK,), tl.float32)
     zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
-    for j0 in range(0, n_vblocks, UNROLL):
+    for j0 in range(0, n_parts, UNROLL):
         for u in tl.static_range(UNROLL):
-            j_ok = ok & (offs * 0 + j0 + u < n_vblocks)
+            j_ok = ok & (offs * 0 + j0 + u < n_parts)
             at = (j0 + u) * n_rows + offs
             block_max = tl.load(part_max_ptr + at, mask=j_ok, other=-float("inf"))
             block_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
             new_top = tl.maximum(top, block_max)
             safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
             old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
-            seen = j_ok & (block_max > -float("inf"))  # a block masked whole adds nothing
+            seen = j_ok & (block_max > -float("inf"))  # a segment masked whole adds nothing
             block_shift = tl.where(seen, block_max - safe_top, 0.0)  # <= 0
             old_scale = tl.exp(old_shift)
             block_scale = tl.where(seen, tl.exp(block_shift), 0.0)
@@ -209,7 +252,7 @@ def combine_kernel(
     lse = top + log_total
     tl.store(lse_ptr + offs, lse, mask=ok)
     tgt_logit = tl.load(tgt_logit_ptr + offs, mask=ok, other=0.0)
-    tl.store(logp_ptr + offs, tgt_logit if RAW_TARGET else tgt_logit - lse, mask=ok)
+    tl.store(logp_ptr + offs, tgt_logit - lse, mask=ok)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + offs, log_total - zsum / total, mask=ok)
 

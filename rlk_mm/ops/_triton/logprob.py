@@ -1,24 +1,27 @@
 """Triton kernels of the selected log-prob: logits tiles that never reach memory.
 
 Forward: one program per (row block, vocab block) tile computes the tile's logits
-``z = (h[rows] · Wᵀ + b) / T`` in an fp32 accumulator and reduces it at once to a
-per-row partial (max, Σ exp(z - max), Σ exp(z - max)·(z - max)); the program whose block holds a
-row's target also writes that logit. A second kernel combines the partials of each row
-over the vocabulary blocks in block order. Backward: the same tiles are recomputed and
-turned into ``dz`` for one vocabulary chunk at a time (``[n, chunk]``, the only buffer of
-that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator) and the chunk's
-rows of ``d weight``.
+``z = (h[rows] · Wᵀ + b) / T`` in an fp32 accumulator and reduces it at once to per-row
+partials of each 128-column vocabulary segment (max, Σ exp(z - max), Σ exp(z - max)·(z -
+max); ``lm_head``); the program whose block holds a row's target also writes that logit. A
+second kernel folds the partials of each row over the segments in vocabulary order. A
+vocabulary shard (``vocab_parallel``) gathers every shard's partials between the two
+(``exchange``), so the fold is the single device's. Backward: the same tiles are recomputed
+and turned into ``dz`` for one vocabulary chunk at a time (``[n, chunk]``, the only buffer
+of that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator) and the
+chunk's rows of ``d weight``.
 
 Tiles are read by the copy engine (tensor descriptors; hidden rows gathered into one
 copy first unless all rows are scored in order) or, where alignment does not allow it,
 by pointers with the row gather inside the kernel.
 
-Reduction order: tile sizes depend only on the dtype and the device (``config``), every
-logit is one dot product over H in the same order, and the combine is each row's own
-sequential sum over vocabulary blocks 0, 1, 2, ... (a cross-thread reduction there would
-follow the layout Triton picks for a launch's row count), so a row's log-prob and entropy
-are bitwise the same whatever else is in the batch and wherever the row stands. No float
-atomics anywhere; gradients are deterministic (cuBLAS, fixed chunk order).
+Reduction order: the global segment grid of ``lm_head`` (tile sizes depend only on the dtype
+and the device, every logit is one dot product over H in the same order, each segment's
+partial reduced from its own columns, and the combine is each row's own sequential sum over
+segments 0, 1, 2, ...), so a row's log-prob, entropy and log-sum-exp are bitwise the same
+whatever else is in the batch, wherever the row stands and however the vocabulary is
+sharded over ranks. No float atomics anywhere; gradients are deterministic (cuBLAS, fixed
+chunk order).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import triton.language as tl
 
 from ._common import grouped_tile_ids, persistent_programs
 from .lm_head import (
-    LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel, ieee,
-    logits_tile,
+    Exchange, LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel,
+    ieee, logits_tile, partial_columns,
 )
 
 Tensor = torch.Tensor
@@ -83,12 +86,14 @@ def _dlogits_kernel(
 def forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
     bias: Optional[Tensor], temperature: float, with_entropy: bool, all_rows: bool,
-    config: Optional[LogprobConfig] = None, raw_target: bool = False,
+    config: Optional[LogprobConfig] = None, exchange: Optional[Exchange] = None, total_vocab: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
     ``all_rows`` whether the rows are 0, 1, ..., T - 1. ``config`` replaces
-    ``default_config`` (tile sweeps). ``raw_target``: the target logit in place of the
-    log-prob, 0 for a target outside ``[0, V)`` (a vocabulary shard, ``vocab_parallel``)."""
+    ``default_config`` (tile sweeps). A vocabulary shard (``vocab_parallel``) passes
+    ``exchange`` (called once per chunk of rows, between the tiles and the combine; targets
+    off the shard are -1) and ``total_vocab``, the group's vocabulary: every rank then cuts
+    the same chunks, and the results are the whole vocabulary's."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
@@ -97,32 +102,36 @@ def forward(
     if n == 0:
         return logp, entropy, lse
     cfg = config or default_config(weight.dtype, dev)
+    cols = partial_columns(cfg)
     ops = Operands(hidden, weight, rows, cfg, all_rows)
-    n_vblocks = triton.cdiv(V, cfg.block_n)
-    per_row = n_vblocks * 4 * (3 if with_entropy else 2)
+    n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
+    k = 3 if with_entropy else 2
+    per_row = triton.cdiv(total_vocab or V, cols) * 4 * k * (2 if exchange is not None else 1)
     step = min(n, max(cfg.block_m, cfg.partials_budget // per_row // cfg.block_m * cfg.block_m))
-    part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
-    part_sum = torch.empty_like(part_max)
-    part_zsum = torch.empty_like(part_max) if with_entropy else part_max
+    parts = torch.empty((k, n_parts * step), dtype=torch.float32, device=dev)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
         m = min(step, n - s)
-        if raw_target:  # only the program holding a row's target writes its logit
+        if exchange is not None:  # only the program holding a row's target writes its logit
             tgt_logit.zero_()
         h_src, w_src, rows_s = ops.args(s, m)
         forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, bias_arg(bias, weight), rows_s, targets[s:],
-            part_max, part_sum, part_zsum, tgt_logit, part_max,
-            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
+            parts[0], parts[1], parts[k - 1], tgt_logit, parts,
+            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks, n_parts,
             HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, IEEE=ieee(weight),
             EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SEG=cols,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        every, tgt, total_parts = parts, tgt_logit, n_parts
+        if exchange is not None:
+            every, tgt = exchange(parts[:, : n_parts * m].view(k, n_parts, m), tgt_logit[:m], s, cols)
+            total_parts = every.shape[1]
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            part_max, part_sum, part_zsum, tgt_logit,
-            logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, n_vblocks,
-            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll, RAW_TARGET=raw_target,
+            every[0], every[1], every[k - 1], tgt,
+            logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, total_parts,
+            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
         )
     return logp, entropy, lse
 

@@ -1,12 +1,19 @@
 """Triton kernels of sampling from hidden states, the LM head fused with sampling.
 
 Its tiles are the selected log-prob's (``lm_head``: ``logits_tile``, the same config, the
-same per-tile max and Σ exp partials, and ``combine_kernel``), so ``log_probs`` equal
+same per-segment partials, and ``combine_kernel``), so ``log_probs`` equal
 ``selected_logprob``'s bitwise. Plain temperature is one pass: each tile also keeps, per
 row, its best noise block (score and the block's 32 logits), and the draw finishes on those
 ``[tiles, B, 32]`` values; no ``[B, V]`` logits are written. Filters need the whole row: the
 same launch also writes the rows' logits (a row chunk at a time, within
 ``SamplingConfig.logits_budget``) and ``sample_logits`` reads them back, a second pass.
+
+A vocabulary shard (``vocab_parallel``, ``shard=``) draws what the single device draws: noise
+is keyed by global vocabulary indices; for plain temperature each rank's best noise block
+(the first on a tie) is gathered and the draw finishes on the group's best (the first rank
+on a tie: the first block of the whole vocabulary, as on one device); filters gather the
+rows' logits (``[B, V]`` fp32 per chunk: a top-k/top-p/min-p threshold needs the whole row);
+the log-probs fold the gathered partials of every shard, as ``selected_logprob`` does.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import triton.language as tl
 
 from .._torch import sampling as _ref
 from ._common import grouped_tile_ids
-from .lm_head import Operands, bias_arg, combine_kernel, default_config, ieee, logits_tile
+from .lm_head import (
+    Operands, bias_arg, combine_kernel, default_config, ieee, logits_tile, partial_columns, store_partials,
+)
 from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, gumbel, no_nan, row_keys, sample_logits
 from .sampling import default_config as sampling_config
 
@@ -33,12 +42,14 @@ __all__ = ["sample_hidden"]
 def _hidden_tiles_kernel(
     h_src, w_src, b_ptr, rows_ptr, seeds_ptr, steps_ptr,
     part_max_ptr, part_sum_ptr, best_ptr, best_block_ptr, best_z_ptr, z_ptr,
-    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
+    n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks, n_parts, first_block,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, DRAW: tl.constexpr,
     STORE_Z: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SEG: tl.constexpr,
 ):
-    """Per tile: the selected log-prob's row partials (max, Σ exp); with ``DRAW`` each row's
-    best noise block of the tile (score, index, its logits); with ``STORE_Z`` the logits."""
+    """Per tile: the selected log-prob's per-segment partials (max, Σ exp); with ``DRAW`` each
+    row's best noise block of the tile (score, global index, its logits; ``first_block``: the
+    shard's first noise block in the whole vocabulary); with ``STORE_Z`` the logits."""
     pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < n_rows
@@ -48,11 +59,8 @@ def _hidden_tiles_kernel(
     z = logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
                      inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     z = tl.where(n_ok[None, :], z, -float("inf"))
-    z_max = tl.max(z, axis=1)  # as forward_tiles_kernel of the selected log-prob
-    safe_max = tl.where(z_max == -float("inf"), 0.0, z_max)[:, None]
-    part = pid_n * n_rows + offs_m
-    tl.store(part_max_ptr + part, z_max, mask=m_ok)
-    tl.store(part_sum_ptr + part, tl.sum(tl.exp(z - safe_max), axis=1), mask=m_ok)
+    store_partials(z, pid_n, offs_m, m_ok, n_rows, n_parts, part_max_ptr, part_sum_ptr, part_sum_ptr,
+                   False, BLOCK_M, BLOCK_N, SEG)  # as forward_tiles_kernel of the selected log-prob
     if STORE_Z:
         tl.store(z_ptr + offs_m.to(tl.int64)[:, None] * V + offs_n[None, :], z, mask=m_ok[:, None] & n_ok[None, :])
     if DRAW:
@@ -63,29 +71,35 @@ def _hidden_tiles_kernel(
         ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, :, None]), 2)))
         ka, kb = row_keys(tl.load(seeds_ptr + offs_m, mask=m_ok, other=0),
                            tl.load(steps_ptr + offs_m, mask=m_ok, other=0), SALT_BLOCK)
-        blocks = pid_n * NB + tl.arange(0, NB)
+        blocks = first_block + pid_n * NB + tl.arange(0, NB)
         score = no_nan(ell.to(tl.float64) + gumbel(blocks[None, :], ka[:, None], kb[:, None]))
         arg = tl.argmax(score, 1)
-        tl.store(best_ptr + part, tl.max(score, 1), mask=m_ok)
-        tl.store(best_block_ptr + part, pid_n * NB + arg, mask=m_ok)
+        tile = pid_n * n_rows + offs_m
+        tl.store(best_ptr + tile, tl.max(score, 1), mask=m_ok)
+        tl.store(best_block_ptr + tile, first_block + pid_n * NB + arg, mask=m_ok)
         mine = tl.arange(0, NB)[None, :, None] == arg[:, None, None]
         z_best = tl.max(tl.where(mine, zb, -float("inf")), 1)  # [BLOCK_M, NOISE_BLOCK], exact values
-        out = best_z_ptr + part[:, None].to(tl.int64) * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)[None, :]
+        out = best_z_ptr + tile[:, None].to(tl.int64) * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)[None, :]
         tl.store(out, z_best, mask=m_ok[:, None])
 
 
 def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float,
                   filters: _ref.Filters, seeds: Tensor, steps: Tensor,
-                  config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  config: Optional[SamplingConfig] = None, shard=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``sample_logits`` of ``(hidden · Wᵀ + bias) / temperature`` (``hidden [B, H]``, rows
     contiguous), ``log_probs`` from the selected log-prob's partials and combine. The tiles
     are the selected log-prob's (``lm_head.default_config``); ``config`` replaces the
-    sampling kernels' ``default_config``."""
+    sampling kernels' ``default_config``. ``shard`` (``vocab_parallel.Exchange``): this
+    rank's place in a vocabulary-parallel group (``start``, ``total``) and its collectives
+    (called: the exchange of partials; ``gather_best``, ``gather_logits``); every rank then returns
+    the single device's result for the whole vocabulary."""
     B, (V, H) = hidden.shape[0], weight.shape
     dev = hidden.device
     cfg = default_config(weight.dtype, dev)
     scfg = config or sampling_config(dev)
     assert cfg.block_n % _ref.NOISE_BLOCK == 0
+    cols = partial_columns(cfg)
+    total = V if shard is None else shard.total
     tokens = torch.zeros(B, dtype=torch.int64, device=dev)
     log_probs = torch.empty(B, dtype=torch.float32, device=dev)
     sampled = torch.empty(B, dtype=torch.float32, device=dev)
@@ -94,13 +108,15 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
         return tokens, log_probs, sampled, status
     rows = torch.arange(B, device=dev)
     ops = Operands(hidden, weight, rows, cfg, all_rows=True)
-    n_vblocks = triton.cdiv(V, cfg.block_n)
+    n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
     draw = filters.plain
-    per_row = n_vblocks * (4 * 2 + (8 + 4 + 4 * _ref.NOISE_BLOCK if draw else 0)) + (0 if draw else 4 * V)
+    copies = 1 if shard is None else 2  # a shard also holds the gathered partials (and logits)
+    tiles = triton.cdiv(total, cfg.block_n)  # sizes from the whole vocabulary: every rank cuts the same chunks
+    per_row = (triton.cdiv(total, cols) * 4 * 2 * copies
+               + (tiles * (8 + 4 + 4 * _ref.NOISE_BLOCK) if draw else 4 * total * copies))
     budget = min(cfg.partials_budget, scfg.logits_budget)
     step = min(B, max(cfg.block_m, budget // per_row // cfg.block_m * cfg.block_m))
-    part_max = torch.empty(n_vblocks * step, dtype=torch.float32, device=dev)
-    part_sum = torch.empty_like(part_max)
+    parts = torch.empty((2, n_parts * step), dtype=torch.float32, device=dev)
     best = torch.empty(n_vblocks * step if draw else 1, dtype=torch.float64, device=dev)
     best_block = torch.empty(best.numel(), dtype=torch.int32, device=dev)
     best_z = torch.empty(best.numel() * _ref.NOISE_BLOCK if draw else 1, dtype=torch.float32, device=dev)
@@ -113,29 +129,49 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
         seeds_s, steps_s = seeds[s : s + m], steps[s : s + m]
         _hidden_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
             h_src, w_src, bias_arg(bias, weight), rows_s, seeds_s, steps_s,
-            part_max, part_sum, best, best_block, best_z, z_buf,
-            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks,
+            parts[0], parts[1], best, best_block, best_z, z_buf,
+            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks, n_parts,
+            0 if shard is None else shard.start // _ref.NOISE_BLOCK,
             HAS_BIAS=bias is not None, IEEE=ieee(weight), EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
             DRAW=draw, STORE_Z=not draw,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SEG=cols,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if draw:
+            cand, n_cand = (best, best_block, best_z), n_vblocks
+            if shard is not None:  # each rank's best tile, then the group's: every rank finishes alike
+                cand = shard.gather_best(*_best_tile(best, best_block, best_z, n_vblocks, m))
+                n_cand = shard.world
             _finish_draw_kernel[(triton.cdiv(m, scfg.finish_rows),)](
-                best, best_block, best_z, seeds_s, steps_s, tokens[s:], z_tok, m, n_vblocks, BLOCK=scfg.finish_rows)
+                *cand, seeds_s, steps_s, tokens[s:], z_tok, m, n_cand, BLOCK=scfg.finish_rows)
         else:
             z = z_buf[: m * V].view(m, V)
+            if shard is not None:
+                z = shard.gather_logits(z)
             tok, _, slp, st = sample_logits(z, 1.0, filters, seeds_s, steps_s, config=scfg)
             tokens[s : s + m], z_tok[:m] = tok, z.gather(1, tok[:, None])[:, 0]
             sampled[s : s + m], status[s : s + m] = slp, st
+        every, total_parts = parts, n_parts
+        if shard is not None:  # the drawn token's logit is the same on every rank already
+            every, _ = shard(parts[:, : n_parts * m].view(2, n_parts, m), z_tok[:m], s, cols)
+            total_parts = every.shape[1]
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            part_max, part_sum, part_max, z_tok, log_probs[s:], log_probs, lse, m, n_vblocks,
+            every[0], every[1], every[0], z_tok, log_probs[s:], log_probs, lse, m, total_parts,
             WITH_ENTROPY=False, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
         )
     if draw:  # a NaN or +inf logit (from hidden, weight or bias) makes its row's log-prob non-finite
         sampled.copy_(log_probs)
         status = torch.where(torch.isfinite(log_probs), _ref.OK, _ref.NOT_FINITE).to(torch.int8)
     return tokens, log_probs, sampled, status
+
+
+def _best_tile(best: Tensor, best_block: Tensor, best_z: Tensor, n_tiles: int, m: int):
+    """Each row's best tile of this shard (the first on a tie, as ``_finish_draw_kernel``):
+    its score (f64), noise block (int32) and that block's logits ``[m, NOISE_BLOCK]``."""
+    scores = best[: n_tiles * m].view(n_tiles, m)
+    j = torch.argmax(scores, 0)  # the first of equal maxima
+    at = j * m + torch.arange(m, device=best.device)
+    return scores.flatten()[at], best_block[at], best_z.view(-1, _ref.NOISE_BLOCK)[at]
 
 
 @triton.jit
