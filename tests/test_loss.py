@@ -181,6 +181,87 @@ def test_kl_and_entropy_terms_match_reference(backend, kl_type):
         close(a, e)
 
 
+def _reference_loss(logp, old, adv, mask, *, ratio, mode, ref_logp, weights, kl_coef=0.1, kl_type="k3",
+                    loss_scale_factor=None):
+    """fp64 autograd of the documented formula: PPO/GSPO policy term + kl_coef * agg(KL)."""
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    up = d(logp).requires_grad_()
+    agg_kw = {"loss_scale_factor": loss_scale_factor} if loss_scale_factor is not None else {}
+    pg, _ = ref.ppo_loss(up, d(old), d(adv), mask, ratio=ratio, mode=mode, rollout_is_weights=d(weights), **agg_kw)
+    loss = pg if ref_logp is None else pg + kl_coef * ref.agg(ref.kl(up, d(ref_logp), kl_type), mask, mode, **agg_kw)
+    (grad,) = torch.autograd.grad(loss, up)
+    return loss.detach(), grad
+
+
+@pytest.mark.parametrize("ratio", ["token", "gspo_token", "gspo"])
+def test_every_combination_runs_backward_and_matches_fp64(backend, ratio):
+    """Issue 31, D-02 and D-03: every (mode, layout, KL, IS) combination of a ratio runs its
+    backward (all eight constant slots of the op filled used to crash it: a tensor list's
+    gradient of the wrong structure), and loss and gradient equal fp64 autograd (with
+    ``ratio="gspo"`` the KL gradient is per token, not spread over the sequence)."""
+    logp, old, adv, mask = inputs(21, B=5, R=9, spread=0.3)
+    B, R = mask.shape
+    g = torch.Generator().manual_seed(22)
+    ref_logp = logp.detach() + 0.4 * torch.randn(B, R, generator=g)
+    weights = torch.rand(B, R, generator=g) + 0.5
+    sample = torch.arange(B)[:, None].expand(B, R)[mask]
+    for mode in AggMode:
+        for with_kl, with_is in ((True, True), (True, False), (False, True)):
+            kw = dict(ratio=ratio, loss_agg_mode=mode, loss_scale_factor=R if mode == "seq-mean-token-sum-norm" else None)
+            refs = dict(ref_logp=ref_logp if with_kl else None, weights=weights if with_is else None)
+            expected, g_expected = _reference_loss(logp, old, adv, mask, ratio=ratio, mode=mode,
+                                                   loss_scale_factor=kw["loss_scale_factor"], **refs)
+            extra = dict(ref_log_probs=refs["ref_logp"], kl_coef=0.1 if with_kl else 0.0, rollout_is_weights=refs["weights"])
+            where = f"{mode} kl={with_kl} is={with_is}"
+            padded = logp.detach().clone().requires_grad_()
+            loss, _ = policy_loss(padded, old, adv, mask, **kw, **extra)
+            loss.backward()
+            assert abs(loss.item() - expected.item()) <= TOL * max(1.0, abs(expected.item())), where
+            assert relative_error(padded.grad, g_expected) <= LOGPROB_GRAD_REL.fp32, where
+            flat = logp.detach()[mask].requires_grad_()
+            compact = {k: (v[mask] if isinstance(v, torch.Tensor) else v) for k, v in extra.items()}
+            loss, _ = policy_loss(flat, old[mask], adv[mask], mask[mask], sample_index=sample, num_samples=B,
+                                  **kw, **compact)
+            loss.backward()  # the compact layout with a mask fills all eight constant slots
+            assert abs(loss.item() - expected.item()) <= TOL * max(1.0, abs(expected.item())), where
+            assert relative_error(flat.grad, g_expected[mask]) <= LOGPROB_GRAD_REL.fp32, where
+
+
+@pytest.mark.parametrize("ratio", ["gspo_token", "gspo"])
+def test_linear_policy_loss_gspo_with_kl_matches_fp64(backend, ratio):
+    """Issue 31, D-02/D-03 through the fused LM-head loss (which runs this op for sequence ratios):
+    with a mask, KL and IS weights in a seq mode it runs backward, and d hidden / d weight equal
+    fp64 autograd of logits -> log_softmax -> the reference loss (it was 15-19% off with "gspo")."""
+    from rlk_mm.ops import linear_policy_loss
+
+    g = torch.Generator().manual_seed(23)
+    T, H, V, B = 20, 16, 40, 3
+    hidden, weight = torch.randn(T, H, generator=g), torch.randn(V, H, generator=g) * 0.3
+    rows, targets = torch.arange(2, 17), torch.randint(0, V, (15,), generator=g)
+    sample = torch.tensor([0] * 4 + [1] * 6 + [2] * 5)
+    mask = torch.ones(15, dtype=torch.bool)
+    mask[5] = False
+    old = -torch.rand(15, generator=g) * 4 - 1.5
+    adv, ref_logp, weights = torch.randn(15, generator=g), -torch.rand(15, generator=g) * 5, torch.rand(15, generator=g) + 0.5
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = linear_policy_loss(h, w, index=rows, targets=targets, old_log_probs=old, advantages=adv, mask=mask,
+                             sample_index=sample, num_samples=B, ratio=ratio, ref_log_probs=ref_logp, kl_coef=0.1,
+                             rollout_is_weights=weights, loss_agg_mode="seq-mean-token-mean")
+    grads = torch.autograd.grad(out.loss, (h, w))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logp = (h64 @ w64.T).log_softmax(-1)[rows, targets]
+    col = torch.cat([torch.arange(int((sample == b).sum())) for b in range(B)])
+    pad = lambda x, fill=0.0: torch.full((B, 6), fill, dtype=x.dtype).index_put((sample, col), x)  # noqa: E731
+    m = pad(mask, False)
+    pg, _ = ref.ppo_loss(pad(logp), pad(old.double()), pad(adv.double()), m, ratio=ratio, mode="seq-mean-token-mean",
+                         rollout_is_weights=pad(weights.double()))
+    expected = pg + 0.1 * ref.agg(ref.kl(pad(logp), pad(ref_logp.double()), "low_var_kl"), m, "seq-mean-token-mean")
+    g_expected = torch.autograd.grad(expected, (h64, w64))
+    assert abs(out.loss.item() - expected.item()) <= TOL
+    for a, e in zip(grads, g_expected):
+        assert relative_error(a, e) <= LOGPROB_GRAD_REL.fp32
+
+
 def test_deterministic_and_backends_agree(backend):
     logp, old, adv, mask = inputs(9, B=5, R=300)  # several kernel blocks
     runs = []
@@ -218,6 +299,68 @@ def test_empty_and_fully_masked():
     loss, _ = policy_loss(empty, empty.detach(), empty.detach(), sample_index=idx, num_samples=3)
     loss.backward()
     assert loss.item() == 0 and empty.grad.shape == (0,)
+
+
+# ----------------------------------------------------------------------------- global counts (issue 31, D-01)
+def _nine_tokens():
+    """3 x 3 inputs, every token scored: 9 tokens in 3 sequences."""
+    g = torch.Generator().manual_seed(31)
+    logp = torch.randn(3, 3, generator=g).requires_grad_()
+    return logp, logp.detach() + 0.1, torch.randn(3, 3, generator=g)
+
+
+@pytest.mark.parametrize("counts, message", [
+    (dict(batch_num_tokens=0), r"batch_num_tokens is 0(\.0)? but this batch alone scores 9(\.0)? tokens"),
+    (dict(batch_num_tokens=1), r"batch_num_tokens is 1(\.0)? but this batch alone scores 9"),
+    (dict(batch_num_tokens=4.5), r"batch_num_tokens is 4\.5 but this batch alone scores 9"),
+    (dict(batch_num_tokens=torch.tensor(0)), r"batch_num_tokens is 0(\.0)? but this batch alone scores 9"),
+    (dict(batch_num_tokens=torch.tensor(8.0), dp_size=2), r"batch_num_tokens is 8\.0 but this batch alone scores 9"),
+    (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=0), r"global_batch_size is 0(\.0)? but this batch alone has 3"),
+    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=1), r"global_batch_size is 1(\.0)? but this batch alone has 3"),
+    (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=torch.tensor(0.0)), r"global_batch_size is 0\.0 but"),
+    (dict(loss_agg_mode="seq-mean-token-sum-norm", global_batch_size=3.5), r"global_batch_size=3\.5: a count of sequences"),
+    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=torch.tensor(4.5)), r"global_batch_size is 4\.5: a count of"),
+])
+def test_a_global_count_below_the_data_is_refused(backend, counts, message):
+    """A global count is at least what this batch shows (before the dp_size factor); a count of
+    sequences is an integer. Such counts gave 0 (no gradient), 9x the mean or 1.6e38."""
+    logp, old, adv = _nine_tokens()
+    with pytest.raises(ValueError, match=message):
+        policy_loss(logp, old, adv, **counts)
+
+
+def test_a_global_count_at_or_above_the_data_is_accepted(backend):
+    logp, old, adv = _nine_tokens()
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[2] = False  # 6 tokens in 2 sequences
+    base = policy_loss(logp, old, adv, mask)[0]
+    assert torch.equal(policy_loss(logp, old, adv, mask, batch_num_tokens=6)[0], base)
+    assert torch.equal(policy_loss(logp, old, adv, mask, batch_num_tokens=torch.tensor(6))[0], base)
+    close(policy_loss(logp, old, adv, mask, batch_num_tokens=12, dp_size=2)[0], base)
+    close(policy_loss(logp, old, adv, mask, batch_num_tokens=60.5)[0], base * 6 / 60.5)  # fractional: allowed
+    seq = dict(loss_agg_mode="seq-mean-token-mean")
+    close(policy_loss(logp, old, adv, mask, global_batch_size=2, **seq)[0], policy_loss(logp, old, adv, mask, **seq)[0])
+    weights = torch.full((3, 3), 0.5)  # a float mask: its weighted sum (4.5) is the data's count
+    close(policy_loss(logp, old, adv, weights, batch_num_tokens=4.5)[0], policy_loss(logp, old, adv, weights)[0])
+    with pytest.raises(ValueError, match=r"batch_num_tokens is 4\.0 but this batch alone scores 4\.5"):
+        policy_loss(logp, old, adv, weights, batch_num_tokens=4.0)
+    empty = torch.zeros(3, 3, dtype=torch.bool)  # nothing scored: a zero count is what the data shows
+    assert policy_loss(logp, old, adv, empty, batch_num_tokens=0)[0].item() == 0
+
+
+def test_agg_loss_global_counts():
+    """``agg_loss`` refuses a contradicted count in the host read it makes anyway (a non-bool
+    mask, a tensor count); where it makes none (a bool mask, number counts) the result is NaN."""
+    logp, _, _ = _nine_tokens()
+    full = torch.ones(3, 3, dtype=torch.bool)
+    assert agg_loss(logp, full, "token-mean", batch_num_tokens=0).isnan()
+    assert agg_loss(logp, full, "seq-mean-token-mean", global_batch_size=2).isnan()
+    assert agg_loss(logp, None, "token-mean", batch_num_tokens=8).isnan()
+    with pytest.raises(ValueError, match=r"batch_num_tokens is 0(\.0)? but this batch alone scores 9"):
+        agg_loss(logp, full.long(), "token-mean", batch_num_tokens=0)
+    with pytest.raises(ValueError, match=r"global_batch_size is 0\.0 but this batch alone has 3"):
+        agg_loss(logp, full, "seq-mean-token-sum", global_batch_size=torch.tensor(0.0))
+    close(agg_loss(logp, full, "token-mean", batch_num_tokens=9), agg_loss(logp, full, "token-mean"))
 
 
 def test_custom_op_registration():

@@ -14,10 +14,13 @@ import torch
 from torch import Tensor
 
 from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
-from .loss_config import PolicyLossConfig
+from .loss_config import SEQ_MODES, PolicyLossConfig
 from .options import AggMode
 
-__all__ = ["Agg", "Layout", "add_count_check", "agg_args", "check_data", "checked_mask", "layout_of", "like"]
+__all__ = [
+    "Agg", "COUNT_ROUNDING", "Layout", "WEIGHTED_COUNT_SLACK", "add_count_check", "agg_args", "check_data",
+    "checked_mask", "layout_of", "like",
+]
 
 
 # ----------------------------------------------------------------------------- layout and values
@@ -155,19 +158,34 @@ def add_count_check(name: str, value, checks: DeviceChecks) -> None:
 
 
 # ----------------------------------------------------------------------------- aggregation
+#: a global count may fall short of this batch's float32 mask sum by this share of it (its
+#: rounding: exact below 2^22 tokens for 0/1 masks) ...
+COUNT_ROUNDING = 2.0**-22
+#: ... and, for a float mask (weights), by this share (the caller summed the weights in another order)
+WEIGHTED_COUNT_SLACK = 1e-5
+
+
 @dataclass(frozen=True)
 class Agg:
-    """A checked aggregation: the mode, dp_size, the global counts and the ``-norm`` divisor."""
+    """A checked aggregation: the mode, dp_size, the global counts and the ``-norm`` divisor;
+    ``slack``: the share of this batch's mask sum a global token count may fall short of it by."""
 
     mode: AggMode
     dp_size: int
     batch_num_tokens: Optional[float | Tensor]
     global_batch_size: Optional[float | Tensor]
     norm: float
+    slack: float = COUNT_ROUNDING
 
 
-def agg_args(layout: Layout, checks: DeviceChecks, config: PolicyLossConfig) -> Agg:
-    """``config``'s aggregation for this layout (its tensor counts' values go to ``checks``)."""
+def agg_args(layout: Layout, checks: DeviceChecks, config: PolicyLossConfig, mask: Optional[Tensor] = None, *,
+             check_counts: bool = True) -> Agg:
+    """``config``'s aggregation for this layout and ``mask`` (its tensor counts' values go to
+    ``checks``). The global count the mode uses (``batch_num_tokens`` for ``token-mean``,
+    ``global_batch_size`` for the ``seq-mean-*`` modes) is at least what this batch shows, before
+    the ``dp_size`` factor: the mask's sum, the sequences with a scored token; a count of
+    sequences is an integer. With ``check_counts`` that goes to ``checks`` too (the caller reads
+    them anyway); either way ``aggregation`` turns a contradicted count into NaN."""
     add_count_check("batch_num_tokens", config.batch_num_tokens, checks)
     add_count_check("global_batch_size", config.global_batch_size, checks)
     mode, loss_scale_factor = config.loss_agg_mode, config.loss_scale_factor
@@ -179,4 +197,63 @@ def agg_args(layout: Layout, checks: DeviceChecks, config: PolicyLossConfig) -> 
                 "(verl's default is the padded response length)"
             )
         norm = layout.row_length if loss_scale_factor is None else loss_scale_factor
-    return Agg(mode, config.dp_size, config.batch_num_tokens, config.global_batch_size, norm)
+    weighted = mask is not None and mask.is_floating_point()
+    slack = WEIGHTED_COUNT_SLACK if weighted else COUNT_ROUNDING
+    if mode is AggMode.TOKEN_MEAN and config.batch_num_tokens is not None and check_counts:
+        _add_token_count_check(checks, config.batch_num_tokens, _mask_sum(layout, mask), slack)
+    if mode in SEQ_MODES and config.global_batch_size is not None:
+        _integer_count("global_batch_size", config.global_batch_size, checks)
+        if check_counts:
+            _add_sequence_count_check(checks, config.global_batch_size, _present(layout, mask))
+    return Agg(mode, config.dp_size, config.batch_num_tokens, config.global_batch_size, norm, slack)
+
+
+def _mask_sum(layout: Layout, mask: Optional[Tensor]) -> Tensor:
+    if mask is None:
+        return torch.tensor(float(layout.shape.numel()), device=layout.device)
+    return mask.reshape(-1).to(torch.float32).sum()
+
+
+def _present(layout: Layout, mask: Optional[Tensor]) -> Tensor:
+    """The number of sequences with a scored token (float32, 0-d)."""
+    n = layout.shape.numel()
+    m = torch.ones(n, device=layout.device) if mask is None else mask.reshape(-1).to(torch.float32)
+    return (layout.seq_sum(m) > 0).sum().to(torch.float32)
+
+
+def _add_token_count_check(checks: DeviceChecks, count, total: Tensor, slack: float) -> None:
+    def fail():
+        have = total.item()
+        raise ValueError(
+            f"batch_num_tokens is {float(count)} but this batch alone scores {have:g} tokens (the mask's sum): "
+            "token-mean's global count, over every data-parallel rank and before the dp_size factor, is at least "
+            "that; pass the global batch's count of scored tokens, or None for this batch's"
+        )
+
+    checks.add(torch.as_tensor(count, device=total.device).to(torch.float32) < total * (1.0 - slack), fail)
+
+
+def _add_sequence_count_check(checks: DeviceChecks, count, present: Tensor) -> None:
+    def fail():
+        raise ValueError(
+            f"global_batch_size is {float(count)} but this batch alone has {present.item():g} sequences with a scored "
+            "token: the seq-mean modes' global count, over every data-parallel rank and before the dp_size factor, "
+            "is at least that; pass the global batch's count of sequences, or None for this batch's"
+        )
+
+    checks.add(torch.as_tensor(count, device=present.device).to(torch.float32) < present, fail)
+
+
+def _integer_count(name: str, count, checks: DeviceChecks) -> None:
+    """A count of sequences is a whole number (a number now; a tensor in ``checks``)."""
+    rule = "a count of sequences is a whole number"
+    if not isinstance(count, Tensor):
+        if count != math.floor(count):
+            raise ValueError(f"{name}={count}: {rule}")
+        return
+
+    def fail():
+        raise ValueError(f"{name} is {count.item()}: {rule}")
+
+    if count.is_floating_point():
+        checks.add(count != torch.floor(count), fail)

@@ -10,6 +10,7 @@ math in torch elsewhere) or, for the fused LM-head loss, its backward
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -35,13 +36,15 @@ def aggregation(layout: Layout, mask: Optional[Tensor], agg: Agg):
 
     ``coef`` is float32 ``[S]``, or None for the token modes (weight = mask); ``scale`` maps the
     batch's total mask sum (a 0-d tensor, known only after the token pass) to the outer factor.
-    Divisions by a zero count give 0, not NaN.
+    Divisions by a zero count give 0, not NaN (a zero count only ever meets a zero sum); a
+    global count below what this batch shows (``agg_args``) makes the factor NaN.
     """
     mode, dp_size = agg.mode, agg.dp_size
     if mode is AggMode.TOKEN_MEAN:
         if agg.batch_num_tokens is None:
             return None, lambda total: _safe_div(dp_size, total)
-        return None, lambda total: _safe_div(dp_size, agg.batch_num_tokens)
+        return None, lambda total: _unless_below(_safe_div(dp_size, agg.batch_num_tokens), agg.batch_num_tokens,
+                                                 total * (1.0 - agg.slack))
     if mode is AggMode.TOKEN_SUM:
         return None, lambda total: dp_size
     if mode is AggMode.TOKEN:
@@ -51,9 +54,11 @@ def aggregation(layout: Layout, mask: Optional[Tensor], agg: Agg):
     if mode is AggMode.SEQ:
         return 1.0 / (counts + MEAN_EPS), lambda total: _safe_div(1.0, S)
     present = (counts > 0).to(torch.float32)
-    global_batch_size = present.sum() if agg.global_batch_size is None else agg.global_batch_size
     coef = present / (counts + MEAN_EPS) if mode is AggMode.SEQ_MEAN_TOKEN_MEAN else present
-    return coef, lambda total: _safe_div(_safe_div(dp_size, global_batch_size), agg.norm)
+    if agg.global_batch_size is None:
+        return coef, lambda total: _safe_div(_safe_div(dp_size, present.sum()), agg.norm)
+    count = agg.global_batch_size
+    return coef, lambda total: _unless_below(_safe_div(_safe_div(dp_size, count), agg.norm), count, present.sum())
 
 
 def mask_f32(mask: Optional[Tensor], n: int, device) -> Tensor:
@@ -66,6 +71,14 @@ def _safe_div(num, den):
     if isinstance(den, Tensor):
         return num / den.to(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
     return num / den if den else 0.0
+
+
+def _unless_below(factor, count, least: Tensor) -> Tensor:
+    """``factor`` (float32, 0-d), NaN where the global ``count`` is below ``least``, what this
+    batch shows (no host read: ``agg_args`` refuses it where the call reads the device)."""
+    factor = torch.as_tensor(factor, dtype=torch.float32, device=least.device)
+    count = torch.as_tensor(count, device=least.device).to(torch.float32)
+    return torch.where(count < least, torch.full_like(factor, math.nan), factor)
 
 
 # ----------------------------------------------------------------------------- fused op (registration)
@@ -119,19 +132,25 @@ def policy_loss_partials_backward(
     """(d/d log_probs, d/d entropy — empty when entropy is None) from the partials' gradient."""
     args = _unpack(log_probs, entropy, tensors, floats, ints)
     grad_partials = grad_partials.float().contiguous()
+    # GSPO: the policy term's gradient goes through the sequence mean, the KL term's stays per token
+    spread = bool(args["sequence_mean_grad"])
     if not use_triton(log_probs):
-        grad_logp, grad_ent = _torch_loss.partials_backward(grad_partials, args)
+        grad_logp, grad_kl, grad_ent = _torch_loss.partials_backward(grad_partials, args, separate_kl=spread)
     else:
         from ._triton import loss as kernels
 
-        grad_logp = torch.empty_like(log_probs)
+        grad_logp = torch.empty_like(log_probs, dtype=torch.float32 if spread else None)
+        grad_kl = torch.empty_like(grad_logp) if spread and args["kl_kind"] != KLEstimator.NONE else None
         grad_ent = torch.empty_like(entropy) if entropy is not None else log_probs.new_empty(0)
         kernels.launch(
             backward=True, grad_partials=grad_partials, grad_log_probs=grad_logp,
-            grad_entropy=grad_ent if entropy is not None else None, **_launch_args(args),
+            grad_entropy=grad_ent if entropy is not None else None, grad_kl=grad_kl, **_launch_args(args),
         )
-    if args["sequence_mean_grad"]:
+    if spread:
         grad_logp = _spread_over_sequence(grad_logp, args)
+        if grad_kl is not None:
+            grad_logp = grad_logp + grad_kl
+        grad_logp = grad_logp.to(log_probs.dtype)
     return grad_logp, grad_ent
 
 
@@ -154,7 +173,15 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_partials):
     log_probs, entropy, *tensors = ctx.saved_tensors
     grad_logp, grad_ent = policy_loss_partials_backward(grad_partials, log_probs, entropy, tensors, ctx.floats, ctx.ints)
-    return grad_logp, (grad_ent if entropy is not None else None), None, None, None
+    return grad_logp, (grad_ent if entropy is not None else None), _no_grads(tensors), None, None
+
+
+def _no_grads(tensors: list) -> Optional[list]:
+    """The (absent) gradient of the constants ``tensors``, in the structure torch's custom-op
+    autograd expects: it flattens a list of tensors into one leaf per entry, but keeps a list
+    holding a None as one leaf; the returned gradient must flatten alike (a list of Nones where
+    every slot holds a tensor, one None otherwise)."""
+    return [None] * len(tensors) if all(t is not None for t in tensors) else None
 
 
 def _spread_over_sequence(grad_logp: Tensor, args: dict) -> Tensor:
@@ -236,7 +263,7 @@ def checked_policy(
         raise ValueError("entropy_coeff is set but entropy is None")
     if ref_log_probs is None:
         kl_kind, kl_st = KLEstimator.NONE, False
-    agg = agg_args(layout, checks, config)
+    agg = agg_args(layout, checks, config, mask)
     checks.run()  # the one host sync
 
     flat = lambda t: None if t is None else t.detach().reshape(-1).contiguous()  # noqa: E731

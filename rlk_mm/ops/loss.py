@@ -72,7 +72,10 @@ def agg_loss(
     checked_mask(layout, checks, mask)
     config = PolicyLossConfig(loss_agg_mode=loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                               global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor)
-    agg = agg_args(layout, checks, config)
+    # the counts are checked against the data where the call reads the device anyway (else: NaN)
+    reads = ((mask is not None and mask.dtype != torch.bool) or (sample_index is not None and loss_mat.numel() > 0)
+             or any(isinstance(c, Tensor) for c in (batch_num_tokens, global_batch_size)))
+    agg = agg_args(layout, checks, config, mask, check_counts=reads)
     checks.run()
     coef, scale = aggregation(layout, mask, agg)
     m = mask_f32(mask, loss_mat.numel(), loss_mat.device)

@@ -9,6 +9,7 @@ gradients. Keep the two in step.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -98,20 +99,32 @@ def partials(args: dict) -> Tensor:
     return torch.stack([_block_sums(r, nb) for r in rows])
 
 
-def partials_backward(grad_partials: Tensor, args: dict) -> tuple[Tensor, Tensor]:
-    """(d/d log_probs, d/d entropy, empty without entropy) from the partials' gradient."""
+def partials_backward(
+    grad_partials: Tensor, args: dict, *, separate_kl: bool = False,
+) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    """(d/d log_probs, the KL term's part of it or None, d/d entropy — empty without entropy)
+    from the partials' gradient. By default the first holds every term and the second is None;
+    with ``separate_kl`` the first holds the policy term only and the second the KL term (None
+    without KL), both float32: GSPO spreads the policy term over its sequence, not the KL."""
     n = args["log_probs"].numel()
     t = _token_terms(**_term_args(args))
     block = torch.arange(n, device=t["m"].device) // TOKENS_PER_BLOCK
-    grad = grad_partials[Partial.PG_LOSS][block] * t["dpg"]
-    if t["dkl"] is not None:
-        grad = grad + grad_partials[Partial.KL_LOSS][block] * t["dkl"]
     zero = torch.zeros((), device=t["m"].device)
-    grad_logp = torch.where(t["valid"], t["w"] * grad, zero).to(args["log_probs"].dtype)
+    grad = grad_partials[Partial.PG_LOSS][block] * t["dpg"]
+    grad_kl = None
+    if t["dkl"] is not None:
+        kl = grad_partials[Partial.KL_LOSS][block] * t["dkl"]
+        if separate_kl:
+            grad_kl = torch.where(t["valid"], t["w"] * kl, zero)
+        else:
+            grad = grad + kl
+    grad_logp = torch.where(t["valid"], t["w"] * grad, zero)
+    if not separate_kl:
+        grad_logp = grad_logp.to(args["log_probs"].dtype)
     if args["entropy"] is None:
-        return grad_logp, grad_logp.new_empty(0)
+        return grad_logp, grad_kl, grad_logp.new_empty(0, dtype=args["log_probs"].dtype)
     grad_ent = torch.where(t["valid"], t["w"] * grad_partials[Partial.ENTROPY_LOSS][block], zero).to(args["entropy"].dtype)
-    return grad_logp, grad_ent
+    return grad_logp, grad_kl, grad_ent
 
 
 def _term_args(args: dict) -> dict:

@@ -56,7 +56,7 @@ def _clamp(x, lo, hi):
 def _policy_loss_kernel(
     logp_ptr, old_ptr, adv_ptr, coef_ptr,
     mask_ptr, seq_ptr, seq_lr_ptr, isw_ptr, ref_ptr, ent_ptr,
-    partial_ptr, gpart_ptr, glogp_ptr, gent_ptr,
+    partial_ptr, gpart_ptr, glogp_ptr, gent_ptr, gkl_ptr,
     N, row_length, num_blocks,
     clip_lo, clip_hi, clip_c, lr_min, lr_max,
     BLOCK: tl.constexpr,
@@ -70,6 +70,7 @@ def _policy_loss_kernel(
     KL_KIND: tl.constexpr,  # a KLEstimator code
     KL_ST: tl.constexpr,  # straight-through ("k3+"): k2's gradient
     HAS_ENT: tl.constexpr,
+    SPLIT_KL: tl.constexpr,  # backward: the KL term's gradient to gkl_ptr, apart from the policy term's
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -148,7 +149,10 @@ def _policy_loss_kernel(
         grad = g_pg * dpg
         if KL_KIND != _NO_KL:
             g_kl = tl.load(gpart_ptr + _KL * num_blocks + pid)
-            grad += g_kl * dkl
+            if SPLIT_KL:
+                tl.store(gkl_ptr + offs, tl.where(valid, w * (g_kl * dkl), 0.0), mask=inb)
+            else:
+                grad += g_kl * dkl
         grad = tl.where(valid, w * grad, 0.0)
         tl.store(glogp_ptr + offs, grad, mask=inb)
         if HAS_ENT:
@@ -181,10 +185,12 @@ def launch(
     *, backward, log_probs, old_log_probs, advantages, seq_coef, mask, sample_index, seq_log_ratio,
     rollout_weights, ref_log_probs, entropy, row_length, clip_low, clip_high, clip_c, log_ratio_min,
     log_ratio_max, kl_kind, kl_straight_through, partials=None, grad_partials=None, grad_log_probs=None,
-    grad_entropy=None, config: Optional[LossKernelConfig] = None,
+    grad_entropy=None, grad_kl=None, config: Optional[LossKernelConfig] = None,
 ):
     """Run the kernel over all ``log_probs.numel()`` tokens (flat, contiguous inputs),
-    ``TOKENS_PER_BLOCK`` tokens per program (``partials`` has one column per block)."""
+    ``TOKENS_PER_BLOCK`` tokens per program (``partials`` has one column per block). In the
+    backward, given ``grad_kl`` (and a KL term), the KL term's gradient goes there and
+    ``grad_log_probs`` gets the other terms' only (GSPO spreads those over the sequence)."""
     cfg = config or LossKernelConfig()
     n = log_probs.numel()
     num_blocks = triton.cdiv(n, TOKENS_PER_BLOCK)
@@ -203,6 +209,7 @@ def launch(
         dummy if grad_partials is None else grad_partials,
         dummy if grad_log_probs is None else grad_log_probs,
         dummy if grad_entropy is None else grad_entropy,
+        dummy if grad_kl is None else grad_kl,
         n, max(row_length, 1), num_blocks,
         1.0 - clip_low, 1.0 + clip_high, clip_c, log_ratio_min, log_ratio_max,
         BLOCK=TOKENS_PER_BLOCK,
@@ -216,5 +223,6 @@ def launch(
         KL_KIND=int(kl_kind),
         KL_ST=kl_straight_through,
         HAS_ENT=entropy is not None,
+        SPLIT_KL=grad_kl is not None,
         num_warps=cfg.num_warps,
     )
