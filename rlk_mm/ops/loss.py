@@ -64,8 +64,10 @@ def agg_loss(
     ``PolicyLossConfig``'s fields of the same names, with the same checks.
 
     Checks as ``policy_loss`` does (one host sync for a non-bool mask, ``sample_index`` or a
-    tensor count; none otherwise). A non-finite ``loss_mat`` entry propagates where the mask is
-    set and is ignored where it is not.
+    tensor count; none otherwise). A global count below what this batch shows (see
+    ``policy_loss``) is refused in that sync; where the call makes none it gives a NaN result.
+    A non-finite ``loss_mat`` entry propagates where the mask is set and is ignored where it
+    is not.
     """
     checks = DeviceChecks()
     layout = layout_of("loss_mat", loss_mat, sample_index, num_samples, checks)
@@ -156,8 +158,11 @@ def policy_loss(
     values in one host sync per call: ``sample_index`` (order, range), the mask (bool; integer
     0 or 1; float weights finite and >= 0), ``old_log_probs``, ``advantages``,
     ``ref_log_probs`` (finite) and ``rollout_is_weights`` (finite, >= 0) where the mask is set,
-    tensor counts (>= 0). The model's outputs are not checked: a non-finite ``log_probs`` or
-    ``entropy`` value propagates to the loss where the mask is set (verl skips such steps by
+    tensor counts (>= 0), and the global count the mode uses against the data:
+    ``batch_num_tokens`` (token-mean) at least the mask's sum, ``global_batch_size``
+    (seq-mean-*) a whole number at least the sequences with a scored token (both before the
+    ``dp_size`` factor: they count every rank's tokens or sequences). The model's outputs are
+    not checked: a non-finite ``log_probs`` or ``entropy`` value propagates to the loss where the mask is set (verl skips such steps by
     the gradient norm) and is ignored where it is not.
     """
     config = policy_loss_config(config, knobs, "policy_loss")

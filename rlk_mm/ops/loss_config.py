@@ -53,9 +53,11 @@ class PolicyLossConfig:
     - ``loss_agg_mode``: how per-token losses become a scalar, an ``AggMode``.
     - ``dp_size``: data-parallel ranks the global counts span, >= 1.
     - ``batch_num_tokens``: the global token count of ``token-mean`` (None: this batch's mask sum);
-      a number >= 0 or a 0-d tensor (its value checked in the op's one host sync).
+      a number >= 0 or a 0-d tensor (its value checked in the op's one host sync), at least this
+      batch's mask sum (the op checks it against the data).
     - ``global_batch_size``: the global sequence count of the seq modes (None: this batch's
-      sequences with a token); a number >= 0 or a 0-d tensor.
+      sequences with a token); a number >= 0 or a 0-d tensor, a whole number, at least this
+      batch's sequences with a token (the op checks it against the data).
     - ``loss_scale_factor``: ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
 
     Strings are parsed to the enum members, numbers to floats (ints for ``dp_size``); a bad
