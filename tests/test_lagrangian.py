@@ -37,9 +37,26 @@ def test_a_cost_never_enters_the_reward_column():
     assert torch.equal(costs_b, torch.arange(8.0) * 100) and rewards.tolist()[0] == 1.0
     with pytest.raises(ValueError, match="rewards and costs share memory"):
         lagrangian_advantages(rewards, rewards, GROUPS, lam)
-    pair = torch.zeros(8, 2)
+    scores = torch.arange(16.0)
+    with pytest.raises(ValueError, match="share memory"):  # overlapping views
+        lagrangian_advantages(scores[:8], scores[4:12], GROUPS, lam)
     with pytest.raises(ValueError, match="share memory"):
-        lagrangian_advantages(pair[:, 0], pair[:, 1], GROUPS, lam)
+        lagrangian_advantages(scores[::2], scores[::2].clone().set_(scores.untyped_storage(), 0, (8,), (2,)), GROUPS, lam)
+
+
+def test_disjoint_views_of_one_tensor_are_accepted():
+    """Issue 31, D-05: the reward and cost columns of one [B, 2] scores tensor (or two halves of
+    one [2B] tensor) are disjoint: accepted, with the result of separate tensors."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
+    costs = torch.tensor([5.0, 1.0, 0.0, 3.0, 0.0, 0.0, 10.0, 2.0])
+    lam = torch.tensor(0.5)
+    expected = lagrangian_advantages(rewards, costs, GROUPS, lam)
+    both = torch.stack([rewards, costs], 1)
+    halves = torch.cat([rewards, costs])
+    odd = torch.stack([costs, rewards], 1).reshape(-1)  # interleaved: costs at even, rewards at odd entries
+    for r, c in ((both[:, 0], both[:, 1]), (halves[:8], halves[8:]), (odd[1::2], odd[0::2])):
+        out = lagrangian_advantages(r, c, GROUPS, lam)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected))
 
 
 @settings(max_examples=40, deadline=None)
@@ -96,6 +113,39 @@ def test_no_host_read_compile_fullgraph_and_meta_device():
     assert result.advantages.device.type == "meta" and result.advantages.shape == (8,)
 
 
+def test_a_negative_multiplier_gives_nan_not_a_flipped_sign():
+    """Issue 31, D-04: lam < 0 would make a cost raise the advantage (lam = -1 divides by 0). The op
+    never reads the device: such a lam gives NaN advantages (documented), as a NaN lam does."""
+    rewards, costs = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    for lam in (-0.5, -1.0, -2.0, math.nan, -math.inf, math.inf):
+        out = lagrangian_advantages(rewards, costs, groups, torch.tensor(lam))
+        assert out.advantages.isnan().all(), lam
+        assert not out.reward_advantages.isnan().any()  # the parts stay as they are
+    assert not lagrangian_advantages(rewards, costs, groups, torch.tensor(0.0)).advantages.isnan().any()
+
+
+@pytest.mark.parametrize("costs", [[math.inf], [-math.inf, 1.0], [math.inf, -math.inf], [1e39]])
+def test_an_infinite_mean_cost_makes_lam_nan_not_a_bound(costs):
+    """Issue 31, D-04: an infinite mean episode cost gave lam at its clamp bound (0 or max_value)
+    silently; like a NaN cost, it now makes lam NaN."""
+    for max_value in (None, 5.0):
+        lam = Lagrangian(budget=0.5, lr=0.1, init=0.5, max_value=max_value)
+        lam.step(torch.tensor(costs))
+        assert math.isnan(float(lam.value)), (costs, max_value)
+
+
+def test_step_keeps_no_autograd_graph():
+    """Issue 31, D-04: costs with autograd history (e.g. from a cost model) leave lam a plain value."""
+    lam = Lagrangian(budget=0.5, lr=0.1)
+    w = torch.ones(3, requires_grad=True)
+    lam.step(w * 2)
+    assert not lam.value.requires_grad and lam.value.grad_fn is None
+    assert float(lam.value) == pytest.approx(0.15)
+    out = lam.advantages(torch.ones(2), (w[:2] * 2), torch.zeros(2, dtype=torch.long))
+    assert out.advantages.shape == (2,)
+
+
 def test_nan_cost_is_loud_not_silent():
     lam = Lagrangian(budget=1.0)
     lam.step(torch.tensor([math.nan]))
@@ -113,6 +163,8 @@ def test_nan_cost_is_loud_not_silent():
     (lambda: Lagrangian(budget=1.0).step(torch.zeros(2, dtype=torch.long)), TypeError, "episode_costs must be float"),
     (lambda: Lagrangian(budget=1.0).step([1.0]), TypeError, "episode_costs must be a torch.Tensor"),
     (lambda: Lagrangian(budget=1.0, device="meta").step(torch.zeros(2)), ValueError, "episode_costs is on cpu; expected meta"),
+    (lambda: Lagrangian(budget=1.0, device="gpu"), ValueError, r"device='gpu' is not a torch device"),
+    (lambda: Lagrangian(budget=1.0, device=3.5), ValueError, r"device=3\.5 is not a torch device"),
     (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(4), GROUPS[:3], torch.tensor(1.0)), ValueError,
      r"costs must have shape \[3\]"),
     (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(3), GROUPS[:3], torch.tensor([1.0])), ValueError,

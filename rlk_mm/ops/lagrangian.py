@@ -11,19 +11,22 @@ dual step on the mean episode cost against the budget, ``lam <- clip(lam + lr * 
 budget), 0, max_lam)``, in place and with no host synchronization (safe-rlhf reads its
 multiplier with ``.item()`` every step). Nothing here reads the device: the updates work
 under ``torch.compile(fullgraph=True)``, in CUDA graphs and on the meta device. Values are
-not checked for finiteness (that would read the device): a NaN cost makes ``lam`` NaN, and
-the advantages NaN, which a loss then shows.
+therefore not refused but made loud: a non-finite mean episode cost (NaN, or ±inf, which the
+clamp would otherwise turn into 0 or ``max_value``) makes ``lam`` NaN, and a multiplier that
+is negative or not finite makes the combined advantages NaN, which a loss then shows.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..schema import RLBatch
-from ..schema.checks import FLOAT_DTYPES, float_arg, tensor_arg
+from ..schema.checks import FLOAT_DTYPES, device_arg, float_arg, tensor_arg
 from .options import Estimator
 from .rewards import group_advantages, groups_of
 
@@ -43,23 +46,27 @@ class Lagrangian:
     ``E[episode cost] <= budget``, its dual step and the combined advantages.
 
     ``budget``: the allowed mean episode cost; ``lr``: the dual step size (> 0); ``init``:
-    the starting multiplier (>= 0); ``max_value``: an upper bound (None: unbounded)."""
+    the starting multiplier (>= 0); ``max_value``: an upper bound (None: unbounded); ``device``:
+    where ``value`` lives (a device, its string or a CUDA index)."""
 
     def __init__(self, budget: float, *, lr: float = 0.05, init: float = 0.0, max_value: Optional[float] = None, device="cpu"):
         self.budget = float_arg("budget", budget)
         self.lr = float_arg("lr", lr, min=0.0, min_open=True)
         init = float_arg("init", init, min=0.0)
         self.max_value = None if max_value is None else float_arg("max_value", max_value, min=init)
-        self.value = torch.tensor(init, dtype=torch.float32, device=device)
+        self.value = torch.tensor(init, dtype=torch.float32, device=device_arg(device))
 
     def step(self, episode_costs: Tensor) -> Tensor:
         """One projected dual step on the mean of ``episode_costs`` (float ``[E]``, E >= 1, on
         ``value``'s device), in place: ``value`` grows while the cost is over budget and
-        shrinks (to 0 at least) under it. Returns ``value``."""
+        shrinks (to 0 at least) under it. Returns ``value``. The costs are constants (no
+        gradient flows to them; ``value`` keeps no autograd graph); a non-finite mean cost
+        makes ``value`` NaN."""
         tensor_arg("episode_costs", episode_costs, ndim=1, dtypes=FLOAT_DTYPES, device=self.value.device)
         if episode_costs.shape[0] == 0:
             raise ValueError("episode_costs is empty: the dual step needs at least one episode's cost")
-        violation = episode_costs.to(torch.float32).mean() - self.budget
+        violation = episode_costs.detach().to(torch.float32).mean() - self.budget
+        violation = torch.where(torch.isfinite(violation), violation, torch.full_like(violation, math.nan))
         updated = (self.value + self.lr * violation).clamp(min=0.0, max=self.max_value)
         return self.value.copy_(updated)
 
@@ -78,16 +85,20 @@ def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Optional[Te
                           estimator: Estimator | str = Estimator.GRPO, eps: float = 1e-6) -> LagrangianAdvantages:
     """The PPO-Lagrangian advantages (see ``Lagrangian.advantages``) for a multiplier ``lam``
     (a 0-d float tensor on the scores' device, >= 0 by construction of ``Lagrangian``;
-    required). The groups: ``group_ids`` or ``batch=``, as ``group_advantages`` takes them;
-    ``estimator`` an ``Estimator`` or its string. Rewards and costs sharing memory are
-    refused (under ``torch.compile`` only the same tensor twice)."""
+    required). The value of ``lam`` is not read on the host: a negative or non-finite ``lam``
+    (which would let a cost raise the advantage, or divide by 0) gives NaN ``advantages``;
+    the two parts are returned as they are. The groups: ``group_ids`` or ``batch=``, as
+    ``group_advantages`` takes them; ``estimator`` an ``Estimator`` or its string. Rewards
+    and costs whose elements share memory are refused (disjoint views of one tensor, such as
+    the two columns of a ``[B, 2]`` scores tensor, are fine; under ``torch.compile`` only the
+    same tensor twice is refused)."""
     if lam is None:
         raise TypeError("lagrangian_advantages needs lam, the multiplier (a 0-d float tensor; Lagrangian.value)")
     tensor_arg("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)
     tensor_arg("costs", costs, shape=tuple(rewards.shape), dtypes=FLOAT_DTYPES, device=rewards.device)
     tensor_arg("lam", lam, shape=(), dtypes=FLOAT_DTYPES, device=rewards.device)
-    if rewards is costs or (not torch.compiler.is_compiling() and rewards.numel() and rewards.device.type != "meta"
-                            and rewards.untyped_storage().data_ptr() == costs.untyped_storage().data_ptr()):
+    if rewards is costs or (not torch.compiler.is_compiling() and rewards.device.type != "meta"
+                            and _elements_overlap(rewards, costs)):
         raise ValueError("rewards and costs share memory: a cost must never enter a reward column; pass the batch's "
                          "rewards and costs as separate tensors")
     dtype = torch.promote_types(rewards.dtype, costs.dtype)
@@ -95,4 +106,19 @@ def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Optional[Te
     both = group_advantages(torch.stack([rewards.to(dtype), costs.to(dtype)], 1), group_ids, estimator=estimator, eps=eps)
     a_r, a_c = both[:, 0], both[:, 1]
     lam = lam.to(dtype)
-    return LagrangianAdvantages((a_r - lam * a_c) / (1 + lam), a_r, a_c)
+    combined = torch.where(lam >= 0, (a_r - lam * a_c) / (1 + lam), torch.full_like(a_r, math.nan))
+    return LagrangianAdvantages(combined, a_r, a_c)
+
+
+def _elements_overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether an element of the 1-D tensor ``a`` shares a byte with one of ``b`` (from their
+    strides on the host: no device read)."""
+    if not (a.numel() and b.numel()) or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    starts = [t.data_ptr() + np.arange(t.numel(), dtype=np.int64) * t.stride(0) * t.element_size() for t in (a, b)]
+    (sa, ea), (sb, eb) = ((s, t.element_size()) for s, t in zip(starts, (a, b)))
+    sb = np.sort(sb)
+    # for each element of a, the first element of b that ends after it starts: overlap if it starts before a's end
+    j = np.searchsorted(sb, sa - eb, side="right")
+    inside = j < sb.size
+    return bool(np.any(sb[np.minimum(j, sb.size - 1)][inside] < (sa + ea)[inside]))
