@@ -166,6 +166,8 @@ def group_seeds(seed: int, group_ids, step: int) -> Tensor:
 # ------------------------------------------------------------------ arguments
 def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Filters]:
     """(fp32 1 / temperature, the filters; None where one keeps every token), all checked."""
+    if V < 1:
+        raise ValueError("the vocabulary is empty: logits [B, V] (weight [V, H]) has V = 0 entries; sampling needs one")
     if V > MAX_VOCAB:
         raise ValueError(f"the vocabulary has {V} entries; sampling supports up to {MAX_VOCAB}")
     temperature = temperature_arg(temperature)
