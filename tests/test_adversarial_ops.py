@@ -340,7 +340,32 @@ def _policy_loss_cases() -> list[Case]:
         ok("entropy nan scored propagates", _pl(entropy=_with(torch.ones(3, 4), (0, 0), NAN), entropy_coeff=0.01),
            lambda r: bool(r[0].isnan())),
         ok("infinite clip_ratio_high", _pl(clip_ratio_high=INF), _finite_scalar),
+        # issue 31, D-01: a global count below what this batch shows (8 scored tokens in 3 sequences)
+        bad("batch_num_tokens 0 with scored tokens", _pl(batch_num_tokens=0), ValueError,
+            r"batch_num_tokens is 0\.0 but this batch alone scores 8 tokens"),
+        bad("batch_num_tokens 1 (8x the mean)", _pl(batch_num_tokens=1), ValueError, r"batch_num_tokens is 1\.0 but"),
+        bad("batch_num_tokens tensor 0 (was 1/tiny)", _pl(batch_num_tokens=torch.tensor(0)), ValueError,
+            r"batch_num_tokens is 0\.0 but"),
+        bad("global_batch_size 0", _pl(loss_agg_mode="seq-mean-token-sum", global_batch_size=0), ValueError,
+            r"global_batch_size is 0\.0 but this batch alone has 3 sequences"),
+        bad("global_batch_size tensor 2", _pl(loss_agg_mode="seq-mean-token-mean", global_batch_size=torch.tensor(2.0)),
+            ValueError, r"global_batch_size is 2\.0 but"),
+        bad("global_batch_size fractional", _pl(loss_agg_mode="seq-mean-token-mean", global_batch_size=3.5), ValueError,
+            r"global_batch_size=3\.5: a count of sequences is a whole number"),
+        ok("batch_num_tokens 0 with nothing scored", _pl(mask=torch.zeros_like(MASK), batch_num_tokens=0),
+           lambda r: r[0].item() == 0),
+        # issue 31, D-02: GSPO with every constant slot filled (compact, mask, KL, IS weights, a seq mode) runs backward
+        ok("compact gspo + mask + KL + IS + seq mode: backward", lambda: _backward_runs(
+            ratio="gspo_token", loss_agg_mode="seq-mean-token-sum", ref_log_probs=OLD[MASK], kl_coef=0.1,
+            rollout_is_weights=torch.ones(8), mask=torch.ones(8, dtype=torch.bool))),
     ]
+
+
+def _backward_runs(**kw):
+    x = LOGP[MASK].clone().requires_grad_()
+    loss, _ = policy_loss(x, OLD[MASK], ADV[MASK], sample_index=SAMPLE, num_samples=3, **kw)
+    loss.backward()
+    return bool(torch.isfinite(x.grad).all())
 
 
 def _agg_cases() -> list[Case]:
@@ -366,6 +391,12 @@ def _agg_cases() -> list[Case]:
             ValueError, r"loss_scale_factor is required"),
         ok("nan masked", agg(loss_mat=_with(LOGP, (0, 3), NAN)), _finite_scalar),
         ok("no mask", agg(mask=None), _finite_scalar),
+        # issue 31, D-01: refused in the host read the call makes anyway; NaN where it makes none (bool mask)
+        bad("batch_num_tokens 0, int mask", agg(mask=MASK.long(), batch_num_tokens=0), ValueError,
+            r"batch_num_tokens is 0\.0 but this batch alone scores 8"),
+        ok("batch_num_tokens 0, bool mask: NaN", agg(batch_num_tokens=0), lambda r: bool(r.isnan())),
+        ok("global_batch_size 1, bool mask: NaN", agg(loss_agg_mode="seq-mean-token-mean", global_batch_size=1),
+           lambda r: bool(r.isnan())),
     ]
 
 
@@ -516,7 +547,18 @@ def _verl_adv(name="grpo", **kw):
 
 
 def _verl_cases() -> list[Case]:
+    plain = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0}
     return [
+        # issue 31: D-06 (a dict config works; what is no config is named), D-01 (global counts below the data)
+        ok("loss: config a dict", _verl_loss(config=plain), lambda r: torch.equal(r[0], _verl_loss()()[0])),
+        bad("loss: config a str", _verl_loss(config="fsdp"), TypeError, r"config must be verl's ActorConfig"),
+        bad("gspo: config a list", lambda: _verl().compute_policy_loss_gspo(OLD, LOGP, ADV, MASK, config=[0.2]), TypeError,
+            r"config must be verl's ActorConfig"),
+        bad("loss: global_batch_info batch_num_tokens 0", _verl_loss(batch_info={"batch_num_tokens": 0}), ValueError,
+            r"batch_num_tokens is 0\.0 but this batch alone scores 8"),
+        bad("loss: global_batch_info global_batch_size 0", _verl_loss(batch_info={"global_batch_size": 0},
+                                                                      loss_agg_mode="seq-mean-token-mean"),
+            ValueError, r"global_batch_size is 0\.0 but this batch alone has 3"),
         bad("loss: config missing", _verl_loss(config=None), ValueError, r"config \(verl's ActorConfig\) is required"),
         bad("loss: no clip ratio", _verl_loss({"clip_ratio": None, "clip_ratio_low": None}), ValueError,
             r"config.clip_ratio_low and config.clip_ratio are both None"),
@@ -624,11 +666,26 @@ def _verl_fused_cases() -> list[Case]:
     ]
 
 
+# ============================================================================ sampling, Lagrangian (issue 31, D-06)
+def _sampling_cases() -> list[Case]:
+    from rlk_mm.ops import Lagrangian, sample
+
+    seeds = torch.tensor([1, 2])
+    return [
+        bad("sample: empty vocabulary", lambda: sample(torch.zeros(2, 0), seeds=seeds), ValueError,
+            r"the vocabulary is empty: logits \[B, V\] .* V = 0"),
+        bad("sample: empty vocabulary, top_k", lambda: sample(torch.zeros(2, 0), seeds=seeds, top_k=1), ValueError,
+            r"the vocabulary is empty"),
+        ok("sample: one entry", lambda: sample(torch.zeros(2, 1), seeds=seeds), lambda r: r.tokens.tolist() == [0, 0]),
+        bad("Lagrangian: device 'gpu'", lambda: Lagrangian(0.5, device="gpu"), ValueError, r"device='gpu' is not a torch device"),
+    ]
+
+
 # ============================================================================ the tables as tests
 OP_CASES = {"selected_logprob": _selected_logprob_cases, "policy_loss": _policy_loss_cases, "agg_loss": _agg_cases}
 CASES = {
     "kl_penalty": _kl_cases, "group_advantages": _group_advantages_cases, "rewards": _reward_cases,
-    "easyr1": _easyr1_cases, "verl_fused": _verl_fused_cases,
+    "easyr1": _easyr1_cases, "verl_fused": _verl_fused_cases, "sampling": _sampling_cases,
 }
 VERL_CASES = {"verl": _verl_cases}
 

@@ -401,6 +401,8 @@ def loss_and_grads(fn, actor, mb, temperature):
 @pytest.mark.parametrize("config", [
     dict(), dict(padding_free=False, loss_avg_mode="seq", kl_penalty="kl"), dict(loss_type="gspo_token"),
     dict(loss_type="gspo", use_kl_loss=False),
+    dict(loss_type="gspo"),  # issue 31, D-03: GSPO with EasyR1's KL loss (the KL gradient stays per token)
+    dict(loss_type="gspo", padding_free=False, loss_avg_mode="seq"),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "defaults")
 def test_micro_batch_loss_matches_easyr1(own_tiny_model, easyr1_micro_batch, config):
     """Loss, gradients of every parameter and metrics of the fused micro-batch loss equal EasyR1's
@@ -444,6 +446,81 @@ def test_micro_batch_loss_refuses_bad_input(tiny_model, easyr1_micro_batch, conf
             mb[key] = value
     with pytest.raises(error, match=message):
         easyr1.micro_batch_loss(Actor(tiny_model, **config), mb, 1.0)
+
+
+def _edit(mb, name):
+    """One inconsistent micro-batch of the table below (a fresh copy of ``mb``)."""
+    mb = dict(mb)
+    R, L = mb["responses"].shape[1], mb["input_ids"].shape[1]
+    if name == "responses disagree with input_ids":
+        mb["responses"] = mb["responses"].clone()
+        mb["responses"][0, 0] += 1
+    elif name == "response_mask scores padding":
+        mb["response_mask"] = mb["response_mask"].clone()
+        mb["response_mask"][0, -1] = 1
+    elif name == "response_mask holds 2":
+        mb["response_mask"] = mb["response_mask"] * 2
+    elif name == "1-D positions for image prompts":
+        mb["position_ids"] = mb["position_ids"][:, 0]
+    elif name == "positions channels last":
+        mb["position_ids"] = mb["position_ids"].transpose(1, 2).contiguous()
+    elif name == "positions [3, 4, 5]":
+        mb["position_ids"] = torch.zeros(3, 4, 5, dtype=torch.long)
+    elif name == "positions shifted by one":
+        mb["position_ids"] = mb["position_ids"] + 1
+    elif name == "positions of another sample":
+        mb["position_ids"] = mb["position_ids"].flip(0)
+    elif name == "no multi_modal_inputs":
+        del mb["multi_modal_inputs"]
+    elif name == "multi_modal_inputs of other samples":
+        mb["multi_modal_inputs"] = mb["multi_modal_inputs"][::-1]
+    elif name == "responses longer than input_ids":
+        for k in ("responses", "response_mask"):
+            mb[k] = torch.zeros(3, L + 1, dtype=torch.long)
+        for k in ("old_log_probs", "advantages", "ref_log_probs"):
+            mb[k] = torch.zeros(3, L + 1)
+    elif name == "attention_mask with a hole":
+        mb["attention_mask"] = mb["attention_mask"].clone()
+        mb["attention_mask"][2, L - R - 2] = 0
+    elif name == "input_ids outside the vocabulary":
+        mb["input_ids"] = mb["input_ids"].clone()
+        mb["input_ids"][1, L - R - 1] = 10**6
+    return mb
+
+
+@pytest.mark.parametrize("padding_free", [True, False])
+@pytest.mark.parametrize("name, message", [
+    ("responses disagree with input_ids", r"micro_batch\['responses'\]: sample 0, response position 0 is \d+ but micro_batch\['input_ids'\] holds"),
+    ("response_mask scores padding", r"micro_batch\['response_mask'\]: sample 0, response position \d+ is set but micro_batch\['attention_mask'\] is 0"),
+    ("response_mask holds 2", r"micro_batch\['response_mask'\]: sample 0, position 0 is 2; expected 0 or 1"),
+    ("1-D positions for image prompts", r"micro_batch\['position_ids'\]: sample 0, position \d+ .*1-D positions \(B, L\) are for text-only rows"),
+    ("positions channels last", r"micro_batch\['position_ids'\]: position_ids must have shape"),
+    ("positions [3, 4, 5]", r"micro_batch\['position_ids'\]: position_ids must have shape"),
+    ("positions shifted by one", r"micro_batch\['position_ids'\]: sample 0, position \d+ .* but the model computes"),
+    ("positions of another sample", r"micro_batch\['position_ids'\]: sample 0"),
+    ("no multi_modal_inputs", r"sample 0: micro_batch\['input_ids'\] holds 1 image placeholder run\(s\) but micro_batch\['multi_modal_inputs'\]"),
+    ("multi_modal_inputs of other samples", r"micro_batch\['multi_modal_inputs'\]"),
+    ("responses longer than input_ids", r"micro_batch\['responses'\] has \d+ columns but micro_batch\['input_ids'\] only"),
+    ("attention_mask with a hole", r"micro_batch\['attention_mask'\]: sample 2 has holes"),
+    ("input_ids outside the vocabulary", r"micro_batch\['input_ids'\]: sample 1, position \d+ is 1000000"),
+])
+def test_micro_batch_loss_runs_the_builders_checks(tiny_model, easyr1_micro_batch, padding_free, name, message):
+    """Issue 31, D-17 (class 3): the micro-batch is checked as ``RLBatch.from_verl`` checks its
+    tensors, before the model sees it (these were scored silently, or failed deep inside with a
+    message naming no argument); every error names the micro-batch key."""
+    with pytest.raises(ValueError, match=message):
+        easyr1.micro_batch_loss(Actor(tiny_model, padding_free=padding_free), _edit(easyr1_micro_batch, name), 1.0)
+
+
+def test_micro_batch_loss_refuses_what_is_no_actor(tiny_model, easyr1_micro_batch):
+    """Issue 31, D-06: a missing actor, config field or a micro-batch of another type, named."""
+    with pytest.raises(TypeError, match=r"actor must be EasyR1's DataParallelPPOActor .* got NoneType"):
+        easyr1.micro_batch_loss(None, easyr1_micro_batch, 1.0)
+    partial = SimpleNamespace(actor_module=tiny_model, config=SimpleNamespace(loss_type="default", ulysses_size=1))
+    with pytest.raises(ValueError, match=r"actor.config has no use_kl_loss, clip_ratio_low"):
+        easyr1.micro_batch_loss(partial, easyr1_micro_batch, 1.0)
+    with pytest.raises(TypeError, match=r"micro_batch must be a dict of tensors"):
+        easyr1.micro_batch_loss(Actor(tiny_model), [easyr1_micro_batch], 1.0)
 
 
 def test_loss_config_is_built_in_one_place():

@@ -380,9 +380,9 @@ def test_loss_config_is_built_in_one_place():
     from rlk_mm.integrations.trl import loss_config
     from rlk_mm.ops import AggMode, RatioMode
 
-    dapo = loss_config("dapo", "token", 0.2, 0.28, None, num_completions=4, num_items=37)
+    dapo = loss_config("dapo", "token", 0.2, 0.28, None, num_completions=4)  # the token sum, divided by num_items after
     assert (dapo.loss_agg_mode, dapo.batch_num_tokens, dapo.ratio, dapo.clip_ratio_c) == (
-        AggMode.TOKEN_MEAN, 37.0, RatioMode.TOKEN, None)
+        AggMode.TOKEN_SUM, None, RatioMode.TOKEN, None)
     assert dapo.log_ratio_clamp == (-float("inf"), float("inf"))
     dr = loss_config("dr_grpo", "sequence", 0.2, 0.2, 3.0, num_completions=4, max_completion_length=16,
                      entropy_coeff=0.01)
@@ -390,3 +390,25 @@ def test_loss_config_is_built_in_one_place():
     assert (dr.ratio, dr.clip_ratio_c, dr.entropy_coeff) == (RatioMode.GSPO, 3.0, 0.01)
     with pytest.raises(ValueError, match="needs max_completion_length"):
         loss_config("dr_grpo", "token", 0.2, 0.2, None, num_completions=4)
+
+
+def test_dapo_normalizer_number_and_tensor_paths_agree():
+    """Issue 31, D-01: TRL's dapo divisor ``num_items`` is no count of this batch's tokens (it is
+    per process and per accumulation window: fractional, or below a long batch's tokens). Any
+    value > 0 divides the token sum, as a number or a 0-d tensor alike; a number <= 0 is refused,
+    a tensor <= 0 (not read on the host) gives NaN, never 1/tiny (the 4.3e37 it gave)."""
+    g = torch.Generator().manual_seed(5)
+    logp, old = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    adv, mask = torch.randn(2, generator=g), torch.ones(2, 5, dtype=torch.long)
+    total, _ = grpo_loss(logp, old, adv, mask, loss_type="dapo", num_items=1.0)
+    for n in (0.5, 3.0, 37.0):  # 10 tokens scored here: 3.0 is below them, and valid for TRL
+        for value in (n, torch.tensor(n)):
+            loss, stats = grpo_loss(logp, old, adv, mask, loss_type="dapo", num_items=value)
+            torch.testing.assert_close(loss, total / n)
+            torch.testing.assert_close(stats["policy_loss"], total / n)
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="num_items"):
+            grpo_loss(logp, old, adv, mask, loss_type="dapo", num_items=bad)
+        assert grpo_loss(logp, old, adv, mask, loss_type="dapo", num_items=torch.tensor(float(bad)))[0].isnan()
+    with pytest.raises(ValueError, match=r"num_items must be 0-D, got shape \(1,\)"):
+        grpo_loss(logp, old, adv, mask, loss_type="dapo", num_items=torch.tensor([7.0]))

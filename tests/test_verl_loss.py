@@ -176,3 +176,37 @@ def test_loss_config_is_built_in_one_place():
     assert vanilla.ratio is RatioMode.TOKEN and vanilla.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_MEAN
     gspo = rlk_verl.loss_config(cfg, "token-mean", gspo=True)
     assert (gspo.ratio, gspo.clip_ratio_c, gspo.log_ratio_clamp) == (RatioMode.GSPO_TOKEN, None, (-float("inf"), 10.0))
+
+
+def test_a_mapping_config_equals_the_actor_config():
+    """Issue 31, D-06: a plain dict (or any mapping) of ActorConfig's fields works as the config,
+    as verl's own ``config.get`` reads do; anything else is refused, naming ``config``."""
+    logp, old, adv, mask = batch(4)
+    fields = dict(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.3, clip_ratio_c=4.0)
+    info = dict(dp_size=2, batch_num_tokens=150, global_batch_size=16)
+    cfg = config(**fields)
+    cfg.global_batch_info.update(info)
+    for fn in (rlk_verl.compute_policy_loss, rlk_verl.compute_policy_loss_gspo):
+        expected = fn(old, logp, adv, mask, "seq-mean-token-mean", cfg)[0]
+        close(fn(old, logp, adv, mask, "seq-mean-token-mean", {**fields, "global_batch_info": info})[0], expected)
+        plain = fn(old, logp, adv, mask, "seq-mean-token-mean", {"clip_ratio": 0.2})[0]  # the rest: verl's defaults
+        close(plain, fn(old, logp, adv, mask, "seq-mean-token-mean", config(clip_ratio=0.2))[0])
+        for bad in ("fsdp", 3, [0.2]):
+            with pytest.raises(TypeError, match=r"config must be verl's ActorConfig \(or a mapping of its fields\)"):
+                fn(old, logp, adv, mask, "token-mean", bad)
+
+
+@pytest.mark.parametrize("info, mode, message", [
+    (dict(batch_num_tokens=0), "token-mean", "batch_num_tokens is 0"),
+    (dict(batch_num_tokens=5), "token-mean", "batch_num_tokens is 5"),
+    (dict(global_batch_size=0), "seq-mean-token-mean", "global_batch_size is 0"),
+    (dict(dp_size=2, global_batch_size=3, batch_num_tokens=200), "seq-mean-token-sum", "global_batch_size is 3"),
+])
+def test_global_batch_info_below_the_micro_batch_is_refused(info, mode, message):
+    """Issue 31, D-01: verl's global counts are at least this micro-batch's (verl's own function
+    gives -inf or a silently scaled loss; ours gave 0): refused, naming the count."""
+    logp, old, adv, mask = batch(5)  # 6 of 8 rows hold tokens
+    cfg = config()
+    cfg.global_batch_info.update(info)
+    with pytest.raises(ValueError, match=message):
+        rlk_verl.compute_policy_loss(old, logp, adv, mask, mode, cfg)

@@ -39,6 +39,7 @@ from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import FLOAT_DTYPES, float_arg, temperature_arg, tensor_arg
 from ._args import outcome_inputs, padded_inputs
+from ._micro_batch import MediaTokens, check_padded_micro_batch
 
 __all__ = [
     "ADVANTAGES", "average_loss", "compute_grpo_outcome_advantage", "compute_kl", "compute_policy_loss",
@@ -176,13 +177,21 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     ``actor``: an EasyR1 actor (``actor_module``: the causal LM; ``config``: its ``ActorConfig``);
     ``micro_batch``: ``update_policy``'s ``model_inputs`` (``input_ids``, ``attention_mask``,
     ``position_ids``, ``responses``, ``response_mask``, ``old_log_probs``, ``advantages``,
-    optional ``ref_log_probs`` and ``multi_modal_inputs``). Padded and padding-free
+    optional ``ref_log_probs`` and ``multi_modal_inputs``). The micro-batch is checked as
+    ``RLBatch.from_verl`` checks its tensors, before the model sees it (one host read of its
+    integer tensors): shapes, 0/1 masks, ``responses`` equal to ``input_ids``' last R tokens,
+    ``response_mask`` inside ``attention_mask``, token ids in the vocabulary, the media
+    placeholders against ``multi_modal_inputs``' grids, and ``position_ids`` equal to the M-RoPE
+    positions the model computes; errors name the micro-batch key. Padded and padding-free
     (``config.padding_free``) layouts; refused, naming the setting: ``loss_type`` cispo/sapo,
     ``kl_penalty='full'``, ``ulysses_size > 1``. ``gspo`` runs four products (see
     ``linear_policy_loss``). The LM head runs inside the model's own forward (its ``lm_head``
     call), so wrappers that gather parameters around the forward see it.
     """
-    config = actor.config
+    config = _actor_config(actor)
+    if not isinstance(micro_batch, Mapping):
+        raise TypeError(
+            f"micro_batch must be a dict of tensors (update_policy's model_inputs), got {type(micro_batch).__name__}")
     if config.loss_type not in LOSS_TYPES:
         raise ValueError(f"config.loss_type={config.loss_type!r}: the fused loss implements {', '.join(LOSS_TYPES)}; "
                          "use EasyR1's own update_policy for cispo and sapo")
@@ -196,11 +205,10 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     missing = [key for key in _MICRO_BATCH_KEYS if key not in micro_batch]
     if missing:
         raise KeyError(f"micro_batch has no {', '.join(missing)}: pass update_policy's model_inputs")
+    check_padded_micro_batch(micro_batch, MediaTokens(actor.actor_module))  # the builders' checks; one host read
     ids, attention, responses = (micro_batch[k] for k in ("input_ids", "attention_mask", "responses"))
-    B, L = tensor_arg("input_ids", ids, ndim=2).shape
-    tensor_arg("attention_mask", attention, shape=(B, L))
-    R = tensor_arg("responses", responses, ndim=2).shape[1]
-    tensor_arg("responses", responses, shape=(B, R))
+    B, L = ids.shape
+    R = responses.shape[1]
     per_token = {"old_log_probs": micro_batch["old_log_probs"], "advantages": micro_batch["advantages"],
                  "ref_log_probs": micro_batch["ref_log_probs"] if with_kl else None}
     for name in ("old_log_probs", "advantages"):
@@ -224,6 +232,23 @@ def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[t
     if with_kl:
         metrics["actor/kl_loss"], metrics["actor/kl_coef"] = out.metrics["kl_loss"].item(), config.kl_coef
     return out.loss, metrics
+
+
+#: the ActorConfig fields micro_batch_loss reads
+_ACTOR_FIELDS = ("loss_type", "ulysses_size", "use_kl_loss", "clip_ratio_low", "clip_ratio_high", "clip_ratio_dual",
+                 "loss_avg_mode", "padding_free", "kl_penalty", "kl_coef")
+
+
+def _actor_config(actor):
+    """``actor.config`` of an EasyR1 actor (its model ``actor_module``, its ``ActorConfig``), checked."""
+    if actor is None or not hasattr(actor, "actor_module") or not hasattr(actor, "config"):
+        raise TypeError(f"actor must be EasyR1's DataParallelPPOActor (with actor_module, the model, and config, its "
+                        f"ActorConfig), got {type(actor).__name__}")
+    missing = [name for name in _ACTOR_FIELDS if not hasattr(actor.config, name)]
+    if missing:
+        raise ValueError(f"actor.config has no {', '.join(missing)}: pass the actor's EasyR1 ActorConfig (these fields "
+                         "set the loss)")
+    return actor.config
 
 
 def _model_inputs(ids, attention, position_ids, padding_free: bool, R: int):

@@ -42,9 +42,9 @@ from ..ops.logprob import selected_logprob
 from ..ops.loss import agg_loss, policy_loss
 from ..ops.loss_config import PolicyLossConfig
 from ..ops.options import RatioMode
-from ..schema.checks import FLOAT_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
+from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
 
-__all__ = ["grpo_loss", "GRPOTrainer", "loss_config", "LOSS_TYPES", "RLKGRPOMixin"]
+__all__ = ["dapo_normalizer", "grpo_loss", "GRPOTrainer", "loss_config", "LOSS_TYPES", "RLKGRPOMixin"]
 
 #: TRL loss types this adapter reproduces (TRL 1.16)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -86,12 +86,16 @@ def grpo_loss(
     Tensors are padded ``[B, C]`` over the completions (``advantages`` may be ``[B]``,
     ``importance_sampling_ratio`` ``[B, 1]``). ``loss_type``: ``grpo`` (mean of per-sequence
     means), ``bnpo`` (token mean), ``dr_grpo`` (sum / (B * ``max_completion_length``)),
-    ``dapo`` (sum / ``num_items``: TRL's ``num_items_in_batch`` rescaled to one accumulation
-    window), ``luspo`` (mean of per-sequence sums); all but ``dapo`` are then divided by
-    ``gradient_accumulation_steps`` (1 in eval). Returns ``(loss, stats)``: ``policy_loss``
-    (the loss before that division, detached), ``ratio`` (TRL's ``coef_1``, detached:
-    ``[B, C]``, or ``[B, 1]`` for ``importance_sampling_level="sequence"``) and ``kl`` (the
-    per-token KL term, detached; None without ``beta``).
+    ``dapo`` (sum / ``num_items``: TRL's normalizer, ``num_items_in_batch`` clamped at 1,
+    divided by the processes and rescaled to one accumulation window; > 0, and not a count
+    of this batch's tokens: it may be fractional or below them), ``luspo`` (mean of
+    per-sequence sums); all but ``dapo`` are then divided by ``gradient_accumulation_steps``
+    (1 in eval). ``num_items`` as a number is checked here; as a 0-d tensor it is not read on
+    the host (TRL keeps it on the device): a value <= 0 or not finite makes the loss NaN.
+    Returns ``(loss, stats)``: ``policy_loss`` (the loss before that division, detached),
+    ``ratio`` (TRL's ``coef_1``, detached: ``[B, C]``, or ``[B, 1]`` for
+    ``importance_sampling_level="sequence"``) and ``kl`` (the per-token KL term, detached; None
+    without ``beta``).
     """
     C = tensor_arg("per_token_logps", per_token_logps, ndim=2, dtypes=FLOAT_DTYPES).shape[1]
     B = per_token_logps.shape[0]
@@ -112,7 +116,8 @@ def grpo_loss(
         importance_sampling_ratio = _per_token_is_ratio(importance_sampling_ratio, B, C)
     gradient_accumulation_steps = int_arg("gradient_accumulation_steps", gradient_accumulation_steps, min=1)
     config = loss_config(loss_type, level, low, high, delta, num_completions=B,
-                         max_completion_length=max_completion_length, num_items=num_items)
+                         max_completion_length=max_completion_length)
+    normalizer = dapo_normalizer(num_items) if loss_type == "dapo" else None
 
     ratio = _importance_ratio(per_token_logps, old_per_token_logps, completion_mask, level)
     loss, _ = policy_loss(
@@ -126,15 +131,31 @@ def grpo_loss(
         kl = torch.exp(diff) - diff - 1.0
         if use_bias_correction_kl:
             kl = kl * ratio
-        loss = loss + beta * agg_loss(kl, completion_mask, config.loss_agg_mode,
-                                      batch_num_tokens=config.batch_num_tokens,
+        # policy_loss has checked the mask: a 0/1 integer mask as bool needs no second check (host read)
+        kl_mask = completion_mask if completion_mask.is_floating_point() else completion_mask.bool()
+        loss = loss + beta * agg_loss(kl, kl_mask, config.loss_agg_mode,
                                       global_batch_size=config.global_batch_size,
                                       loss_scale_factor=config.loss_scale_factor)
         kl = kl.detach()
+    if normalizer is not None:
+        loss = loss / normalizer
     stats = {"policy_loss": loss.detach(), "ratio": ratio.detach(), "kl": kl}
     if loss_type != "dapo":
         loss = loss / gradient_accumulation_steps
     return loss, stats
+
+
+def dapo_normalizer(num_items) -> float | Tensor:
+    """TRL's ``dapo`` divisor ``num_items``: a number > 0 (checked), or a 0-d float tensor
+    (not read on the host: NaN where it is <= 0 or not finite, so the loss shows it)."""
+    if num_items is None:
+        raise ValueError("loss_type='dapo' needs num_items (TRL's normalizer: the active tokens of the accumulation "
+                         "window, num_items_in_batch clamped at 1, per process)")
+    if not isinstance(num_items, Tensor):
+        return float_arg("num_items", num_items, min=0.0, min_open=True)
+    tensor_arg("num_items", num_items, ndim=0, dtypes=FLOAT_DTYPES + INTEGER_DTYPES)
+    n = num_items.to(torch.float32)
+    return torch.where((n > 0) & torch.isfinite(n), n, torch.full_like(n, float("nan")))
 
 
 def _per_token_is_ratio(ratio: Tensor, B: int, C: int) -> Tensor:
@@ -159,18 +180,21 @@ def _importance_ratio(logps: Tensor, old: Tensor, mask: Tensor, level: str) -> T
 
 def loss_config(loss_type: str, importance_sampling_level: str, epsilon_low: float, epsilon_high: float,
                 delta: Optional[float], *, num_completions: int, max_completion_length: Optional[int] = None,
-                num_items: Optional[float | Tensor] = None, entropy_coeff: float = 0.0) -> PolicyLossConfig:
+                entropy_coeff: float = 0.0) -> PolicyLossConfig:
     """The ``PolicyLossConfig`` of TRL ``GRPOConfig``'s loss settings, by TRL's names, for a batch
     of ``num_completions``: ``epsilon_low``/``epsilon_high`` as the clip, no log-ratio clamp,
     ``delta`` as the dual clip, the ratio of ``importance_sampling_level`` (``sequence``: GSPO
     with the gradient through the sequence mean), the aggregation of ``loss_type`` (with
-    ``max_completion_length`` for ``dr_grpo``, ``num_items`` for ``dapo``) and the entropy bonus."""
+    ``max_completion_length`` for ``dr_grpo``) and the entropy bonus. ``dapo`` is the token
+    sum: its divisor, TRL's normalizer (``dapo_normalizer``), is no count of tokens (it may be
+    fractional, or below this batch's tokens on a process with long completions), so the caller
+    divides the loss by it rather than passing it as ``batch_num_tokens``."""
     loss_type, level, low, high, delta, _ = _options(loss_type, importance_sampling_level, epsilon_low, epsilon_high,
                                                      delta, 0.0)
     return PolicyLossConfig(
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=delta,
         ratio=RatioMode.GSPO if level == "sequence" else RatioMode.TOKEN, log_ratio_clamp=(None, None),
-        entropy_coeff=entropy_coeff, **_aggregation(loss_type, num_completions, max_completion_length, num_items),
+        entropy_coeff=entropy_coeff, **_aggregation(loss_type, num_completions, max_completion_length),
     )
 
 
@@ -196,7 +220,7 @@ def _options(loss_type, level, epsilon_low, epsilon_high, delta, beta):
     return loss_type, level, epsilon_low, epsilon_high, delta, beta
 
 
-def _aggregation(loss_type: str, B: int, max_completion_length, num_items) -> dict:
+def _aggregation(loss_type: str, B: int, max_completion_length) -> dict:
     """``policy_loss`` / ``agg_loss`` aggregation arguments of a TRL loss type."""
     if loss_type == "grpo":
         return {"loss_agg_mode": "seq"}
@@ -209,13 +233,7 @@ def _aggregation(loss_type: str, B: int, max_completion_length, num_items) -> di
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (it divides by B * max_completion_length)")
         length = int_arg("max_completion_length", max_completion_length, min=1)
         return {"loss_agg_mode": "seq-mean-token-sum-norm", "global_batch_size": B, "loss_scale_factor": length}
-    if num_items is None:
-        raise ValueError("loss_type='dapo' needs num_items (the active-token count of the accumulation window)")
-    if isinstance(num_items, Tensor):
-        tensor_arg("num_items", num_items, ndim=0)  # its value is checked by policy_loss (batch_num_tokens)
-    else:
-        num_items = float_arg("num_items", num_items, min=0.0, min_open=True)
-    return {"loss_agg_mode": "token-mean", "batch_num_tokens": num_items}
+    return {"loss_agg_mode": "token-sum"}  # dapo: the caller divides by TRL's normalizer (dapo_normalizer)
 
 
 # ----------------------------------------------------------------------------- the LM head
@@ -401,16 +419,18 @@ class RLKGRPOMixin:
         loss_args = {"old_log_probs": None, **{name: x[b, c] for name, x in per_token.items()}}
         loss_args.update(sample_index=b, num_samples=B, config=loss_config(
             self.loss_type, level, self.epsilon_low, self.epsilon_high, self.args.delta, num_completions=B,
-            max_completion_length=self.max_completion_length, num_items=num_items, entropy_coeff=self.entropy_coef))
+            max_completion_length=self.max_completion_length, entropy_coeff=self.entropy_coef))
+        normalizer = dapo_normalizer(num_items) if self.loss_type == "dapo" else accumulation
         media = {k: inputs[k] for k in _MEDIA_FIELDS if k in inputs and k not in ("num_images", "num_tiles")}
         with self.accelerator.autocast():
             out = model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
                         attention_mask=torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
                         **media, labels=labels, fused_lm_head=True, policy_loss_args=loss_args)
-        loss = out.loss if self.loss_type == "dapo" else out.loss / accumulation
+        loss = out.loss / normalizer
         logps = _spread(out.log_probs, scored)
         old = logps if old is None else old.masked_fill(~scored, 0.0)
-        stats = {"policy_loss": out.metrics["pg_loss"], "kl": None, "ratio": _importance_ratio(logps, old, mask, level)}
+        pg_loss = out.metrics["pg_loss"] / normalizer if self.loss_type == "dapo" else out.metrics["pg_loss"]
+        stats = {"policy_loss": pg_loss, "kl": None, "ratio": _importance_ratio(logps, old, mask, level)}
         return loss, stats, _spread(out.entropy, scored)
 
     def _log_loss_metrics(self, mode: str, stats: dict, entropies: Tensor, mask: Tensor, advantages: Tensor) -> None:

@@ -33,7 +33,7 @@ from ..ops.options import Estimator, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import bool_arg, float_arg
-from ._args import clip_ratios, outcome_inputs, padded_inputs
+from ._args import actor_config, clip_ratios, outcome_inputs, padded_inputs, setting
 
 __all__ = [
     "ADV_ESTIMATORS", "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_gspo",
@@ -47,23 +47,22 @@ ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
 
 def loss_config(config, loss_agg_mode: str, *, gspo: bool = False) -> PolicyLossConfig:
     """The ``PolicyLossConfig`` of verl's actor ``config`` (``ActorConfig``: its clip ratios,
-    dual clip and ``global_batch_info``) for ``loss_agg_mode``: verl's vanilla PPO loss, or
-    with ``gspo`` verl's ``gspo`` (sequence ratio, log-ratio clamped at 10, no dual clip)."""
-    if config is None:
-        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
+    dual clip and ``global_batch_info``; or a mapping of those fields) for ``loss_agg_mode``:
+    verl's vanilla PPO loss, or with ``gspo`` verl's ``gspo`` (sequence ratio, log-ratio
+    clamped at 10, no dual clip). The global counts are checked against each micro-batch by
+    ``policy_loss``: at least what the micro-batch shows."""
     low, high = clip_ratios(config)
     if gspo:
         ratio = dict(clip_ratio_c=None, ratio=RatioMode.GSPO_TOKEN, log_ratio_clamp=(None, 10.0))
     else:
-        ratio = dict(clip_ratio_c=config.get("clip_ratio_c", 3.0))
+        ratio = dict(clip_ratio_c=setting(config, "clip_ratio_c", 3.0))
     return PolicyLossConfig(clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode=loss_agg_mode, **ratio,
                             **_global_batch_info(config))
 
 
 def _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights):
     """Checks types and shapes under verl's names (``policy_loss`` checks the values)."""
-    if config is None:
-        raise ValueError("config (verl's ActorConfig) is required: it holds the clip ratios")
+    actor_config(config)
     padded_inputs({"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages,
                    "rollout_is_weights": rollout_is_weights, "response_mask": response_mask}, mask="response_mask")
     clip_ratios(config)
@@ -76,7 +75,7 @@ def _metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def _global_batch_info(config) -> dict[str, Any]:
-    info = dict(getattr(config, "global_batch_info", None) or {})
+    info = dict(setting(config, "global_batch_info") or {})
     return {k: info[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor") if info.get(k) is not None}
 
 
