@@ -18,9 +18,10 @@ Two uses:
 
 Standard library only: mkdocs loads this file by path, outside the ``bench`` package.
 
-A result file may carry a top-level ``"headline"`` list of rows
-``{"what": str, "ours": str, "peer": str, "ratio": str}`` for the README's headline
-table; ``linear_loss.json`` and ``tp.json`` get their rows computed here.
+Any result file may carry a top-level ``"headline"`` list of rows for the README's headline
+table, each ``{"metric", "ours", "peer", "unit"}`` (numbers, or text; the ratio is computed
+where both are numbers) or, as earlier files have them, ``{"what", "ours", "peer", "ratio"}``;
+``linear_loss.json`` and ``tp.json`` get their rows computed here from their timings.
 """
 
 from __future__ import annotations
@@ -387,6 +388,22 @@ def _ratio(ours: float, peer: float) -> str:
     return f"{ours / peer:.2f}×" if peer else "—"
 
 
+def _given_row(row: dict, data: dict, name: str) -> list[str]:
+    """One row of a file's own ``"headline"`` list, in the table's columns."""
+    if "metric" not in row:
+        return [str(row.get("what")), str(row.get("ours")), str(row.get("peer")), str(row.get("ratio")),
+                _card(meta_of(data)), name]
+    unit = f" {row['unit']}" if row.get("unit") else ""
+    ours, peer = row.get("ours"), row.get("peer")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, peer))
+
+    def cell(value) -> str:
+        return f"{_num(value)}{unit}" if isinstance(value, (int, float)) and not isinstance(value, bool) else _num(value)
+
+    return [_num(row["metric"]), cell(ours), cell(peer), _ratio(ours, peer) if numbers else "—",
+            _card(meta_of(data)), name]
+
+
 def _headline_rows(results: dict[str, dict]) -> tuple[list[list[str]], list[str]]:
     rows, sources = [], []
     fused = results.get("linear_loss.json")
@@ -404,9 +421,7 @@ def _headline_rows(results: dict[str, dict]) -> tuple[list[list[str]], list[str]
         sources.append("linear_loss.json")
     on_policy = results.get("on_policy.json")
     if on_policy and isinstance(on_policy.get("headline"), list):
-        for r in on_policy["headline"]:
-            rows.append([str(r.get("what")), str(r.get("ours")), str(r.get("peer")), str(r.get("ratio")),
-                         _card(meta_of(on_policy)), "on_policy.json"])
+        rows += [_given_row(r, on_policy, "on_policy.json") for r in on_policy["headline"]]
         sources.append("on_policy.json")
     elif not on_policy:
         rows.append(["on-policy rollout: RL step under `batch_invariant()` vs default kernels",
@@ -429,9 +444,7 @@ def _headline_rows(results: dict[str, dict]) -> tuple[list[list[str]], list[str]
     for name, data in results.items():
         if name in ("on_policy.json",) or not isinstance(data, dict) or not isinstance(data.get("headline"), list):
             continue
-        for r in data["headline"]:
-            rows.append([str(r.get("what")), str(r.get("ours")), str(r.get("peer")), str(r.get("ratio")),
-                         _card(meta_of(data)), name])
+        rows += [_given_row(r, data, name) for r in data["headline"]]
         sources.append(name)
     return rows, sources
 

@@ -331,3 +331,17 @@ def test_py_typed_and_the_package_data_are_shipped():
     assert "py.typed" in data["rlk_mm"] and (ROOT / "rlk_mm" / "py.typed").is_file()
     assert "geo3k_sample/*" in data["rlk_mm.fixtures"]
     assert (ROOT / "LICENSE").read_text(encoding="utf-8").lstrip().startswith("Apache License")
+
+
+def test_headline_rows_a_result_file_gives():
+    """A results file's own ``"headline"`` list lands in the table, numbers with their unit and a ratio."""
+    report = _report()
+    data = {"meta": {"gpu": "NVIDIA H100", "command": "python -m bench.bench_group_memory"},
+            "headline": [{"metric": "log-prob memory, group of 16", "ours": 1.5, "peer": 6.0, "unit": "GiB"},
+                         {"metric": "exact match", "ours": "200 / 200 steps", "peer": None, "unit": ""},
+                         {"what": "older form", "ours": "1 ms", "peer": "2 ms", "ratio": "0.50×"}]}
+    table = report.headline_table({"group_memory.json": data})
+    assert "| log-prob memory, group of 16 | 1.50 GiB | 6.00 GiB | 0.25× | NVIDIA H100 | `group_memory.json` |" in table
+    assert "| exact match | 200 / 200 steps | — | — |" in table
+    assert "| older form | 1 ms | 2 ms | 0.50× |" in table
+    assert "`python -m bench.bench_group_memory`" in table
