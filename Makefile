@@ -1,4 +1,5 @@
 # The two commands: `make smoke` and `make test`. Both set up .venv on first use.
+# `make lint` runs ruff (configured in pyproject.toml); `make test` runs it first.
 # `make docs` builds the documentation site (mkdocs build --strict) into build/site.
 PY ?= python3
 VENV := .venv
@@ -6,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlk_mm_installed
 DOCS_STAMP := $(VENV)/.rlk_mm_docs_installed
 
-.PHONY: setup smoke test docs clean
+.PHONY: setup smoke lint test docs clean
 
 setup: $(STAMP)
 
@@ -23,10 +24,13 @@ $(STAMP): pyproject.toml
 smoke: $(STAMP)
 	$(BIN)/rlk-mm smoke
 
-# the main suite, then the suites that need other framework pins, each in its own
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# the lint, then the main suite, then the suites that need other framework pins, each in its own
 # environment built on first use: verl 0.9.1's actor worker (transformers < 5.11) and the
 # builders under transformers 4.5x (EasyR1's)
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 	bash tests/frameworks/verl_env.sh
 	bash tests/frameworks/tf4_env.sh
