@@ -115,7 +115,6 @@ def run_group(G: int, seq: int, reps: int, skip: set) -> dict:
     for name, t in times.items():
         res["peers"][name].update(ms=t["ms"], times_ms=t["times_ms"])
     print({k: (v.get("extra_gib"), v.get("ms")) if "extra_gib" in v else v for k, v in res["peers"].items()}, flush=True)
-    del h, w
     free()
     return res
 
