@@ -4,16 +4,21 @@
 the Qwen2.5-VL-7B head (H = 3584, V = 152,064) and a 72B-like head (H = 8192).
 
 Run under torchrun, one process per GPU; a tp size uses the first tp ranks (the others
-wait), every peer timed round-robin in one process (CUDA events, medians; every rank times
-its own calls after a barrier, the slowest rank's median is reported), peak memory above
-inputs per GPU (gradients included; the largest rank), strong-scaling efficiency
-``t(tp=1) / (tp · t(tp))``, the log-prob error against the single-GPU op, and the bytes
-each rank sent per scored token, measured (``torch.profiler``'s c10d ops, the slope
-between N/2 and N rows) against ``vocab_parallel.comm_bytes_per_token``. verl's kernel
-all-reduces (its bytes are counted by wrapping ``torch.distributed.all_reduce``); verl is
-imported lazily and its absence recorded. Writes ``tp.json`` to ``--out``.
+wait), the head split on the 128-row grid (evenly for the 7B head: Megatron's padding),
+every peer timed round-robin in one process (CUDA events, medians; every rank times its own
+calls after a barrier, the slowest rank's median is reported), peak memory above inputs per
+GPU (gradients included; the largest rank), strong-scaling efficiency ``t(tp=1) / (tp ·
+t(tp))``, the max |Δ| of the log-probs, entropies and row log-sum-exps (of
+``selected_logprob``, and the fused loss's log-probs and entropies) against the single-GPU
+op (the goal, and the guarantee: 0), and the bytes each rank sent per scored token,
+measured (``torch.profiler``'s c10d ops, the slope between N/2 and N rows) against
+``vocab_parallel.comm_bytes_per_token``. verl's kernel all-reduces (its bytes are counted by
+wrapping ``torch.distributed.all_reduce``); verl is imported lazily and its absence
+recorded. Writes ``tp.json`` to ``--out``, naming the card. ``--quick``: the 7B head only,
+3 timed repetitions (about a minute on 4 H100s at tp 1/2/4).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 -m bench.bench_tp --out $OUT
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 -m bench.bench_tp --out $OUT --tp 1 2 4 --quick
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 1 -m bench.bench_tp --out $OUT --tp 1   # one GPU
     torchrun --nproc-per-node 2 -m bench.bench_tp --dry-run --out /tmp/tp   # CPU, gloo, tiny shapes
 """
@@ -42,8 +47,12 @@ def _parse():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", type=int, default=16384, help="scored rows N")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="the 7B head only, 3 timed repetitions")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: every code path, the JSON written")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.quick:
+        args.shapes, args.reps = ["7b"], min(args.reps, 3)
+    return args
 
 
 def _gather_max(value: float, group) -> float:
@@ -134,9 +143,20 @@ def _case(n, H, V, P, rank, device, dtype):
     }
 
 
+def _sizes(V, P):
+    """Shard sizes on the 128-row grid (``vocab_parallel.VOCAB_ALIGN``): whole segments split
+    evenly, the first shards one segment larger where they do not divide; the last ends at V."""
+    from rlk_mm.ops.vocab_parallel import VOCAB_ALIGN
+
+    segments = -(-V // VOCAB_ALIGN)
+    sizes = [(segments // P + (r < segments % P)) * VOCAB_ALIGN for r in range(P)]
+    sizes[-1] = V - sum(sizes[:-1])
+    return sizes
+
+
 def _bounds(V, P, rank):
-    """This rank's vocabulary rows ``[lo, hi)``: contiguous, the first ``V % P`` shards one row larger."""
-    sizes = [V // P + (r < V % P) for r in range(P)]
+    """This rank's vocabulary rows ``[lo, hi)``."""
+    sizes = _sizes(V, P)
     return sum(sizes[:rank]), sum(sizes[: rank + 1])
 
 
@@ -204,8 +224,11 @@ def _sent_per_token(run, c, group, P) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             run(half)
         sent.append(sum(vp.profiled_sent_bytes(prof.events(), P).values()))
-    return {"measured": (sent[1] - sent[0]) / (n - n // 2),
-            "documented": sum(vp.comm_bytes_per_token(P, c["hidden"].shape[1], with_entropy=True).values())}
+    V = c["weight"].shape[0]
+    documented = vp.comm_bytes_per_token(P, c["hidden"].shape[1], True, V, largest_shard=max(_sizes(V, P)),
+                                         partial_columns=vp.partial_columns(c["shard"]))
+    return {"measured": (sent[1] - sent[0]) / (n - n // 2), "documented": sum(documented.values()),
+            "documented_split": documented}
 
 
 def main() -> None:
@@ -222,7 +245,9 @@ def main() -> None:
     groups = {tp: dist.new_group(list(range(tp))) for tp in sizes}  # every rank creates every group
     verl_lce, verl_note = _verl()
     head = load_config("lm_heads")["7b"]
-    results = {"world": world, "backend": backend, "dtype": str(dtype), "verl": verl_note or "run", "shapes": {}}
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
+    results = {"card": card, "world": world, "backend": backend, "dtype": str(dtype), "verl": verl_note or "run",
+               "reps": args.reps, "shapes": {}}
     for shape in args.shapes:
         n, H, V = (DRY["n"], DRY["hidden"], DRY["vocab"]) if args.dry_run else \
             (args.rows, SHAPES[shape] or head["hidden"], head["vocab"])
@@ -256,6 +281,41 @@ def _efficiency(by_tp: dict) -> None:
                     t[key] = round(ref / (tp * t["ms"]), 4)
 
 
+def _errors(c, group) -> dict:
+    """Max |Δ| of this rank's results against the single-GPU op on the whole head: the forward's
+    log-probs, entropies and row log-sum-exps, and ``linear_policy_loss``'s log-probs and entropies."""
+    from rlk_mm.ops import linear_policy_loss
+    from rlk_mm.ops import vocab_parallel as vp
+
+    def stats(weight, tp_group):
+        if tp_group is None and weight.is_cuda:
+            from rlk_mm.ops._triton import logprob as triton_logprob
+
+            return triton_logprob.forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9, True, True)
+        if tp_group is None:  # the dry run: the torch backend
+            from rlk_mm.ops._torch import logprob as torch_logprob
+
+            return torch_logprob.selected_logprob_forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9)
+        shard, all_rows = vp.agree(c["hidden"], weight, c["index"], c["targets"], None, 0.9, tp_group, None, False,
+                                   lambda: None)
+        return vp.shard_forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9, True, all_rows, shard)
+
+    def fused(weight, tp_group):
+        out = linear_policy_loss(c["hidden"], weight, index=c["index"], targets=c["targets"], temperature=0.9,
+                                 old_log_probs=c["old"], advantages=c["adv"], sample_index=c["sample"],
+                                 num_samples=int(c["sample"][-1]) + 1, tp_group=tp_group)
+        return out.log_probs, out.entropy
+
+    with torch.no_grad():
+        single = stats(c["weight"], None)
+        ours = stats(c["shard"], group)
+        loss_ours = fused(c["shard"], group)
+    errors = {k: (a - b).abs().max().item() for k, a, b in zip(("logp", "entropy", "lse"), ours, single)}
+    errors.update({f"linear_policy_loss_{k}": (a - b).abs().max().item()
+                   for k, a, b in zip(("logp", "entropy"), loss_ours, single)})
+    return errors
+
+
 def _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, reps) -> dict:
     """One group size at one shape: timings, memory, error against the single-GPU op, bytes per token."""
     from rlk_mm.ops import selected_logprob
@@ -273,11 +333,7 @@ def _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, reps) -> dict:
         dist.barrier(group)
 
     out["timings"] = _interleaved(peers, reps, free, group)
-    with torch.no_grad():
-        ours = selected_logprob(c["hidden"], c["shard"], index=c["index"], targets=c["targets"], temperature=0.9,
-                                tp_group=group)
-        single = selected_logprob(c["hidden"], c["weight"], index=c["index"], targets=c["targets"], temperature=0.9)
-    out["logprob_max_abs_vs_single_gpu_op"] = _gather_max((ours - single).abs().max().item(), group)
+    out["max_abs_vs_single_gpu_op"] = {k: _gather_max(v, group) for k, v in _errors(c, group).items()}
 
     def logprob_run(case):
         h = case["hidden"].clone().requires_grad_()

@@ -77,7 +77,10 @@ def test_contract_at_7b_hidden_size_gpu():
     with use_backend("torch"):  # fp32 plain torch (TF32 off) on the same bf16 inputs upcast
         reference = _composed(c, dtype=torch.float32)
     _within(out, grads, reference, torch.bfloat16)
-    _within(out, grads, _composed(c), torch.bfloat16)
+    composed = _composed(c)
+    _within(out, grads, composed, torch.bfloat16)
+    # the same tiles and segment partials: the fused loss's log-probs are selected_logprob's, bitwise
+    assert torch.equal(out.log_probs, composed[2]) and torch.equal(out.entropy, composed[3])
 
 
 def test_several_chunks_and_bitwise_log_probs_gpu(monkeypatch):

@@ -8,6 +8,7 @@ import torch
 
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
+from rlk_mm.ops._triton import logprob as triton_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from helpers import count_syncs
 
@@ -100,3 +101,31 @@ def test_host_syncs_gpu(every_row, with_bias):
     assert count_syncs(lambda: out.setdefault("bwd", backward(*args))) == 0
     d_h, d_w, _ = out["bwd"]
     assert d_h.shape == h.shape and d_w.shape == w.shape and d_w.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shard_partials_are_the_whole_heads_partials_gpu(dtype):
+    """What makes vocabulary-parallel results bitwise the single GPU's (``vocab_parallel``), on
+    one GPU: the per-segment partials a 128-aligned shard of the 7B head computes (starting at
+    rows 76,160 and 114,048: mid-way through a 256-column bf16 tile) are bitwise the whole
+    head's partials of those segments."""
+    T, H, V = 512, 3584, 152064
+    h, w, tg = _inputs(T, H, V, dtype, seed=4)
+    rows = torch.arange(T, device="cuda")
+
+    def partials(lo, hi):
+        got = []
+
+        def capture(parts, tgt_logit, start, cols):
+            got.append(parts.clone())
+            return parts.contiguous(), tgt_logit
+
+        local = torch.where((tg >= lo) & (tg < hi), tg - lo, -1)
+        out = triton_logprob.forward(h, w[lo:hi], rows, local, None, 0.8, True, True, exchange=capture)
+        return torch.cat(got, dim=2), out
+
+    whole, single = partials(0, V)
+    shards = [partials(lo, hi)[0] for lo, hi in ((0, 76160), (76160, 114048), (114048, V))]
+    assert torch.equal(torch.cat(shards, dim=1), whole)
+    logp, ent, lse = triton_logprob.forward(h, w, rows, tg, None, 0.8, True, True)
+    assert all(torch.equal(a, b) for a, b in zip(single, (logp, ent, lse)))  # a pass-through exchange changes nothing
