@@ -48,6 +48,8 @@ def _parse():
     ap.add_argument("--rows", type=int, default=16384, help="scored rows N")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="the 7B head only, 3 timed repetitions")
+    ap.add_argument("--profile", action="store_true",
+                    help="at tp > 1, record where one call of the fused loss spends its GPU time (rank 0's kernels)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: every code path, the JSON written")
     args = ap.parse_args()
     if args.quick:
@@ -257,7 +259,8 @@ def main() -> None:
             if rank >= tp:
                 continue
             group = groups[tp]
-            entry["tp"][tp] = _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, args.reps)
+            entry["tp"][tp] = _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, args.reps,
+                                       profile=args.profile and tp > 1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         _efficiency(entry["tp"])
@@ -316,7 +319,20 @@ def _errors(c, group) -> dict:
     return errors
 
 
-def _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, reps) -> dict:
+def _profile(run, free, group) -> list[dict]:
+    """The GPU kernels of one call of ``run`` on this rank, the 25 longest (total ms, calls)."""
+    free()
+    run()  # warm
+    free()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    dist.barrier(group)
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:25]
+    return [{"kernel": e.key[:120], "ms": round(e.device_time_total / 1000, 3), "calls": e.count} for e in events]
+
+
+def _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, reps, *, profile=False) -> dict:
     """One group size at one shape: timings, memory, error against the single-GPU op, bytes per token."""
     from rlk_mm.ops import selected_logprob
 
@@ -334,6 +350,8 @@ def _run_tp(n, H, V, tp, rank, device, dtype, group, verl_lce, reps) -> dict:
 
     out["timings"] = _interleaved(peers, reps, free, group)
     out["max_abs_vs_single_gpu_op"] = {k: _gather_max(v, group) for k, v in _errors(c, group).items()}
+    if profile:
+        out["profile_linear_policy_loss_rank0"] = _profile(peers["rlk_mm_linear_policy_loss_tp"], free, group)
 
     def logprob_run(case):
         h = case["hidden"].clone().requires_grad_()
