@@ -12,8 +12,8 @@
   ``rlk_mm.integrations`` exports nothing itself, so its page covers each adapter module's
   ``__all__``).
 - The Benchmarks pages render every result file of ``bench/results/`` and name card,
-  versions and command; the README's headline block, once the README has its markers, is
-  exactly what ``bench/report.py`` generates.
+  versions and command; the README's headline block is exactly what ``bench/report.py``
+  generates, the README stays under 12 KB and its links resolve.
 
 The site itself is built by ``make docs`` (``mkdocs build --strict``), not here.
 """
@@ -41,9 +41,9 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`\n]*)\n(?P<b
 
 
 def code_blocks(root: Path = DOCS) -> list[tuple[str, str]]:
-    """``(id, code)`` of every runnable python block under ``root``; id is ``path:line``."""
+    """``(id, code)`` of every runnable python block under ``root`` (a folder, or one file); id is ``path:line``."""
     blocks = []
-    for path in sorted(root.rglob("*.md")):
+    for path in sorted(root.rglob("*.md")) if root.is_dir() else [root]:
         text = path.read_text(encoding="utf-8")
         for m in FENCE.finditer(text):
             words = m.group("info").replace("{", " ").replace("}", " ").replace(".", " ").split()
@@ -141,7 +141,7 @@ def run_blocks(blocks: list[tuple[str, str]]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-BLOCKS = code_blocks()
+BLOCKS = code_blocks() + code_blocks(ROOT / "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +159,29 @@ def test_doc_block_runs_as_written(block_id, code, block_results):
     assert result["exit"] == 0, f"{block_id} failed (exit {result['exit']}, {result['seconds']} s):\n{result['output']}"
 
 
+def test_the_readme_has_its_tour_and_stays_short():
+    readme = ROOT / "README.md"
+    assert readme.stat().st_size <= 12 * 1024, "README.md is over 12 KB: move the detail into a docs page"
+    assert any("linear_policy_loss" in code for _, code in code_blocks(readme))
+
+
+def test_the_readme_links_resolve():
+    """Every relative link of the README names a file of the repository (or a docs page still to come)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target or target in README_LINKS_TO_COME:
+            continue
+        assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+#: pages the README links to that another change is writing now
+README_LINKS_TO_COME = {"docs/guides/on-policy.md"}
+
+
 def test_python_blocks_are_plain_or_no_run():
     """Any other info string (``python no-run`` without braces, say) is not a code block to Markdown:
     it renders as a paragraph."""
-    for path in sorted(DOCS.rglob("*.md")):
+    for path in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]:
         text = path.read_text(encoding="utf-8")
         for m in FENCE.finditer(text):
             info = m.group("info").strip()
@@ -298,16 +317,13 @@ def test_benchmark_tables_come_from_the_json(tmp_path):
 
 
 def test_readme_headline_block():
-    """Once the README carries the markers, its block must be exactly the generated one
-    (``python -m bench.report --readme README.md`` rewrites it). Until the README rewrite adds
-    the markers there is nothing to compare, and the test checks only that the block can be
-    generated: it passes trivially then, by design, not by a skip."""
+    """The README's block is exactly the generated one (``python -m bench.report --readme README.md``
+    rewrites it)."""
     report = _report()
     generated = report.headline_block()
     assert generated.startswith(report.HEADLINE_START) and generated.endswith(report.HEADLINE_END)
     current = report.readme_block((ROOT / "README.md").read_text(encoding="utf-8"))
-    if current is None:  # no markers yet: the README rewrite (issue 35) adds them
-        return
+    assert current is not None, "README.md lost its headline markers"
     assert current == generated, "README.md's headline table is stale: run python -m bench.report --readme README.md"
 
 
@@ -345,3 +361,10 @@ def test_headline_rows_a_result_file_gives():
     assert "| exact match | 200 / 200 steps | — | — |" in table
     assert "| older form | 1 ms | 2 ms | 0.50× |" in table
     assert "`python -m bench.bench_group_memory`" in table
+
+
+def test_a_guide_missing_from_the_nav_is_appended(tmp_path):
+    report = _report()
+    for name in ("a.md", "b.md"):
+        (tmp_path / name).write_text(f"# Guide {name}\n", encoding="utf-8")
+    assert report.unlisted_guides([{"A": "guides/a.md"}], tmp_path) == [{"Guide b.md": "guides/b.md"}]
