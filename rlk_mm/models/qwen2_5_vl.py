@@ -29,19 +29,19 @@ from typing import Optional
 
 import torch
 
-from ..schema.batch import PaddingSide, batch_arg
 from ..ops.invariant.attention import varlen_attention
 from ..ops.invariant.matmul import shared_input_patch
-from ..ops.invariant.mode import register_module_patches
+from ..ops.invariant.mode import register_module_patches, stock_kernels
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
 from ..schema import Choice
-from ..schema.checks import DeviceChecks, first_true, int_arg, tensor_arg, temperature_arg
+from ..schema.batch import PaddingSide, batch_arg
+from ..schema.checks import DeviceChecks, first_true, int_arg, temperature_arg, tensor_arg
 from .vision_cache import VisionCache, check_model, check_pixels
 
 __all__ = [
-    "VisionCache", "batch_logprobs", "check_inputs", "check_model", "forward_hidden", "group_hidden", "group_logprobs",
-    "layout_inputs", "padding_arg", "prompt_lengths",
+    "VisionCache", "batch_logprobs", "check_inputs", "check_model", "fill_media", "forward_hidden", "group_hidden",
+    "group_logprobs", "layout_inputs", "padding_arg", "prompt_lengths",
 ]
 
 class _NotGiven:
@@ -206,7 +206,7 @@ def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, me
         out = backbone(**inputs, **_media_inputs(batch), use_cache=False)
     else:
         embeds = model.get_input_embeddings()(batch.input_ids)
-        embeds = _fill_media(embeds, batch, media_embeds)
+        embeds = fill_media(embeds, batch, media_embeds)
         width = inputs["input_ids"].numel()
         padded = embeds.new_zeros((width, embeds.shape[-1])).index_put((rows,), embeds)
         out = backbone(inputs_embeds=padded.view(*inputs["input_ids"].shape, -1),
@@ -215,9 +215,38 @@ def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, me
     return hidden.reshape(-1, hidden.shape[-1])[rows]
 
 
-def _fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
-    """Packed token embeddings with every media placeholder replaced by its vision row
-    (``media_embeds`` checked by ``check_inputs``)."""
+def fill_media(embeds: torch.Tensor, batch, media_embeds: torch.Tensor) -> torch.Tensor:
+    """Packed token embeddings with every media placeholder replaced by its vision row: the
+    language model's input for ``batch`` (training forward and rollout prefill alike).
+
+    Parameters
+    ----------
+    embeds : Tensor ``[T, H]``
+        The token embeddings of ``batch.input_ids`` (packed, ``T`` tokens).
+    batch : RLBatch
+        The batch (its media placeholders and items).
+    media_embeds : Tensor ``[R, H]``
+        Every media item's vision rows, items in batch order (``VisionCache``'s output);
+        ``R`` against the batch is ``check_inputs``' check (it costs a host sync).
+
+    Returns
+    -------
+    Tensor ``[T, H]``, ``embeds``' dtype and device.
+
+    Raises
+    ------
+    ValueError
+        ``embeds`` is not ``[batch tokens, H]`` or ``media_embeds`` not ``[R, H]``.
+    """
+    batch_arg("batch", batch)
+    tensor_arg("embeds", embeds, ndim=2)
+    tensor_arg("media_embeds", media_embeds, ndim=2)
+    if embeds.shape[0] != batch.input_ids.numel():
+        raise ValueError(f"embeds has {embeds.shape[0]} rows but the batch has {batch.input_ids.numel()} tokens: pass "
+                         "the embeddings of batch.input_ids")
+    if media_embeds.shape[1] != embeds.shape[1]:
+        raise ValueError(f"media_embeds rows are {media_embeds.shape[1]} wide but embeds rows {embeds.shape[1]}: pass the "
+                         "vision rows of this model (VisionCache(model)(batch))")
     rows, item, index = _media_token_rows(batch)
     counts = batch.media_token_counts().to(item.device)
     src = (torch.cumsum(counts, 0) - counts)[item] + index
@@ -274,7 +303,8 @@ def batch_logprobs(model, batch, *, padding: PaddingSide | str | None = None, me
     temperature_arg(temperature)
     hidden = forward_hidden(model, batch, padding=padding_arg(padding, layout, where="batch_logprobs"), media_embeds=media_embeds)
     head = model.get_output_embeddings()
-    return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
+    with stock_kernels():  # the LM head's own fixed order, the same bits inside and outside batch_invariant()
+        return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
 
 
 # --------------------------------------------------------------------------- group scoring
@@ -293,8 +323,9 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     hidden = group_hidden(model, batch, vision_cache=vision_cache)
     targets = batch.loss_token_index()[1].to(hidden.device)
     head = model.get_output_embeddings()
-    return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
-                            targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
+    with stock_kernels():
+        return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
+                                targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
 
 
 def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> torch.Tensor:
@@ -317,7 +348,7 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
         batch = batch.to(device)
     check_inputs(model, batch)
     lm = model.model.language_model
-    embeds = _fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
+    embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, vision_cache(batch))
     dev, width_h = embeds.device, embeds.shape[-1]
     # index arithmetic on the host, once: per-member device syncs would stall a launch-bound forward
     rows, _ = batch.loss_token_index()

@@ -21,6 +21,7 @@ class _State:
 
     active = False
     backend: Backend | None = None  # AUTO, TORCH or TRITON while active
+    stock = 0  # > 0 inside stock_kernels(): the matmul overrides take the stock kernels
 
 
 STATE = _State()

@@ -44,9 +44,13 @@ def _attention_setup(ctx, inputs, output):
 
 
 def _attention_backward(ctx, grad):
-    """Gradient by recomputing each segment's softmax in fp32 (correct, not batch-invariant)."""
+    """The gradient need not be batch-invariant (only the forward is pinned): torch's fused
+    SDPA on the segments packed into padded buckets (``_torch.invariant``). Under
+    ``create_graph=True`` (grad mode on in the backward) the differentiable fp32 reference,
+    so double backward works (slowly)."""
     q, k, v, *segments = ctx.saved_tensors
-    dq, dk, dv = _ref.segment_attention_backward(q, k, v, grad, segments, causal=ctx.causal, scale=ctx.scale)
+    grad_fn = _ref.segment_attention_backward_reference if torch.is_grad_enabled() else _ref.segment_attention_backward
+    dq, dk, dv = grad_fn(q, k, v, grad, segments, causal=ctx.causal, scale=ctx.scale)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

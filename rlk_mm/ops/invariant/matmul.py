@@ -1,9 +1,10 @@
 """Batch-invariant matmul: ``matmul`` (and the aten overrides that route torch's matmuls
 through it inside ``batch_invariant()``), and ``shared_input_linears``.
 
-Triton's persistent matmul (``_triton/matmul.py``) on CUDA, a row-by-row fp32 reference
+Triton's persistent matmul (``_triton/matmul.py``) on CUDA, one batched BLAS entry per row
 (``_torch/invariant.py``) elsewhere: tiles depend on the weight shape only, so a row's
-result does not depend on how many rows there are.
+result does not depend on how many rows there are. Only the forward is pinned: products
+the autograd engine issues during a backward take the stock kernels (``in_backward``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 
 from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
-from ._dispatch import triton_for
+from ._dispatch import STATE, triton_for
 
-__all__ = ["ATEN_OVERRIDES", "matmul", "shared_input_linears", "shared_input_patch"]
+__all__ = ["ATEN_OVERRIDES", "in_backward", "matmul", "shared_input_linears", "shared_input_patch"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -22,7 +23,39 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     """Batch-invariant ``alpha * (a @ b) + beta * bias`` for 2-D or 3-D (batched) a and b of one
     real dtype and device; ``bias`` of that dtype broadcasts to the output (as ``addmm``'s),
     ``alpha`` and ``beta`` finite. Shapes are checked on the host; NaN and inf in the operands
-    propagate (each output row from its own input row only)."""
+    propagate (each output row from its own input row only). Differentiable: the gradient
+    products are stock ones (only the forward is batch-invariant)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+        return _Product.apply(a, b, bias, alpha, beta)
+    return _product(a, b, bias, alpha=alpha, beta=beta)
+
+
+class _Product(torch.autograd.Function):
+    """``matmul`` called directly with tensors that need gradients (the aten overrides run
+    below autograd and need no Function)."""
+
+    @staticmethod
+    def forward(ctx, a, b, bias, alpha, beta):
+        ctx.save_for_backward(a, b)
+        ctx.alpha, ctx.beta, ctx.bias_shape = alpha, beta, None if bias is None else bias.shape
+        return _product(a, b, bias, alpha=alpha, beta=beta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        da = db = dbias = None
+        if ctx.needs_input_grad[0]:
+            da = ctx.alpha * (grad @ b.transpose(-1, -2))
+        if ctx.needs_input_grad[1]:
+            db = ctx.alpha * (a.transpose(-1, -2) @ grad)
+        if ctx.needs_input_grad[2]:
+            dbias = ctx.beta * grad.sum_to_size(ctx.bias_shape)
+        return da, db, dbias, None, None
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+             *, alpha: float = 1.0, beta: float = 1.0) -> torch.Tensor:
+    """``matmul`` without autograd: the checks, then the kernel."""
     tensor_arg("a", a)
     tensor_arg("b", b)
     if a.dim() != b.dim() or a.dim() not in (2, 3):
@@ -68,24 +101,59 @@ def _check_bias(bias: torch.Tensor, a: torch.Tensor, out_shape: tuple[int, ...])
             raise ValueError(f"matmul: bias of shape {tuple(bias.shape)} does not broadcast to the output {out_shape}")
 
 
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (it sets the
+    current graph task for the pass, reentrant and create_graph passes included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _takes_stock(a: torch.Tensor | None = None) -> bool:
+    """Whether an overridden product runs the stock kernel: in a backward pass, inside
+    ``stock_kernels()``, or, for ``mm``/``bmm`` (``a`` given), with K = 1: one product per
+    entry, rounded once, so every kernel gives the same bits (M-RoPE's position x frequency
+    product is one, batched over 3 x B)."""
+    return STATE.stock > 0 or (a is not None and a.shape[-1] == 1) or in_backward()
+
+
+# Inside batch_invariant() only the forward is pinned: a product that the autograd engine
+# issues while it runs a backward (the gradient formulas of mm/addmm/bmm/baddbmm, and any
+# recomputation inside it) takes the stock kernel through its out= overload, which the
+# mode does not override. These overrides run below autograd, so create_graph still
+# records the backward's own products at the autograd key (double backward works).
+def _stock(op, *args, shape, like, **kwargs):
+    return op(*args, **kwargs, out=torch.empty(shape, dtype=like.dtype, device=like.device))
+
+
 def _aten_mm(a, b):
-    return matmul(a, b)
+    if _takes_stock(a):
+        return _stock(torch.mm, a, b, shape=(a.shape[0], b.shape[1]), like=a)
+    return _product(a, b)
 
 
 def _aten_addmm(bias, a, b, *, beta=1, alpha=1):
-    return matmul(a, b, bias, alpha=alpha, beta=beta)
+    if _takes_stock():
+        return _stock(torch.addmm, bias, a, b, beta=beta, alpha=alpha, shape=(a.shape[0], b.shape[1]), like=a)
+    return _product(a, b, bias, alpha=alpha, beta=beta)
 
 
 def _aten_bmm(a, b):
-    return matmul(a, b)
+    if _takes_stock(a):
+        return _stock(torch.bmm, a, b, shape=(a.shape[0], a.shape[1], b.shape[2]), like=a)
+    return _product(a, b)
 
 
 def _aten_baddbmm(bias, a, b, *, beta=1, alpha=1):
-    return matmul(a, b, bias, alpha=alpha, beta=beta)
+    if _takes_stock():
+        return _stock(torch.baddbmm, bias, a, b, beta=beta, alpha=alpha, shape=(a.shape[0], a.shape[1], b.shape[2]),
+                      like=a)
+    return _product(a, b, bias, alpha=alpha, beta=beta)
 
 
 def _aten_convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """A convolution whose kernel covers its whole input (a patch embedding) as a matmul."""
+    if _takes_stock():
+        return torch.ops.aten._convolution.default(x, weight, bias, stride, padding, dilation, transposed,
+                                                   output_padding, groups, False, False, True, True)
     kernel = tuple(weight.shape[2:])
     if (transposed or groups != 1 or any(padding) or any(d != 1 for d in dilation)
             or tuple(x.shape[2:]) != kernel):
@@ -94,7 +162,7 @@ def _aten_convolution(x, weight, bias, stride, padding, dilation, transposed, ou
             f"kernel size {kernel}, no padding, groups=1); got input {tuple(x.shape)}, stride {list(stride)}, "
             f"padding {list(padding)}, groups {groups}"
         )
-    out = matmul(x.reshape(x.shape[0], -1), weight.reshape(weight.shape[0], -1).t(), bias)
+    out = _product(x.reshape(x.shape[0], -1), weight.reshape(weight.shape[0], -1).t(), bias)
     return out.reshape(x.shape[0], weight.shape[0], *([1] * len(kernel)))
 
 

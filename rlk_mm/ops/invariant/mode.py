@@ -5,7 +5,9 @@ Inside the block:
 
 * ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm`` and patch-embedding ``convolution`` on
   the CPU and CUDA dispatch keys run ``matmul.matmul``, whose tiles depend on the weight
-  shape only. Autograd is untouched: backward matmuls also go through it.
+  shape only. Only the forward is pinned: the products the autograd engine issues during
+  a backward take the stock kernels (cuBLAS / MKL), and the attention's gradient is torch's
+  fused SDPA backward (``attention``), both within the numerical contract.
 * transformers' attention registry entries ``sdpa`` and ``eager`` (and their mask
   functions) run ``attention.segment_attention``: the 4-D mask is turned into
   per-sequence segments, and key tiles start at each sequence's first key.
@@ -31,7 +33,10 @@ from ._dispatch import SEGMENT_CACHE, STATE
 from .attention import attention_interface, full_bool_mask
 from .matmul import ATEN_OVERRIDES
 
-__all__ = ["BACKENDS", "batch_invariant", "ModulePatches", "register_module_patches"]
+__all__ = [
+    "BACKENDS", "batch_invariant", "batch_invariant_active", "ModulePatches", "register_module_patches",
+    "stock_kernels",
+]
 
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
 ModulePatches = list[tuple[type, str, object]]
@@ -111,3 +116,27 @@ def batch_invariant(backend: Backend | str | None = None):
             else:
                 setattr(target, name, old)
         lib._destroy()
+
+
+@contextlib.contextmanager
+def stock_kernels():
+    """Inside ``batch_invariant()``, run the block's matmuls with the stock kernels.
+
+    For ops that fix their own reduction order and must give the same bits inside and
+    outside the mode: the LM-head ops' torch backends (``selected_logprob``,
+    ``linear_policy_loss``, ``sample_from_hidden``) multiply fixed-shape, zero-padded row
+    chunks, batch-invariant by construction; routed through the mode's per-row product
+    they would be slower and round differently from the same call outside the mode. The
+    model runners of ``rlk_mm.models`` score and sample inside this block. Nests; a no-op
+    outside ``batch_invariant()``."""
+    STATE.stock += 1
+    try:
+        yield
+    finally:
+        STATE.stock -= 1
+
+
+def batch_invariant_active() -> bool:
+    """Whether a ``batch_invariant()`` block is active (the mode is process-wide)."""
+    return STATE.active
+
