@@ -48,7 +48,7 @@ def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
     out = processor_inputs(processor, samples, padding_side=side)
     responses = responses_for(processor, len(samples))
     media_ids = [m for s in samples for m in s.media_ids]
-    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["g", "g", "h", "h"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
+    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["g", "h", "i", "g"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
     assert batch.num_samples == 4 and batch.media_ids == media_ids
     mask = out["attention_mask"].bool()
     for b in range(4):
@@ -64,12 +64,12 @@ def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
         grid = batch.media_grid_thw[image_spans[0].media_index]
         assert len(image_spans[0]) == int(grid.prod()) // 4
         assert bool((batch.sample_tokens(b)[image_spans[0].start : image_spans[0].end] == 151655).all())
-    assert torch.equal(batch.group_index(), torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(batch.group_index(), torch.tensor([0, 1, 2, 0]))
     # vision_token_offsets map media items to rows of the vision tower output
     counts = batch.media_grid_thw.prod(1) // 4
     assert batch.vision_token_offsets.tolist() == (torch.cumsum(counts, 0) - counts).tolist()
     # the same content, left- or right-padded, gives the same batch
-    other = RLBatch.from_qwen_vl(processor_inputs(processor, samples, padding_side="right" if side == "left" else "left"), processor=processor, responses=responses, group_ids=["g", "g", "h", "h"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
+    other = RLBatch.from_qwen_vl(processor_inputs(processor, samples, padding_side="right" if side == "left" else "left"), processor=processor, responses=responses, group_ids=["g", "h", "i", "g"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
     assert torch.equal(other.input_ids, batch.input_ids) and torch.equal(other.position_ids, batch.position_ids)
     assert other.media_cache_keys == batch.media_cache_keys
 
@@ -160,7 +160,7 @@ def test_padded_responses_and_assistant_mask(processor):
 
 
 def test_views_select_concat_groups_device(processor):
-    samples = synthetic_image_text(4, seed=7)
+    samples = synthetic_image_text(2, seed=7) * 2  # groups 1 and 2 each answer one prompt twice
     out = processor_inputs(processor, samples)
     batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses_for(processor, 4), group_ids=[1, 2, 1, 2], rewards=[1, 0, 1, 0])
     picked = batch.select([2, 0])
@@ -183,7 +183,7 @@ def test_views_select_concat_groups_device(processor):
 
 @pytest.fixture(scope="module")
 def small_batch(processor):
-    samples = synthetic_image_text(4, seed=11, sizes=[(56, 56), (84, 56)])
+    samples = synthetic_image_text(2, seed=11, sizes=[(56, 56), (84, 56)]) * 2  # groups a and b: one prompt each
     return RLBatch.from_qwen_vl(processor_inputs(processor, samples), processor=processor, responses=responses_for(processor, 4), rewards=[0.5, 1, 0, 1], group_ids=list("abab"))
 
 
@@ -230,7 +230,7 @@ def test_equality_compares_every_field_bitwise(small_batch):
     assert changed(rewards=b.rewards + 1) != b
     assert changed(rewards=torch.where(b.rewards == 0, torch.tensor(-0.0), b.rewards)) != b  # -0.0 is not 0.0, bitwise
     assert changed(rewards=None) != b  # a field one batch lacks
-    assert changed(group_ids=list("abba")) != b
+    assert changed(group_ids=list("abcd")) != b
     assert changed(media_ids=[m + "x" for m in b.media_ids]) != b
     assert changed(pixel_values=b.pixel_values.double()) != b  # another dtype
     assert changed(loss_spans=SpanTable.from_lists([[Span(s.start + 1, s.end) for s in b.loss_spans_of(i)] for i in range(4)])) != b

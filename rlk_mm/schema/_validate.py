@@ -52,7 +52,8 @@ def check(batch) -> None:
     lengths = _check_tokens(batch, checks)
     _check_per_sample(batch, checks, lengths)
     _check_media(batch, checks)
-    token_modality = _check_modality_spans(batch, checks, lengths)
+    token_modality, token_media = _check_modality_spans(batch, checks, lengths)
+    _check_groups(batch, checks, token_media)
     _check_placeholders(batch, checks, token_modality)
     _check_loss_spans(batch, checks, lengths, token_modality)
     _check_grounding(batch, checks, lengths)
@@ -232,7 +233,14 @@ def _check_model_inputs(batch, checks, mod: Modality, grid_name: str, pixel_name
 
 def _check_keys(batch, checks: DeviceChecks, modality: Tensor, grid: Tensor) -> None:
     """Media items that share a cache key share their modality and grid (a key names one
-    vision-tower input); pairs found on the host from the key strings."""
+    vision-tower input), and items that share a media id share their key (an id names one
+    content); pairs found on the host from the strings."""
+    named: dict[str, int] = {}
+    for g, (media_id, key) in enumerate(zip(batch.media_ids, batch.media_cache_keys)):
+        i = named.setdefault(media_id, g)
+        if batch.media_cache_keys[i] != key:
+            raise SchemaError(f"media_ids: media items {i} and {g} share the id {media_id!r} but have different "
+                              "media_cache_keys (different contents): give each content its own media id")
     first: dict[str, int] = {}
     pairs = []
     for g, key in enumerate(batch.media_cache_keys):
@@ -276,16 +284,18 @@ def _check_span_bounds(checks: DeviceChecks, name: str, table: SpanTable, length
     checks.add(bad.any(), fail)
 
 
-def _check_modality_spans(batch, checks: DeviceChecks, lengths: Tensor) -> Tensor:
+def _check_modality_spans(batch, checks: DeviceChecks, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """The modality spans partition each sample, and each media span is its item's placeholder
-    run. Returns the modality of every token (meaningful once the checks pass)."""
+    run. Returns the modality and the media index (-1 for text) of every token (meaningful
+    once the checks pass)."""
     B, T = batch.num_samples, batch.num_tokens
     ms = _table(batch, "modality_spans", B)
     if B and not ms.num_spans:
         raise SchemaError("modality_spans is empty; every token must lie in exactly one span")
     _check_span_bounds(checks, "modality_spans", ms, lengths)
     if not ms.num_spans:
-        return torch.zeros(T, dtype=torch.int8, device=batch.device)
+        none = torch.full((T,), -1, dtype=torch.int64, device=batch.device)
+        return torch.zeros(T, dtype=torch.int8, device=batch.device), none
     count = torch.diff(ms.sample_ptr)
     checks.add((count == 0).any(), lambda: refuse(
         f"modality_spans: sample {(b := first_true(count == 0)[0])} has no spans; they must partition its {int(lengths[b])} tokens"))
@@ -312,7 +322,49 @@ def _check_modality_spans(batch, checks: DeviceChecks, lengths: Tensor) -> Tenso
     cu = batch.cu_seqlens.long()
     global_start = cu[sample] + ms.starts.long()
     span_of_token = (torch.searchsorted(global_start, torch.arange(T, device=cu.device), right=True) - 1).clamp(0, ms.num_spans - 1)
-    return ms.modality[span_of_token]
+    return ms.modality[span_of_token], ms.media_index.long()[span_of_token]
+
+
+def _check_groups(batch, checks: DeviceChecks, token_media: Tensor) -> None:
+    """Samples that share a group id answer one prompt: equal prompt lengths, and equal prompt
+    tokens, positions and media (cache keys) at every prompt position. Group ids and keys
+    are compared on the host; the tokens in the one sync. Episode batches (``action_spans``)
+    are checked per episode by ``from_trajectories`` (a step's window is not its episode's prompt)."""
+    if batch.group_ids is None or batch.prompt_lengths is None or batch.action_spans is not None:
+        return
+    first: dict[str, int] = {}
+    leader = [first.setdefault(g, b) for b, g in enumerate(batch.group_ids)]
+    if len(first) == len(leader):
+        return
+    device, B, T = batch.input_ids.device, batch.num_samples, batch.num_tokens
+    prompt, cu = batch.prompt_lengths, batch.cu_seqlens.long()
+    lead = _to_device(leader, device)
+    other_length = prompt != prompt[lead]
+    key_first: dict[str, int] = {}
+    key_index = _to_device([key_first.setdefault(k, len(key_first)) for k in batch.media_cache_keys], device)
+    token_key = torch.where(token_media >= 0, key_index[token_media.clamp(min=0)] if key_index.numel() else token_media,
+                            token_media)
+    sample = (torch.searchsorted(cu, torch.arange(T, device=device), right=True) - 1).clamp(0, B - 1)
+    position = torch.arange(T, device=device) - cu[sample]
+    in_prompt = (position < prompt[sample]) & ~other_length[sample]
+    source = (cu[lead][sample] + position).clamp(0, max(T - 1, 0))
+    differ = in_prompt & ((batch.input_ids[source] != batch.input_ids) | (token_key[source] != token_key)
+                          | (batch.position_ids[:, source] != batch.position_ids).any(0))
+    mixed = other_length | (torch.zeros(B, dtype=torch.int64, device=device).index_add_(0, sample, differ.long()) > 0)
+
+    def fail():
+        b = first_true(mixed)[0]
+        a = leader[b]
+        if bool(other_length[b]):
+            what = f"its prompt has {int(prompt[b])} tokens, sample {a}'s {int(prompt[a])}"
+        else:
+            p = first_true(differ[int(cu[b]) : int(cu[b + 1])])[0]
+            what = f"their prompts differ at position {p} (token, position or media item)"
+        raise SchemaError(f"group_ids: sample {b} is in group {batch.group_ids[b]!r} with sample {a} but {what}: "
+                          "a GRPO group answers one prompt (images included); give samples of different prompts "
+                          "different group ids")
+
+    checks.add(mixed.any(), fail)
 
 
 def _check_media_spans(batch, checks: DeviceChecks, ms: SpanTable, sample: Tensor, lengths: Tensor) -> None:

@@ -135,7 +135,7 @@ def describe(value) -> str:
 
 def group_id_list(value, name: str = "group_ids") -> list:
     """Group ids (str or int) from a list, a numpy array (verl's ``uid``) or a 1-D integer
-    tensor. None, floats (nan never equals itself) and bools are refused."""
+    tensor. None, floats (nan never equals itself), bools and a mix of str and int ids are refused."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
         if value.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
@@ -145,6 +145,10 @@ def group_id_list(value, name: str = "group_ids") -> list:
     for i, g in enumerate(items):
         if isinstance(g, bool) or not isinstance(g, (str, numbers.Integral)):
             raise TypeError(f"{name}[{i}] is {describe(g)}; a group id is a str or an int")
+        if isinstance(g, str) != isinstance(items[0], str):
+            raise TypeError(f"{name} mixes str and int ids ({name}[0] is {describe(items[0])}, {name}[{i}] is "
+                            f"{describe(g)}): 1 and '1' would be one group in a batch and two in group_seeds; give "
+                            "every id one type")
     return items
 
 
