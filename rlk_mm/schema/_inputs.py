@@ -23,10 +23,14 @@ from .spans import SchemaError
 from .unsupported import require_no_audio_inputs
 
 __all__ = [
-    "check_response_unpadded", "check_unpadded", "check_vocabulary", "coordinate_system_arg", "id_matrix",
+    "chat_markers", "check_image_size", "check_plain_text", "check_response_unpadded", "check_unpadded",
+    "check_vocabulary", "coordinate_system_arg", "id_matrix", "vl_processor_arg",
     "mask_matrix", "multi_modal_inputs", "padded_positions", "PaddedPositions", "per_sample_targets",
     "per_sample_values", "processor_outputs", "screen_sizes", "str_list", "token_rows", "unpad",
 ]
+
+#: the most extreme width/height ratio the Qwen-VL image processors accept
+MAX_ASPECT_RATIO = 200
 
 Tensor = torch.Tensor
 
@@ -288,3 +292,49 @@ def multi_modal_inputs(value, B: int) -> list[dict]:
             raise TypeError(f"multi_modal_inputs[{b}] must be a dict (or None for a text-only sample), got {type(item).__name__}")
         require_no_audio_inputs(item or {}, f"multi_modal_inputs[{b}]")
     return [dict(item or {}) for item in items] or [{} for _ in range(B)]
+
+
+def vl_processor_arg(processor):
+    """``processor`` itself when it is a Qwen-VL processor: a tokenizer, an image processor and a
+    chat template (checked before any third-party code runs on it)."""
+    missing = [name for name in ("tokenizer", "image_processor", "apply_chat_template") if not hasattr(processor, name)]
+    if processor is None or missing:
+        raise TypeError(f"processor must be a Qwen-VL processor (AutoProcessor.from_pretrained(...)) with a tokenizer, "
+                        f"an image processor and a chat template; got {type(processor).__name__}, which lacks "
+                        f"{', '.join(missing)}")
+    return processor
+
+
+def chat_markers(processor) -> tuple[str, ...]:
+    """The texts of the tokens that the chat template and the processor write themselves (turn
+    markers, end and pad tokens, media markers and placeholders) and that exist in the
+    tokenizer's vocabulary: a text field holding one would forge a turn or a media item."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    added = tokenizer.get_added_vocab()
+    candidates = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                  "<|video_pad|>", tokenizer.eos_token, tokenizer.pad_token,
+                  getattr(processor, "image_token", None), getattr(processor, "video_token", None)]
+    return tuple(dict.fromkeys(t for t in candidates if isinstance(t, str) and t in added))
+
+
+def check_plain_text(where: str, text, markers: Sequence[str]) -> str:
+    """``text`` itself when it is a str holding none of ``markers`` (``chat_markers``); ``where``
+    names the field in the error."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where} must be a str, got {describe(text)}")
+    found = [(at, marker) for marker in markers if (at := text.find(marker)) >= 0]
+    if found:
+        at, marker = min(found)
+        raise SchemaError(f"{where} holds the chat marker {marker!r} at character {at}: the chat template and the "
+                          "processor write these tokens themselves (turns, media); remove it from the text")
+    return text
+
+
+def check_image_size(where: str, width: int, height: int) -> None:
+    """An image of ``width`` x ``height`` pixels the Qwen-VL image processors can resize: both
+    at least 1, and a width/height ratio within ``MAX_ASPECT_RATIO``."""
+    if width < 1 or height < 1:
+        raise SchemaError(f"{where} is {width}x{height} pixels: an image needs a width and a height of at least 1")
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise SchemaError(f"{where} is {width}x{height} pixels: its aspect ratio exceeds {MAX_ASPECT_RATIO}, the most "
+                          "the Qwen-VL image processors accept; crop or pad it")

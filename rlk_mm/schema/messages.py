@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
+from ._inputs import chat_markers, check_image_size, check_plain_text, vl_processor_arg
 from .media import ResizeSettings, settings_key
 from .qwen_vl import fields_from_qwen_vl
 
@@ -127,6 +128,7 @@ def _open_image(where: str, value) -> "Image.Image":
     """A PIL image from a PIL image, a path, ``file://`` or ``data:image/...;base64,``; URLs refused."""
     from PIL import Image  # the [vl] extra: the core never imports Pillow
     if isinstance(value, Image.Image):
+        check_image_size(where, *value.size)
         return value
     if isinstance(value, Path):
         value = str(value)
@@ -151,9 +153,11 @@ def _open_image(where: str, value) -> "Image.Image":
     try:
         with Image.open(source) as opened:
             opened.load()
-            return opened.copy()
+            image = opened.copy()
     except OSError as error:
         raise ValueError(f"{where}: cannot decode image {name}: {error}") from None
+    check_image_size(where, *image.size)
+    return image
 
 
 # ----------------------------------------------------------------------------- media items
@@ -232,7 +236,9 @@ def _processor_limits(processor) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def _conversation_list(conversations) -> list:
+def _conversation_list(conversations, markers: Sequence[str]) -> list:
+    """The conversations, checked: messages with a str role and a str or list content, text
+    parts with a str text, no text holding a chat marker (``markers``)."""
     if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations, Sequence):
         raise TypeError(f"conversations must be a list of conversations (each a list of message dicts), got {type(conversations).__name__}")
     if not conversations:
@@ -243,13 +249,27 @@ def _conversation_list(conversations) -> list:
         if isinstance(conversation, (str, bytes, dict)) or not isinstance(conversation, Sequence) or not conversation:
             raise TypeError(f"conversation {c} must be a non-empty list of message dicts, got {type(conversation).__name__}")
         for m, message in enumerate(conversation):
+            where = f"conversation {c}, message {m}"
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError(f"conversation {c}, message {m}: a message is a dict with 'role' and 'content'")
-            if isinstance(message["content"], list):
-                for k, part in enumerate(message["content"]):
-                    if not isinstance(part, dict) or part.get("type") not in ("text", "image", "video"):
-                        raise ValueError(f"conversation {c}, message {m}, part {k}: a content part is a dict with 'type' "
-                                         f"'text', 'image' or 'video', got {part!r:.80}")
+                raise ValueError(f"{where}: a message is a dict with 'role' and 'content'")
+            if not isinstance(message["role"], str) or not message["role"]:
+                raise TypeError(f"{where}: 'role' must be a non-empty str ('system', 'user', 'assistant'), got "
+                                f"{message['role']!r:.80}")
+            content = message["content"]
+            if isinstance(content, str):
+                check_plain_text(f"{where}: content", content, markers)
+                continue
+            if not isinstance(content, list):
+                raise TypeError(f"{where}: 'content' must be a str or a list of parts, got {type(content).__name__}")
+            for k, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image", "video"):
+                    raise ValueError(f"{where}, part {k}: a content part is a dict with 'type' "
+                                     f"'text', 'image' or 'video', got {part!r:.80}")
+                if part["type"] == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise TypeError(f"{where}, part {k}: a text part needs 'text', a str; got "
+                                        f"{'no text' if 'text' not in part else type(part['text']).__name__}")
+                    check_plain_text(f"{where}, part {k}: text", part["text"], markers)
     return list(conversations)
 
 
@@ -290,7 +310,8 @@ def fields_from_messages(
     ``responses``; for a finished conversation pass ``add_generation_prompt=False``. The other
     arguments are ``from_qwen_vl``'s. Each item's cache key ends with its settings
     (``media.key_settings`` reads them). Errors name the conversation and the item."""
-    conversations = _conversation_list(conversations)
+    processor = vl_processor_arg(processor)
+    conversations = _conversation_list(conversations, chat_markers(processor))
     if not isinstance(add_generation_prompt, bool):
         raise TypeError(f"add_generation_prompt must be a bool, got {type(add_generation_prompt).__name__}")
     vp = vision_process()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from ._build import LayoutInfo, build
+from ._inputs import chat_markers, check_image_size, check_plain_text, vl_processor_arg
 from .checks import int_arg, sequence_arg
 from .media import content_key
 from .spans import SchemaError, Span, SpanTable
@@ -64,18 +65,26 @@ class Trajectory:
     group_id: str = ""
 
 
-def _check_trajectories(trajectories) -> list[Trajectory]:
+def _check_trajectories(trajectories, markers: Sequence[str]) -> list[Trajectory]:
+    """The episodes, checked: unique ids, text fields without chat markers (``markers``),
+    screenshots the image processor can resize, finite rewards; errors name episode, step and field."""
     from PIL import Image
 
     items = sequence_arg("trajectories", trajectories, "Trajectory")
     if not items:
         raise SchemaError("trajectories is empty: give at least one episode")
+    seen: dict[str, int] = {}
     for e, traj in enumerate(items):
         if not isinstance(traj, Trajectory):
             raise TypeError(f"trajectories[{e}] is {type(traj).__name__}; expected a rlk_mm.schema.trajectories.Trajectory")
         for name in ("id", "task", "group_id"):
             if not isinstance(getattr(traj, name), str):
                 raise TypeError(f"trajectories[{e}].{name} must be a str, got {type(getattr(traj, name)).__name__}")
+        first = seen.setdefault(traj.id, e)
+        if first != e:
+            raise SchemaError(f"trajectories[{e}] has the id {traj.id!r} of trajectories[{first}]: episode ids name "
+                              "the media ids (<episode id>/step<t>), so each episode needs its own id")
+        check_plain_text(f"trajectories[{e}] ({traj.id!r}).task", traj.task, markers)
         if not traj.steps:
             raise SchemaError(f"trajectories[{e}] ({traj.id!r}) has no steps: an episode has at least one action")
         for t, step in enumerate(traj.steps):
@@ -84,10 +93,14 @@ def _check_trajectories(trajectories) -> list[Trajectory]:
                 raise TypeError(f"{where} is {type(step).__name__}; expected a Step")
             if not isinstance(step.screenshot, Image.Image):
                 raise TypeError(f"{where}: screenshot must be a PIL image, got {type(step.screenshot).__name__}")
+            check_image_size(f"{where}: the screenshot", *step.screenshot.size)
             if not isinstance(step.action, str) or not step.action.strip():
                 raise SchemaError(f"{where}: action must be a non-empty str (the model's action text), got {step.action!r}")
+            check_plain_text(f"{where}: action", step.action, markers)
             if step.observation is not None and not isinstance(step.observation, str):
                 raise TypeError(f"{where}: observation must be a str or None, got {type(step.observation).__name__}")
+            if step.observation is not None:
+                check_plain_text(f"{where}: observation", step.observation, markers)
             reward = step.reward
             if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not float(reward) == float(reward) \
                     or abs(float(reward)) == float("inf"):
@@ -137,13 +150,15 @@ def _chat(traj: Trajectory, upto: int, kept: set[int]) -> list[dict]:
     return messages
 
 
-def _tokens(processor, messages: list[dict], images: list[int], screens: _Screens, scored: list[int]):
-    """(ids, loss mask, action spans) of one chat; ``scored``: the assistant turns to score."""
+def _tokens(processor, messages: list[dict], images: list[int], screens: _Screens, scored: list[int], episode: str):
+    """(ids, loss mask, action spans) of one chat; ``scored``: the assistant turns to score;
+    ``episode`` names the episode in errors."""
     text = processor.apply_chat_template(messages, tokenize=False)
     pad = "<|image_pad|>"
     pieces = text.split(pad)
     if len(pieces) - 1 != len(images):
-        raise SchemaError(f"the chat template wrote {len(pieces) - 1} image placeholders for {len(images)} screenshots")
+        raise SchemaError(f"{episode}: the chat template wrote {len(pieces) - 1} image placeholders for {len(images)} "
+                          "screenshots")
     text = pieces[0] + "".join(pad * screens.tokens(s) + rest for s, rest in zip(images, pieces[1:]))
     enc = processor.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
@@ -154,7 +169,8 @@ def _tokens(processor, messages: list[dict], images: list[int], screens: _Screen
         marker = "<|im_start|>assistant\n" + message["content"] + "<|im_end|>"
         at = text.find(marker, cursor)
         if at < 0:
-            raise SchemaError(f"action {turn} ({message['content']!r}) was not written verbatim by the chat template")
+            raise SchemaError(f"{episode}, step {turn}: the action {message['content']!r} was not written verbatim "
+                              "by the chat template")
         lo, hi = at + len("<|im_start|>assistant\n"), at + len(marker)
         cursor = hi
         if turn not in scored:
@@ -162,8 +178,9 @@ def _tokens(processor, messages: list[dict], images: list[int], screens: _Screen
         first = int(torch.searchsorted(starts, lo))
         last = int(torch.searchsorted(ends, hi))
         if first >= len(ids) or int(starts[first]) != lo or last >= len(ids) or int(ends[last]) != hi:
-            raise SchemaError(f"action {turn} ({message['content']!r}): a token straddles the action's boundary; the "
-                              "action cannot be scored exactly")
+            raise SchemaError(f"{episode}, step {turn}: action {message['content']!r}: a token straddles the action's "
+                              "boundary (e.g. leading whitespace merges with the turn header), so the action cannot be "
+                              "scored exactly; strip the action's leading and trailing whitespace")
         spans.append(Span(first, last + 1))
     mask = torch.zeros(len(ids), dtype=torch.bool)
     for s in spans:
@@ -181,20 +198,24 @@ def fields_from_trajectories(trajectories: Sequence[Trajectory], *, processor, h
     spans (= loss spans), ``turn_rewards`` (the step rewards), ``group_ids`` (each episode's
     ``group_id``, else its id), ``screen_size`` (each sample's last screenshot) and one
     media id per screenshot, ``<episode id>/step<t>``."""
-    trajectories = _check_trajectories(trajectories)
+    processor = vl_processor_arg(processor)
+    trajectories = _check_trajectories(trajectories, chat_markers(processor))
     if history is not None:
         history = int_arg("history", history, min=1)
     info = LayoutInfo.of(processor, tokens_per_second)
     screens = _Screens(processor, info)
     samples = []  # (ids, mask, action spans, screenshot list, media ids, rewards, group, screen size)
-    for traj in trajectories:
+    prompts: dict[str, tuple[int, str, str]] = {}  # group -> (episode, task, first screenshot's key)
+    for e, traj in enumerate(trajectories):
         shot = [screens.add(step.screenshot) for step in traj.steps]
+        _check_group(prompts, e, traj, screens.keys[shot[0]])
         steps = [len(traj.steps) - 1] if history is None else range(len(traj.steps))
         for upto in steps:
             kept = set(range(upto + 1)) if history is None else set(range(max(0, upto + 1 - history), upto + 1))
             images = [shot[t] for t in sorted(kept)]
             scored = list(range(upto + 1)) if history is None else [upto]
-            ids, mask, spans = _tokens(processor, _chat(traj, upto, kept), images, screens, scored)
+            ids, mask, spans = _tokens(processor, _chat(traj, upto, kept), images, screens, scored,
+                                       f"trajectories[{e}] ({traj.id!r})")
             samples.append(dict(
                 ids=ids, mask=mask, spans=spans, images=images, media_ids=[f"{traj.id}/step{t}" for t in sorted(kept)],
                 rewards=[float(traj.steps[t].reward) for t in scored], group=traj.group_id or traj.id,
@@ -218,6 +239,17 @@ def fields_from_trajectories(trajectories: Sequence[Trajectory], *, processor, h
     return fields
 
 
+def _check_group(prompts: dict, e: int, traj: Trajectory, first_key: str) -> None:
+    """Episodes of one group answer one prompt: the same task and the same first screenshot."""
+    group = traj.group_id or traj.id
+    other, task, key = prompts.setdefault(group, (e, traj.task, first_key))
+    if (task, key) != (traj.task, first_key):
+        what = "task" if task != traj.task else "first screenshot"
+        raise SchemaError(f"trajectories[{e}] ({traj.id!r}) is in group {group!r} with trajectories[{other}] but its "
+                          f"{what} differs: a group's episodes answer one task from one start screen; give them "
+                          "different group_ids")
+
+
 def step_group_index(batch) -> Tensor:
     """int64 [num action spans]: GiGPO step groups, dense in first-appearance order.
 
@@ -226,6 +258,8 @@ def step_group_index(batch) -> Tensor:
     episode or sample they come from. Use it next to the episode groups (``group_ids``),
     e.g. ``group_advantages(batch.turn_rewards, step_group_index(batch))``. Reads the batch
     on the host."""
+    if type(batch).__name__ != "RLBatch":  # duck-typed: batch.py imports this module
+        raise TypeError(f"batch must be an RLBatch (one from RLBatch.from_trajectories), got {type(batch).__name__}")
     if batch.action_spans is None:
         raise SchemaError("step_group_index needs action_spans (a batch from RLBatch.from_trajectories)")
     seen: dict[bytes, int] = {}
