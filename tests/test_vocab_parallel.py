@@ -321,7 +321,7 @@ def _fsdp_worker(rank, group, numbers):
     batches = [RLBatch.from_qwen_vl(fixtures.processor_inputs(processor, [s]), processor=processor,
                                     responses=[[5, 17, 151645]], group_ids=["g"]) for s in samples]
     both = RLBatch.from_qwen_vl(fixtures.processor_inputs(processor, samples), processor=processor,
-                                responses=[[5, 17, 151645], [5, 17, 151645]], group_ids=["g", "g"])
+                                responses=[[5, 17, 151645], [5, 17, 151645]], group_ids=["a", "b"])
     g = torch.Generator().manual_seed(1)
     inputs = {k: (-torch.rand(6, generator=g)) for k in ("old_log_probs", "ref_log_probs")}
     inputs["advantages"] = torch.randn(6, generator=g)

@@ -223,7 +223,7 @@ def test_fsdp2_tiny_qwen_step_equals_one_process_gpu(pair):
     processor = fixtures.qwen_vl_processor()
     samples = fixtures.synthetic_image_text(2, seed=0, max_images=1, sizes=((56, 56),))
     both = RLBatch.from_qwen_vl(fixtures.processor_inputs(processor, samples), processor=processor,
-                                responses=[[5, 17, 151645], [5, 17, 151645]], group_ids=["g", "g"])
+                                responses=[[5, 17, 151645], [5, 17, 151645]], group_ids=["a", "b"])
     g = torch.Generator().manual_seed(1)
     inputs = {k: (-torch.rand(6, generator=g)).cuda() for k in ("old_log_probs", "ref_log_probs")}
     inputs["advantages"] = torch.randn(6, generator=g).cuda()
