@@ -148,7 +148,8 @@ def _small_batch(B=5, V=100, seed=3):
     return logits, group_seeds(seed, ["a", "a", "b", "b", "c"][:B], 0)
 
 
-@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7}, {"top_k": 5, "top_p": 0.8, "min_p": 0.02, "temperature": 1.3}],
+@pytest.mark.parametrize("kw", [{}, {"temperature": 0.7},
+                                {"top_k": 5, "top_p": 0.8, "min_p": 0.02, "temperature": 1.3}],
                          ids=["plain", "temperature", "all-filters"])
 def test_triton_matches_torch_bitwise(kw):
     logits, seeds = _small_batch()
@@ -217,7 +218,8 @@ def test_sample_from_hidden_log_probs_are_selected_logprob_bitwise(temperature, 
     for kw in ({}, {"top_k": 8, "top_p": 0.9}):
         with batch_invariant(backend=be), use_backend(be):
             out = sample_from_hidden(h, w, bias=bias, temperature=temperature, seeds=seeds, backend=be, **kw)
-            train = selected_logprob(h, w, index=torch.arange(B), targets=out.tokens, bias=bias, temperature=temperature)
+            train = selected_logprob(h, w, index=torch.arange(B), targets=out.tokens, bias=bias,
+                                     temperature=temperature)
         assert torch.equal(out.log_probs, train), (kw, out.log_probs - train)
         assert not bool((out.tokens == 5).any())
         if not kw:
@@ -307,10 +309,12 @@ BAD = [
     (lambda: sample(_L, seeds=_S, top_k=True), TypeError, "top_k"),
     (lambda: sample(_L, seeds=_S, min_p=-0.1), ValueError, "min_p"),
     (lambda: sample(_L, seeds=_S, min_p=1.5), ValueError, "min_p"),
-    (lambda: sample(_nan_row(), seeds=_S), ValueError, r"logits\[1, 4\] is NaN"),
-    (lambda: sample(_inf_row(), seeds=_S), ValueError, r"logits\[2, 6\] is \+inf"),
-    (lambda: sample(_masked_row(), seeds=_S), ValueError, "row 0 is -inf at every entry"),
-    (lambda: sample(_L * 1e34, seeds=_S, temperature=1e-5), ValueError, "overflows float32"),
+    (lambda: sample(_nan_row(), seeds=_S, check=True), ValueError, r"logits\[1, 4\] is NaN"),
+    (lambda: sample(_inf_row(), seeds=_S, check=True), ValueError, r"logits\[2, 6\] is \+inf"),
+    (lambda: sample(_masked_row(), seeds=_S, check=True), ValueError, "row 0 is -inf at every entry"),
+    (lambda: sample(_L * 1e34, seeds=_S, temperature=1e-5, check=True), ValueError, "overflows float32"),
+    (lambda: sample(_L, seeds=_S, check=1), TypeError, "check must be True or False"),
+    (lambda: sample(_L, seeds=_S, check=None), TypeError, "check"),
     (lambda: sample(_L, seeds=torch.arange(2)), ValueError, "seeds has 2 entries but there are 3 rows"),
     (lambda: sample(_L, seeds=torch.zeros(3)), TypeError, "seeds must be a 1-D integer tensor"),
     (lambda: sample(_L, seeds=[1, 2, 3]), TypeError, "group_seeds"),
@@ -320,6 +324,10 @@ BAD = [
     (lambda: sample(_L, seeds=_S, step=torch.arange(2)), ValueError, "step has 2 entries"),
     (lambda: sample(_L, seeds=_S, step=torch.tensor([0, -1, 0])), ValueError, r"step\[1\]"),
     (lambda: sample(_L, seeds=_S, step=1.0), TypeError, "step"),
+    (lambda: sample(_L, seeds=_S, step=torch.tensor(-2)), ValueError, r"step = -2 is out of range"),
+    (lambda: sample(_L, seeds=_S, step=torch.tensor(2**32), check=True), ValueError, "step = 4294967296"),
+    (lambda: sample(_L, seeds=_S, step=torch.zeros(3, 1, dtype=torch.long)), TypeError, r"\[\] or \[B\]"),
+    (lambda: sample(_L, seeds=_S, step=torch.tensor(1.0)), TypeError, "step must be an int or an integer tensor"),
     (lambda: sample(_L[0], seeds=_S), ValueError, r"\[B, V\]"),
     (lambda: sample(_L.double(), seeds=_S), TypeError, "float32, bfloat16 or float16"),
     (lambda: sample(_L.long(), seeds=_S), TypeError, "logits"),
@@ -330,13 +338,17 @@ BAD = [
     (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8).double(), seeds=_S), TypeError, "dtype|float32"),
     (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), seeds=_S[:2]), ValueError, "seeds has 2"),
     (lambda: sample_from_hidden(torch.randn(3, 2, 8), torch.randn(10, 8), seeds=_S), ValueError, r"\[B, H\]"),
-    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.full((10,), -math.inf), seeds=_S),
-     ValueError, "every vocabulary entry"),
-    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.full((10,), math.nan), seeds=_S),
-     ValueError, r"bias\[0\]"),
-    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.randn(9), seeds=_S), ValueError, "bias"),
-    (lambda: sample_from_hidden(torch.full((3, 8), math.nan), torch.randn(10, 8), seeds=_S, backend="torch"),
-     ValueError, "hidden row 0"),
+    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.full((10,), -math.inf), seeds=_S,
+                                check=True), ValueError, "every vocabulary entry"),
+    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.full((10,), math.nan), seeds=_S,
+                                check=True), ValueError, r"bias\[0\]"),
+    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), seeds=_S, check="yes"), TypeError, "check"),
+    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), seeds=_S, step=torch.arange(2)), ValueError,
+     "step has 2 entries"),
+    (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), bias=torch.randn(9), seeds=_S), ValueError,
+     "bias"),
+    (lambda: sample_from_hidden(torch.full((3, 8), math.nan), torch.randn(10, 8), seeds=_S, backend="torch",
+                                check=True), ValueError, "hidden row 0"),
     (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), seeds=_S, temperature=0), ValueError, "greedy"),
     (lambda: sample_from_hidden(torch.randn(3, 8), torch.randn(10, 8), seeds=_S, backend="flashinfer"),
      ValueError, "logits only"),
@@ -354,16 +366,66 @@ def test_bad_input_is_refused(call, error, match):
 
 
 @pytest.mark.parametrize("be", ["torch", "triton"])
-def test_bad_rows_are_refused_by_each_backend(be):
+def test_bad_rows_are_refused_by_each_backend_when_checked(be):
     with pytest.raises(ValueError, match=r"logits\[1, 4\] is NaN"):
-        sample(_nan_row(), seeds=_S, backend=be, top_k=3)
+        sample(_nan_row(), seeds=_S, backend=be, top_k=3, check=True)
     with pytest.raises(ValueError, match="row 0 is -inf at every entry"):
-        sample(_masked_row(), seeds=_S, backend=be)
+        sample(_masked_row(), seeds=_S, backend=be, check=True)
     hidden = torch.randn(3, 8)
     hidden[1, 2] = math.nan
     for kw in ({}, {"top_k": 2}):
         with pytest.raises(ValueError, match="hidden row 1 gives NaN"):
-            sample_from_hidden(hidden, torch.randn(40, 8), seeds=_S, backend=be, **kw)
+            sample_from_hidden(hidden, torch.randn(40, 8), seeds=_S, backend=be, check=True, **kw)
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_bad_rows_give_nan_log_probs_by_default(be):
+    """The default path reads nothing back: a bad row's log-probs are NaN, the others are
+    exactly what they are in a batch of good rows."""
+    good = sample(_L, seeds=_S, backend=be, top_k=3)
+    for bad, r in ((_nan_row(), 1), (_inf_row(), 2), (_masked_row(), 0)):
+        for kw in ({}, {"top_k": 3}):
+            out = sample(bad, seeds=_S, backend=be, **kw)
+            assert bool(out.log_probs[r].isnan()) and bool(out.sampled_log_probs[r].isnan()), (r, kw)
+            ok = torch.arange(3) != r
+            if kw:
+                assert all(torch.equal(x[ok], y[ok]) for x, y in zip(out, good))
+    hidden = torch.randn(3, 8)
+    hidden[1, 2] = math.nan
+    for kw in ({}, {"top_k": 2}):
+        out = sample_from_hidden(hidden, torch.randn(40, 8), seeds=_S, backend=be, **kw)
+        assert bool(out.log_probs[1].isnan()) and bool(torch.isfinite(out.log_probs[[0, 2]]).all()), kw
+
+
+@pytest.mark.parametrize("be", ["torch", "triton"])
+def test_step_as_a_tensor_draws_as_the_int(be):
+    """A 0-d or per-row step tensor (what a CUDA graph replays) draws what the int step draws."""
+    logits, seeds = _small_batch(B=3, V=70)
+    for kw in ({}, {"top_k": 4, "top_p": 0.8}):
+        want = sample(logits, seeds=seeds, step=5, backend=be, **kw)
+        for step in (torch.tensor(5), torch.tensor(5, dtype=torch.int32), torch.full((3,), 5)):
+            got = sample(logits, seeds=seeds, step=step, backend=be, **kw)
+            assert all(torch.equal(x, y) for x, y in zip(want, got)), (step, kw)
+        rows = sample(logits, seeds=seeds, step=torch.tensor([5, 6, 5]), backend=be, **kw)
+        assert torch.equal(rows.tokens[[0, 2]], want.tokens[[0, 2]])
+        one = sample(logits[1:2], seeds=seeds[1:2], step=6, backend=be, **kw)
+        assert all(torch.equal(x[1:2], y) for x, y in zip(rows, one))
+    h, w = torch.randn(3, 16), torch.randn(70, 16)
+    a = sample_from_hidden(h, w, seeds=seeds, step=3, backend=be)
+    b = sample_from_hidden(h, w, seeds=seeds, step=torch.tensor(3), backend=be)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=st.integers(0, 2**32 - 1), seed=st.integers(-(2**63), 2**63 - 1), per_row=st.booleans(),
+       top_k=st.none() | st.integers(1, 12))
+def test_any_step_tensor_equals_its_int(step, seed, per_row, top_k):
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(seed % 1000))
+    seeds = torch.tensor([seed, seed ^ 1])
+    t = torch.full((2,), step) if per_row else torch.tensor(step)
+    a = sample(logits, seeds=seeds, step=step, top_k=top_k, backend="torch")
+    b = sample(logits, seeds=seeds, step=t, top_k=top_k, backend="torch", check=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_flashinfer_missing_names_the_install_command():
@@ -379,6 +441,25 @@ def test_flashinfer_missing_names_the_install_command():
 def test_empty_batch():
     out = sample(torch.zeros(0, 10), seeds=torch.zeros(0, dtype=torch.long))
     assert out.tokens.shape == (0,) and out.tokens.dtype == torch.int64 and out.log_probs.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ the benchmark's CPU mode
+def test_bench_sampling_dry_run(tmp_path):
+    """``bench/bench_sampling.py --dry-run``: every section runs on the CPU and the JSON has the
+    fields the GPU run fills (host syncs: None without CUDA)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "bench.bench_sampling", "--dry-run", "--out", str(tmp_path)], cwd=root,
+                   check=True, timeout=600, capture_output=True)
+    result = json.loads((tmp_path / "sampling.json").read_text())
+    for section in ("from_logits", "from_hidden", "invariance", "verdict"):
+        assert "error" not in result[section], result[section]
+    assert result["invariance"]["ours_bitwise"] is True
+    assert set(result["from_logits"][0]["host_syncs"]) >= {"ours", "ours_plain", "torch_topk_topp"}
 
 
 # ------------------------------------------------------------------ properties
@@ -398,7 +479,8 @@ def test_any_valid_input_gives_a_kept_token_and_consistent_log_probs(data, V, te
         values[data.draw(st.integers(0, V - 1))] = 0.0
     row = torch.tensor(values, dtype=torch.float32)
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    out = sample(row[None], seeds=torch.tensor([seed]), step=data.draw(st.integers(0, 2**32 - 1)), backend="torch", **kw)
+    step = data.draw(st.integers(0, 2**32 - 1))
+    out = sample(row[None], seeds=torch.tensor([seed]), step=step, backend="torch", **kw)
     tok = int(out.tokens[0])
     assert 0 <= tok < V and row[tok] > -math.inf
     assert float(out.sampled_log_probs[0]) >= float(out.log_probs[0]) - 1e-6 and float(out.sampled_log_probs[0]) <= 1e-6
@@ -410,4 +492,5 @@ def test_any_valid_input_gives_a_kept_token_and_consistent_log_probs(data, V, te
     plain = torch.log_softmax(z.double(), -1)[tok]
     assert abs(float(out.log_probs[0]) - float(plain)) <= 1e-5 * max(1.0, abs(float(plain)))
     again = sample(row[None], seeds=torch.tensor([seed]), step=0, backend="torch", **kw)
-    assert torch.equal(again.tokens, sample(row[None], seeds=torch.tensor([seed]), step=0, backend="torch", **kw).tokens)
+    same = sample(row[None], seeds=torch.tensor([seed]), step=0, backend="torch", **kw)
+    assert torch.equal(again.tokens, same.tokens)

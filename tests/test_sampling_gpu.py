@@ -64,7 +64,8 @@ def test_from_hidden_log_probs_equal_selected_logprob_gpu(temperature, kw):
     seeds = torch.arange(B, device="cuda")
     with batch_invariant():
         out = sample_from_hidden(h, w, temperature=temperature, seeds=seeds, **kw)
-        train = selected_logprob(h, w, index=torch.arange(B, device="cuda"), targets=out.tokens, temperature=temperature)
+        train = selected_logprob(h, w, index=torch.arange(B, device="cuda"), targets=out.tokens,
+                                 temperature=temperature)
         part = sample_from_hidden(h[[5, 70]], w, temperature=temperature, seeds=seeds[[5, 70]], **kw)
     assert torch.equal(out.log_probs, train)
     assert all(torch.equal(a[[5, 70]], b) for a, b in zip(out, part))
@@ -82,5 +83,66 @@ def test_flashinfer_backend_where_installed():
     kept = torch.isfinite(a.sampled_log_probs).double().mean().item()
     half = sample(logits[:64], seeds=seeds[:64], **kw)
     invariant = (half.tokens == a.tokens[:64]).double().mean().item()
-    print(f"flashinfer: tokens kept by rlk_mm's filters {kept:.4f}; rows unchanged when the batch halves {invariant:.4f}")
+    print(f"flashinfer: tokens kept by rlk_mm's filters {kept:.4f}; "
+          f"rows unchanged when the batch halves {invariant:.4f}")
     assert kept >= 0.99
+
+
+@pytest.mark.parametrize("kw", [{}, *FILTERS], ids=str)
+def test_default_path_has_no_host_sync(kw):
+    """``sample``'s default path reads nothing back (torch's sync debug mode raises on a sync)."""
+    logits = _logits(64, seed=5)
+    seeds = torch.arange(64, device="cuda")
+    step = torch.tensor(3, device="cuda")
+    sample(logits, seeds=seeds, step=step, **kw)  # compiled before the check
+    sample(logits, seeds=seeds, step=3, **kw)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample(logits, seeds=seeds, step=step, **kw)
+        sample(logits, seeds=seeds, step=3, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 0.8}, {"temperature": 0.8, "top_k": 50, "top_p": 0.9}, {"top_p": 0.95}],
+                         ids=str)
+def test_sample_replays_in_a_cuda_graph(kw):
+    """Captured once with static logits and a step tensor; replayed with new logits and a new
+    step, the graph draws what eager calls draw."""
+    B = 64
+    static = _logits(B, seed=6)
+    seeds = group_seeds(0, [i // 4 for i in range(B)], 0).cuda()
+    step = torch.zeros((), dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile, warm the allocator
+            sample(static, seeds=seeds, step=step, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample(static, seeds=seeds, step=step, **kw)
+    for i in range(3):
+        static.copy_(_logits(B, seed=10 + i))
+        step.fill_(5 + i)
+        graph.replay()
+        eager = sample(static, seeds=seeds, step=5 + i, **kw)
+        for field, a, b in zip(eager._fields, out, eager):
+            assert torch.equal(a, b), (i, field, kw)
+    assert not torch.equal(out.tokens, sample(static, seeds=seeds, step=0, **kw).tokens)  # the step moved
+
+
+def test_sample_from_hidden_plain_has_no_host_sync():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    h = torch.randn(64, 1024, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(V, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+    seeds = torch.arange(64, device="cuda")
+    step = torch.tensor(1, device="cuda")
+    sample_from_hidden(h, w, temperature=0.8, seeds=seeds, step=step)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sample_from_hidden(h, w, temperature=0.8, seeds=seeds, step=step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

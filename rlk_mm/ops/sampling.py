@@ -15,6 +15,13 @@ member of a GRPO group its own stream. What is drawn, exactly, is written in
 ``_torch/sampling.py``. Backends: Triton (CUDA, the default there), torch (CPU), and
 ``"flashinfer"`` (``flashinfer.sampling``; its own Philox stream, seeded from the batch:
 reproducible, not batch-invariant).
+
+No host sync on the default path: arguments are checked on the host before any launch; what
+needs the device's data (a NaN or +inf logit, a row masked everywhere, a device ``step``
+tensor's range) is looked for only with ``check=True``, which reads the rows' status back and
+raises for the first bad row. By default a bad row is marked by NaN log-probs. The Triton
+path from logits is two launches (``_triton/sampling.py`` has the design and the roofline)
+and can be captured in a CUDA graph, ``step`` a device tensor advanced between replays.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..schema.checks import (
-    INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, float_arg, group_id_list, int_arg, temperature_arg, tensor_arg,
+    bool_arg, INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, float_arg, group_id_list, int_arg, temperature_arg,
+    tensor_arg,
 )
 from ._backend import backend_arg, resolve_backend
 from ._head_inputs import check_bias, check_head, contiguous_rows
@@ -54,17 +62,50 @@ class SampleResult(NamedTuple):
 
 def sample(
     logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Backend | str | None = None,
+    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Backend | str | None = None, check: bool = False,
 ) -> SampleResult:
     """Draw one token per row of ``logits [B, V]`` (fp32/bf16/fp16; -inf masks an entry).
 
-    ``temperature`` > 0 divides the logits (for greedy decoding take ``argmax``). Filters,
-    applied in this order on the tempered logits: ``top_k`` (int >= 1: the k largest, ties
-    at the boundary kept), ``top_p`` in (0, 1] (the smallest top set holding that share of
-    the survivors' mass), ``min_p`` in [0, 1] (tokens with probability >= min_p x the top
-    one's). ``seeds``: one integer seed per row (``group_seeds``); ``step``: the decoding
-    step, an int or one per row. ``backend`` (a ``Backend`` or its string): None (Triton on
-    CUDA, torch elsewhere; ``RLK_MM_BACKEND`` forces one), "torch", "triton" or "flashinfer".
+    Filters apply in this order on the tempered logits: ``top_k``, then ``top_p`` on the
+    survivors, then ``min_p``. The default path reads nothing back from the device (no host
+    sync) and can be captured in a CUDA graph (pass ``step`` as a device tensor and update
+    it in place between replays).
+
+    Parameters
+    ----------
+    logits : Tensor
+        ``[B, V]`` float32, bfloat16 or float16.
+    temperature : float
+        > 0; divides the logits (for greedy decoding take ``argmax``).
+    top_k : int, optional
+        >= 1: keep the k largest (ties at the boundary kept).
+    top_p : float, optional
+        In (0, 1]: keep the smallest top set holding that share of the survivors' mass.
+    min_p : float, optional
+        In [0, 1]: keep tokens with probability >= min_p x the top one's.
+    seeds : Tensor
+        One integer seed per row, ``[B]`` (``group_seeds``); on the logits' device for no copy.
+    step : int or Tensor
+        The decoding step: an int in [0, 2^32), or an integer tensor ``[]`` or ``[B]`` (a
+        device tensor is used modulo 2^32 and range-checked only with ``check=True``).
+    backend : Backend or str, optional
+        None (Triton on CUDA, torch elsewhere; ``RLK_MM_BACKEND`` forces one), "torch",
+        "triton" or "flashinfer".
+    check : bool
+        False (default): a bad row (a NaN or +inf logit, every entry -inf, or an overflow
+        after the temperature) is reported by NaN ``log_probs`` and ``sampled_log_probs``
+        (its token is 0), nothing is read back. True: read the rows' status (a host sync)
+        and raise for the first bad row, and range-check a device ``step`` tensor.
+
+    Returns
+    -------
+    SampleResult
+        ``tokens`` int64 ``[B]``, ``log_probs`` and ``sampled_log_probs`` fp32 ``[B]``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Bad arguments (always, before any launch); bad rows only with ``check=True``.
     """
     tensor_arg("logits", logits)
     if logits.dim() != 2:
@@ -73,27 +114,29 @@ def sample(
         raise TypeError(f"logits must be float32, bfloat16 or float16; got {logits.dtype}")
     B, V = logits.shape
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V)
-    seeds, steps = _seeds_and_steps(seeds, step, B, logits.device)
+    check = bool_arg("check", check)
+    seeds, step = _seeds_and_steps(seeds, step, B, logits.device, check)
     backend = backend_arg(backend, "backend", BACKENDS[1:])
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     if backend is Backend.FLASHINFER:
         from ._flashinfer import sampling as _fi
 
+        steps = _step_rows(step, B, logits.device)
         tokens = _fi.draw(logits, inv_t, filters, seeds, steps)
         out = _score(logits, inv_t, filters, seeds, steps, tokens)
     elif resolve_backend(backend, on_cuda=logits.is_cuda) is Backend.TRITON:
         from ._triton import sampling as _tri
 
-        out = _tri.sample_logits(logits, inv_t, filters, seeds, steps)
+        out = _tri.sample_logits(logits, inv_t, filters, seeds, step)
     else:
-        out = _ref.sample_rows(logits, inv_t, filters, seeds, steps)
-    return _result(out, lambda r: _logits_problem(logits, r, inv_t, temperature))
+        out = _ref.sample_rows(logits, inv_t, filters, seeds, _step_rows(step, B, logits.device))
+    return _result(out, lambda r: _logits_problem(logits, r, inv_t, temperature), check)
 
 
 def sample_from_hidden(
     hidden: Tensor, weight: Tensor, *, bias: Optional[Tensor] = None, temperature: float = 1.0,
     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-    seeds: Tensor, step=0, backend: Backend | str | None = None, tp_group=None,
+    seeds: Tensor, step=0, backend: Backend | str | None = None, tp_group=None, check: bool = False,
 ) -> SampleResult:
     """``sample`` of the logits ``(hidden · weightᵀ + bias) / temperature``, the LM head fused
     with the draw: ``hidden [B, H]``, ``weight [V, H]``, ``bias [V]`` (finite, or -inf to mask
@@ -107,7 +150,19 @@ def sample_from_hidden(
     DTensor head) ``weight``/``bias`` are this rank's contiguous shard, starting on the
     128-row grid, every rank passing the same hidden rows, seeds and settings; every rank
     gets the single device's tokens and log-probs, bitwise, for plain temperature and for
-    every filter (filters gather the rows' logits: they need the whole row)."""
+    every filter (filters gather the rows' logits: they need the whole row).
+
+    ``step`` and ``check`` as in ``sample``: by default nothing is read back (a row whose
+    logits hold NaN or +inf gets NaN log-probs; a NaN or +inf bias entry or a bias masking
+    every token is not looked for); ``check=True`` reads back and raises, naming the row or
+    the bias entry. The vocabulary-parallel path always checks (its ranks agree on the
+    inputs over the group first).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Bad arguments (shapes, dtypes, devices, settings); bad rows or bias only with ``check=True``.
+    """
     tensor_arg("hidden", hidden)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [B, H] (one hidden state per sample); got shape {tuple(hidden.shape)}")
@@ -119,7 +174,9 @@ def sample_from_hidden(
     V = weight.shape[0]  # a shard's: the group's vocabulary settles top-k and the size check (vocab_parallel)
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V if tp_group is None else MAX_VOCAB)
     temperature = float(temperature)
-    seeds, steps = _seeds_and_steps(seeds, step, B, hidden.device)
+    check = bool_arg("check", check)
+    seeds, step = _seeds_and_steps(seeds, step, B, hidden.device, check)
+    steps = _step_rows(step, B, hidden.device)
     backend = backend_arg(backend, "backend", BACKENDS[1:])
     if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
@@ -129,8 +186,9 @@ def sample_from_hidden(
         triton = resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON
         out = vocab_parallel.sample_from_hidden(hidden, weight, bias, temperature, filters, seeds, steps, triton,
                                                 tp_group, MAX_VOCAB)
-        return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias")
-    if bias is not None:
+        return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias",
+                       True)
+    if bias is not None and check:
         check_bias(bias, rows[:0], float(bias.amax()), 0.0)
     hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     if resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON:
@@ -139,7 +197,8 @@ def sample_from_hidden(
         out = _tri_hidden.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps)
     else:
         out = _ref.sample_hidden_rows(hidden, weight, bias, temperature, filters, seeds, steps)
-    return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias")
+    return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias",
+                   check)
 
 
 def group_seeds(seed: int, group_ids, step: int) -> Tensor:
@@ -188,8 +247,10 @@ def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Fil
     return inv_t, filters
 
 
-def _seeds_and_steps(seeds, step, B: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """int64 ``[B]`` seeds and steps on ``device``."""
+def _seeds_and_steps(seeds, step, B: int, device: torch.device, check: bool) -> tuple[Tensor, int | Tensor]:
+    """int64 ``[B]`` seeds on ``device``, and the step: an int, or an int64 tensor ``[]``/``[B]``
+    on ``device``. A step tensor on the CPU is range-checked always (no device read), one on
+    ``device`` only with ``check``."""
     if not isinstance(seeds, Tensor):
         raise TypeError(f"seeds must be an integer tensor [B] (one seed per row; group_seeds(...) derives them), "
                         f"got {type(seeds).__name__}")
@@ -198,19 +259,30 @@ def _seeds_and_steps(seeds, step, B: int, device: torch.device) -> tuple[Tensor,
     if seeds.numel() != B:
         raise ValueError(f"seeds has {seeds.numel()} entries but there are {B} rows: pass one seed per row "
                          "(group_seeds(seed, group_ids, step) gives one per sample)")
-    if isinstance(step, Tensor) and step.dim() == 1:
-        if step.dtype not in INTEGER_DTYPES:
-            raise TypeError(f"step must be an int or an integer tensor [B]; got {step.dtype}")
-        if step.numel() != B:
-            raise ValueError(f"step has {step.numel()} entries but there are {B} rows: pass one step per row, or an int")
-        bad = (step < 0) | (step >= 2**32)
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    if not isinstance(step, Tensor):
+        return seeds, int_arg("step", step, min=0, max=2**32 - 1)
+    if step.dtype not in INTEGER_DTYPES or step.dim() > 1:
+        raise TypeError(f"step must be an int or an integer tensor [] or [B]; got {step.dtype} of shape "
+                        f"{tuple(step.shape)}")
+    if step.dim() == 1 and step.numel() != B:
+        raise ValueError(f"step has {step.numel()} entries but there are {B} rows: pass one step per row, "
+                         "or one for all")
+    step_rows = step.to(dtype=torch.int64)  # int64 first: a narrower dtype would wrap 2^32 in the comparison
+    if check or step.device.type == "cpu":
+        bad = ((step_rows < 0) | (step_rows >= 2**32)).reshape(-1)
         if bool(bad.any()):
             i = first_true(bad)[0]
-            raise ValueError(f"step[{i}] = {int(step[i])} is out of range: steps must be in [0, 2^32)")
-        steps = step.to(device=device, dtype=torch.int64)
-    else:
-        steps = torch.full((B,), int_arg("step", step, min=0, max=2**32 - 1), dtype=torch.int64, device=device)
-    return seeds.to(device=device, dtype=torch.int64), steps
+            at = f"step[{i}]" if step.dim() else "step"
+            raise ValueError(f"{at} = {int(step_rows.reshape(-1)[i])} is out of range: steps must be in [0, 2^32)")
+    return seeds, step_rows.to(device=device)
+
+
+def _step_rows(step, B: int, device: torch.device) -> Tensor:
+    """The step of every row, int64 ``[B]`` on ``device`` (for the backends that take one per row)."""
+    if isinstance(step, Tensor):
+        return step.expand(B).contiguous() if step.dim() == 0 else step
+    return torch.full((B,), step, dtype=torch.int64, device=device)
 
 
 def _score(logits, inv_t, filters, seeds, steps, tokens):
@@ -223,10 +295,11 @@ def _score(logits, inv_t, filters, seeds, steps, tokens):
 
 
 # ------------------------------------------------------------------ results and errors
-def _result(out, problem) -> SampleResult:
-    """The backend's output as a ``SampleResult``; a row with a bad status raises ``problem(row)``."""
+def _result(out, problem, check: bool) -> SampleResult:
+    """The backend's output as a ``SampleResult``; with ``check``, a row with a bad status raises
+    ``problem(row)`` (a read of the status: a host sync)."""
     tokens, log_probs, sampled, status = out
-    if status.numel() and bool((status != _ref.OK).any()):
+    if check and status.numel() and bool((status != _ref.OK).any()):
         raise ValueError(problem(first_true(status != _ref.OK)[0]))
     return SampleResult(tokens, log_probs, sampled)
 

@@ -162,7 +162,8 @@ def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: 
     total = e.sum()
     if filters.plain:
         if given is None:
-            score = block_log_mass(z).double() + gumbel(torch.arange(-(-z.numel() // NOISE_BLOCK), device=z.device), *keys.block)
+            blocks = torch.arange(-(-z.numel() // NOISE_BLOCK), device=z.device)
+            score = block_log_mass(z).double() + gumbel(blocks, *keys.block)
             b = int(torch.argmax(score))
             zb = z[b * NOISE_BLOCK : (b + 1) * NOISE_BLOCK]
             token = draw_in_block(F.pad(zb, (0, NOISE_BLOCK - zb.numel()), value=-math.inf), b, keys.token)
@@ -248,7 +249,8 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
             o[s:e] = part
     tokens, _, sampled, status = out
     if bool((status == OK).all()):
-        log_probs, _, _ = _lp.selected_logprob_forward(hidden, weight, rows, tokens, bias, temperature, with_entropy=False)
+        log_probs, _, _ = _lp.selected_logprob_forward(hidden, weight, rows, tokens, bias, temperature,
+                                                       with_entropy=False)
         if filters.plain:
             sampled = log_probs
         return tokens, log_probs, sampled, status

@@ -1,22 +1,41 @@
 """Triton kernels of rollout sampling: the semantics and the RNG of ``_torch/sampling.py``.
 
-``sample_logits``: each row's vocabulary is cut into blocks of ``split_block`` entries (their
-number depends on V alone; ``SamplingConfig`` holds the block sizes and caps named here),
-one program per (row, block), then one per row combines the
-blocks' partials in block order. Launch 1: each block's max (and NaN/+inf entries, reported
-as the row's status; with top-k the max of every ``sub_block`` entries, whose k-th largest,
-per row, bounds the k-th largest entry from below). Launch 2, under the row's max: each
-block's integer mass; for plain temperature its best noise block (Gumbel-max over the
-blocks' log-masses); with top-k the indices of its (at most k) largest entries at or above
-the bound, and the largest such entry it leaves out. Launch 3: the row's
-mass; the plain draw finishes inside the best noise block (the first on a tie, as over the
-whole row); top-k, top-p, min-p and the draw run in registers on the blocks' candidates,
-which hold every token top-k keeps unless a block left out an entry equal to the k-th
-largest (a tie at the boundary). On such a tie, with more than ``candidate_cap`` slots, or
-for top-p or min-p without top-k, each threshold is found by bisection over an
-order-preserving integer key of ``z`` (top-k: counts; top-p: exact integer masses), a pass
-over the row per step. Integer masses and first-on-tie choices make every way the torch
-backend's result, bit for bit; a row's arithmetic never depends on the other rows or on B.
+``sample_logits`` is two launches over a grid of (row, vocabulary block) programs, each row
+cut into blocks of ``split_block`` entries (their number depends on V alone; ``SamplingConfig``
+holds the block sizes and caps named here), and it reads nothing back to the host, so it can
+be captured in a CUDA graph. In each launch the row's last block to finish (a count per row,
+atomically incremented; it starts at zero and the last block resets it) combines the row's
+partials in block order, so no third launch waits for them:
+
+* launch 1 (``_maxima_kernel``): each block's max, NaN/+inf entries (the row's status) and
+  finite entries; with top-k the max of every ``sub_block`` entries. The row's last block
+  writes the row's max and status and, with top-k, the bound: the k-th largest sub-block
+  max, at most the k-th largest entry.
+* launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
+  temperature: its best noise block (Gumbel-max over the blocks' log-masses); top-k: the
+  indices of its (at most k) largest entries at or above the bound, and the largest such
+  entry it leaves out. The row's last block (``_finish_row``) sums the mass, finishes the
+  plain draw inside the best noise block (the first on a tie, as over the whole row), or runs
+  top-k, top-p, min-p and the draw in registers on the blocks' candidates, which hold every
+  token top-k keeps unless a block left out an entry equal to the k-th largest (a tie at the
+  boundary). On such a tie, with more than ``candidate_cap`` slots, or for top-p or min-p
+  without top-k, each threshold is found by bisection over an order-preserving integer key of
+  ``z`` (top-k: counts; top-p: exact integer masses), a pass over the row per step.
+
+Integer masses and first-on-tie choices make every way the torch backend's result, bit for
+bit; a row's arithmetic never depends on the other rows or on B. Why two passes: the masses
+are integers relative to the row's max (sums in any order agree), and the max, like the top-k
+bound, is known only once the whole row has been read.
+
+Roofline. A row of V fp32 logits is 4V bytes; the kernels read the logits twice (launch 2 also
+computes one float64 exp per entry for the masses) and write a few partials per block
+(B x V / split_block of each: negligible). With the Qwen2.5-VL vocabulary a row is about
+0.6 MB: at B = 64 the whole input (about 39 MB) fits an H100's 50 MB L2, so launch 2 reads
+mostly from L2 and the GPU's work is a few tens of microseconds; at B = 256 (about 156 MB)
+both passes stream from HBM. At small B a call is bound by the host, not the GPU: checking the
+arguments, a dozen allocations and two Triton launches take longer than the kernels run, and
+one CUDA-event timing around a call sees the host's time. A CUDA graph of the call removes
+that time (the step may be a device tensor that the caller advances between replays).
 """
 
 from __future__ import annotations
@@ -137,7 +156,8 @@ def _key(z):
 
 @triton.jit
 def _log_ratio(z_tok, m, mass):
-    return (z_tok.to(tl.float64) - m.to(tl.float64) - tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))).to(tl.float32)
+    lse = tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))
+    return (z_tok.to(tl.float64) - m.to(tl.float64) - lse).to(tl.float32)
 
 
 @triton.jit
@@ -209,7 +229,8 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
                 hi = tl.where(ok, hi, mid)
             t = lo
     if TOP_P:  # smallest t with mass(key > t) < top_p · kept mass
-        need = top_p_bits.to(tl.float64, bitcast=True) * _mass_above(x_row, V, inv_t, m, t, t - 1, SCALE_T, BLOCK).to(tl.float64)
+        kept_mass = _mass_above(x_row, V, inv_t, m, t, t - 1, SCALE_T, BLOCK).to(tl.float64)
+        need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass
         lo = t - 1
         hi = _key(m)
         while hi - lo > 1:
@@ -248,25 +269,50 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
     return token, lp, slp
 
 
+# ------------------------------------------------------------------ one row's blocks, one launch
+@triton.jit
+def _last_to_arrive(count_ptr, row, n_blocks):
+    """True in the program that completes its row's blocks (the last of them to count itself):
+    a barrier orders every thread's stores before the acquire-release count, so the blocks'
+    partials are visible to it. It resets the counter, so the next launch counts from zero."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == n_blocks - 1
+
+
+@triton.jit
+def _step_of(steps_ptr, row, step_stride, step_value, STEPS: tl.constexpr):
+    """A row's decoding step: from the steps tensor (stride 0: one for every row) or the int."""
+    step = step_value
+    if STEPS:
+        step = tl.load(steps_ptr + row * step_stride)
+    return step
+
+
 @triton.jit
 def _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP: tl.constexpr):
     """A row's max (0 for a bad row), status and finite entries, from its blocks' partials."""
     b = tl.arange(0, NBP)
     ok = b < n_blocks
     at = row * n_blocks + b
-    m = tl.max(tl.load(part_max_ptr + at, mask=ok, other=-float("inf")), 0)
-    bad = tl.sum(tl.load(part_bad_ptr + at, mask=ok, other=0), 0)
-    n_finite = tl.sum(tl.load(part_fin_ptr + at, mask=ok, other=0).to(tl.int64), 0)
+    m = tl.max(tl.load(part_max_ptr + at, mask=ok, other=-float("inf"), cache_modifier=".cg"), 0)
+    bad = tl.sum(tl.load(part_bad_ptr + at, mask=ok, other=0, cache_modifier=".cg"), 0)
+    n_finite = tl.sum(tl.load(part_fin_ptr + at, mask=ok, other=0, cache_modifier=".cg").to(tl.int64), 0)
     status = tl.where(bad > 0, 1, tl.where(n_finite == 0, 2, 0))
     return tl.where(status == 0, m, 0.0), status, n_finite
 
 
 @triton.jit
-def _block_max_kernel(x_ptr, stride, V, inv_t, part_max_ptr, part_bad_ptr, part_fin_ptr, sub_max_ptr, n_blocks,
-                      SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr):
-    """Per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the finite
-    ones; with ``CANDIDATES`` the max of each ``SUB`` entries."""
-    row, blk = tl.program_id(0), tl.program_id(1)
+def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, part_max_ptr, part_bad_ptr, part_fin_ptr, sub_max_ptr,
+                   row_max_ptr, row_status_ptr, row_fin_ptr, bound_ptr, count_ptr, n_blocks,
+                   SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr,
+                   NBP: tl.constexpr, BOUND_LANES: tl.constexpr):
+    """Launch 1, per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the
+    finite ones; with ``CANDIDATES`` the max of each ``SUB`` entries. The row's last block
+    combines them in block order: the row's max, status and finite entries, and with
+    ``CANDIDATES`` the key of the k-th largest sub-block max (distinct entries, so at most the
+    k-th largest entry's key; the smallest key when fewer than k are finite)."""
+    pid = tl.program_id(0)
+    row, blk = pid // n_blocks, pid % n_blocks
     z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + tl.arange(0, SPLIT), V, inv_t, SCALE_T)
     part = row * n_blocks + blk
     z_num = tl.where(z == z, z, -float("inf"))
@@ -276,55 +322,18 @@ def _block_max_kernel(x_ptr, stride, V, inv_t, part_max_ptr, part_bad_ptr, part_
         tl.store(sub_max_ptr + part.to(tl.int64) * (SPLIT // SUB) + tl.arange(0, SPLIT // SUB), subs)
     tl.store(part_bad_ptr + part, tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), 0))
     tl.store(part_fin_ptr + part, tl.sum((z > -float("inf")).to(tl.int32), 0))
-
-
-@triton.jit
-def _bound_kernel(sub_max_ptr, bound_ptr, n_subs, top_k, LANES: tl.constexpr):
-    """Per row: the key of the k-th largest sub-block max (distinct entries, so at most the
-    k-th largest entry's key; the smallest key when fewer than k are finite)."""
-    row = tl.program_id(0)
-    lanes = tl.arange(0, LANES)
-    v = tl.load(sub_max_ptr + row.to(tl.int64) * n_subs + lanes, mask=lanes < n_subs, other=-float("inf"))
-    tl.store(bound_ptr + row, _top_k_threshold(_key(v), v > -float("inf"), top_k))
-
-
-@triton.jit
-def _block_stats_kernel(
-    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, top_k,
-    part_max_ptr, part_bad_ptr, part_fin_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr,
-    bound_ptr, cand_ptr, part_cnt_ptr, n_blocks,
-    SCALE_T: tl.constexpr, DRAW: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr,
-):
-    """Per (row, vocabulary block), under the row's max: the block's integer mass; with
-    ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES`` the
-    indices of its (at most ``top_k``) largest entries at or above the row's bound, their
-    number, and the largest such entry it leaves out."""
-    row, blk = tl.program_id(0), tl.program_id(1)
-    m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
-    lanes = tl.arange(0, SPLIT)
-    z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + lanes, V, inv_t, SCALE_T)
-    part = row * n_blocks + blk
-    tl.store(part_mass_ptr + part, tl.sum(_mass(z, m), 0))
-    if DRAW:
-        zb = tl.reshape(z, (SPLIT // NOISE_BLOCK, NOISE_BLOCK))
-        mb = tl.max(zb, 1)
-        safe = tl.where(mb == -float("inf"), 0.0, mb)
-        ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, None]), 1)))
-        blocks = blk * (SPLIT // NOISE_BLOCK) + tl.arange(0, SPLIT // NOISE_BLOCK)
-        bka, bkb = row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_BLOCK)
-        score = no_nan(ell.to(tl.float64) + gumbel(blocks, bka, bkb))
-        tl.store(part_best_ptr + part, tl.max(score, 0))
-        tl.store(part_best_block_ptr + part, blk * (SPLIT // NOISE_BLOCK) + tl.argmax(score, 0))
-    if CANDIDATES:  # largest first
-        work = tl.where((z > -float("inf")) & (_key(z) >= tl.load(bound_ptr + row)), z, -float("inf"))
-        n = tl.minimum(tl.sum((work > -float("inf")).to(tl.int32), 0), top_k)
-        slots = cand_ptr + part.to(tl.int64) * top_k
-        for i in range(0, n):
-            j = tl.argmax(work, 0)
-            tl.store(slots + i, blk * SPLIT + j)
-            work = tl.where(lanes == j, -float("inf"), work)
-        tl.store(part_cnt_ptr + part, n)
-        tl.store(part_drop_ptr + part, tl.max(work, 0))
+    if _last_to_arrive(count_ptr, row, n_blocks):
+        m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
+        tl.store(row_max_ptr + row, m)
+        tl.store(row_status_ptr + row, status)
+        tl.store(row_fin_ptr + row, n_finite)
+        if CANDIDATES:
+            n_subs = n_blocks * (SPLIT // SUB)
+            lanes = tl.arange(0, BOUND_LANES)
+            v = tl.load(sub_max_ptr + row.to(tl.int64) * n_subs + lanes, mask=lanes < n_subs, other=-float("inf"),
+                        cache_modifier=".cg")
+            tl.store(bound_ptr + row, _top_k_threshold(_key(v), v > -float("inf"), top_k))
+        tl.store(count_ptr + row, 0)
 
 
 @triton.jit
@@ -338,15 +347,15 @@ def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_lo
     lanes = tl.arange(0, LANES)
     blk = lanes // top_k
     in_range = blk < n_blocks
-    valid = in_range & (lanes - blk * top_k < tl.load(cnt_row + blk, mask=in_range, other=0))
-    ci = tl.load(cand_row + lanes, mask=valid, other=0)
+    valid = in_range & (lanes - blk * top_k < tl.load(cnt_row + blk, mask=in_range, other=0, cache_modifier=".cg"))
+    ci = tl.load(cand_row + lanes, mask=valid, other=0, cache_modifier=".cg")
     cz = tl.where(valid, _load_z(x_row, ci, V, inv_t, SCALE_T), -float("inf"))
     fin = cz > -float("inf")
     key = _key(cz)
     ce = _mass(cz, m)
     t = _top_k_threshold(key, fin, top_k)
     b = tl.arange(0, NBP)
-    drop = tl.load(drop_row + b, mask=b < n_blocks, other=-float("inf"))
+    drop = tl.load(drop_row + b, mask=b < n_blocks, other=-float("inf"), cache_modifier=".cg")
     inexact = tl.sum(((drop > -float("inf")) & (_key(drop) >= t)).to(tl.int32), 0) > 0
     if TOP_P:
         t = _top_p_threshold(key, fin, ce, t, top_p_bits)
@@ -361,29 +370,25 @@ def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_lo
 
 
 @triton.jit
-def _draw_kernel(
-    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, top_k, top_p_bits, min_p_log, given_ptr,
-    part_max_ptr, part_bad_ptr, part_fin_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr,
-    cand_ptr, part_cnt_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
-    SCALE_T: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-    GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
-):
-    """Per row, the blocks' partials combined in block order: the mass, the draw (plain: the
-    first best noise block, then Gumbel-max inside it; top-k: over the candidates; otherwise,
-    or on a tie at the top-k boundary, by bisection over the row) and the log-probs."""
-    row = tl.program_id(0)
-    x_row = x_ptr + row.to(tl.int64) * stride
-    tka, tkb = row_keys(tl.load(seeds_ptr + row), tl.load(steps_ptr + row), SALT_TOKEN)
-    m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
+def _finish_row(x_row, row, V, inv_t, m, status, n_finite, tka, tkb, top_k, top_p_bits, min_p_log, given_ptr,
+                part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr, cand_ptr, part_cnt_ptr,
+                tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
+                SCALE_T: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
+                MIN_P: tl.constexpr, GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
+                NBP: tl.constexpr, LANES: tl.constexpr):
+    """A row's blocks combined in block order: the mass, the draw (plain: the first best noise
+    block, then Gumbel-max inside it; top-k: over the candidates; otherwise, or on a tie at the
+    top-k boundary, by bisection over the row) and the log-probs (NaN for a bad row)."""
     b = tl.arange(0, NBP)
     at = row * n_blocks + b
-    total = tl.sum(tl.load(part_mass_ptr + at, mask=b < n_blocks, other=0), 0)
+    total = tl.sum(tl.load(part_mass_ptr + at, mask=b < n_blocks, other=0, cache_modifier=".cg"), 0)
     if PLAIN:
         if GIVEN:
             token = tl.load(given_ptr + row)
         else:
-            w = tl.argmax(tl.load(part_best_ptr + at, mask=b < n_blocks, other=-float("inf")), 0)  # the first on a tie
-            best_block = tl.load(part_best_block_ptr + row * n_blocks + w)
+            scores = tl.load(part_best_ptr + at, mask=b < n_blocks, other=-float("inf"), cache_modifier=".cg")
+            w = tl.argmax(scores, 0)  # the first on a tie
+            best_block = tl.load(part_best_block_ptr + row * n_blocks + w, cache_modifier=".cg")
             cols = best_block * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
             zc = _load_z(x_row, cols, V, inv_t, SCALE_T)
             token = (best_block * NOISE_BLOCK + tl.argmax(no_nan(zc.to(tl.float64) + gumbel(cols, tka, tkb)), 0))
@@ -411,15 +416,77 @@ def _draw_kernel(
     tl.store(status_ptr + row, status.to(tl.int8))
 
 
-def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Tensor, steps: Tensor,
+@triton.jit(do_not_specialize=["step_value"])
+def _draw_kernel(
+    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, step_stride, step_value, top_k, top_p_bits, min_p_log, given_ptr,
+    row_max_ptr, row_status_ptr, row_fin_ptr, bound_ptr,
+    part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr, cand_ptr, part_cnt_ptr, count_ptr,
+    tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
+    SCALE_T: tl.constexpr, STEPS: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr, GIVEN: tl.constexpr, DRAW: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
+):
+    """Launch 2, per (row, vocabulary block), under the row's max: the block's integer mass;
+    with ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES``
+    the indices of its (at most ``top_k``) largest entries at or above the row's bound, their
+    number, and the largest such entry it leaves out. The row's last block finishes the row
+    (``_finish_row``)."""
+    pid = tl.program_id(0)
+    row, blk = pid // n_blocks, pid % n_blocks
+    x_row = x_ptr + row.to(tl.int64) * stride
+    m = tl.load(row_max_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    step = _step_of(steps_ptr, row, step_stride, step_value, STEPS)
+    lanes = tl.arange(0, SPLIT)
+    z = _load_z(x_row, blk * SPLIT + lanes, V, inv_t, SCALE_T)
+    part = row * n_blocks + blk
+    tl.store(part_mass_ptr + part, tl.sum(_mass(z, m), 0))
+    if DRAW:
+        zb = tl.reshape(z, (SPLIT // NOISE_BLOCK, NOISE_BLOCK))
+        mb = tl.max(zb, 1)
+        safe = tl.where(mb == -float("inf"), 0.0, mb)
+        ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, None]), 1)))
+        blocks = blk * (SPLIT // NOISE_BLOCK) + tl.arange(0, SPLIT // NOISE_BLOCK)
+        bka, bkb = row_keys(seed, step, SALT_BLOCK)
+        score = no_nan(ell.to(tl.float64) + gumbel(blocks, bka, bkb))
+        tl.store(part_best_ptr + part, tl.max(score, 0))
+        tl.store(part_best_block_ptr + part, blk * (SPLIT // NOISE_BLOCK) + tl.argmax(score, 0))
+    if CANDIDATES:  # largest first
+        work = tl.where((z > -float("inf")) & (_key(z) >= tl.load(bound_ptr + row)), z, -float("inf"))
+        n = tl.minimum(tl.sum((work > -float("inf")).to(tl.int32), 0), top_k)
+        slots = cand_ptr + part.to(tl.int64) * top_k
+        for i in range(0, n):
+            j = tl.argmax(work, 0)
+            tl.store(slots + i, blk * SPLIT + j)
+            work = tl.where(lanes == j, -float("inf"), work)
+        tl.store(part_cnt_ptr + part, n)
+        tl.store(part_drop_ptr + part, tl.max(work, 0))
+    if _last_to_arrive(count_ptr, row, n_blocks):
+        tka, tkb = row_keys(seed, step, SALT_TOKEN)
+        _finish_row(x_row, row, V, inv_t, m, tl.load(row_status_ptr + row), tl.load(row_fin_ptr + row), tka, tkb,
+                    top_k, top_p_bits, min_p_log, given_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr,
+                    part_drop_ptr, cand_ptr, part_cnt_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
+                    SCALE_T, PLAIN, TOP_K, TOP_P, MIN_P, GIVEN, CANDIDATES, BLOCK, NBP, LANES)
+
+
+def _step_args(steps, placeholder: Tensor) -> tuple:
+    """(steps tensor, its stride, the int step, STEPS) for the kernels: ``steps`` an int or an
+    int64 tensor ``[]``/``[B]`` on the logits' device (a tensor: a CUDA graph replays the new value)."""
+    if isinstance(steps, Tensor):
+        return steps, (steps.stride(0) if steps.dim() else 0), 0, True
+    return placeholder, 0, int(steps), False
+
+
+def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Tensor, steps,
                   given: Optional[Tensor] = None,
                   config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(tokens int64, log_probs fp32, sampled_log_probs fp32, status int8), each ``[B]``;
-    ``logits [B, V]`` with unit stride along V, ``seeds``/``steps`` int64 ``[B]``.
-    ``config`` replaces ``default_config``."""
+    ``logits [B, V]`` with unit stride along V, ``seeds`` int64 ``[B]``, ``steps`` an int or an
+    int64 tensor (``[]`` or ``[B]``) on the logits' device. Two launches, no host read:
+    capturable in a CUDA graph. ``config`` replaces ``default_config``."""
     B, V = logits.shape
     dev = logits.device
-    tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
     log_probs = torch.empty(B, dtype=torch.float32, device=dev)
     sampled = torch.empty(B, dtype=torch.float32, device=dev)
     status = torch.empty(B, dtype=torch.int8, device=dev)
@@ -440,34 +507,32 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     part_best, part_best_block = parts(torch.float64, draw), parts(torch.int32, draw)
     part_drop, cand = parts(torch.float32, candidates), parts(torch.int32, candidates, max(top_k, 1))
     part_cnt = parts(torch.int32, candidates)
-    bound = torch.empty(B, dtype=torch.int64, device=dev) if candidates else tokens
     sub = cfg.sub_block
     sub_max = parts(torch.float32, candidates, split // sub)
+    row_max, row_status = torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.int32, device=dev)
+    row_fin, bound = torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev)
+    count = torch.zeros(B, dtype=torch.int32, device=dev)  # each launch's last block per row resets it
     top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
     scale_t = inv_t != 1.0
     nbp = max(2, triton.next_power_of_2(n_blocks))
-    block_warps = cfg.block_warps
+    grid = (B * n_blocks,)
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
-    _block_max_kernel[(B, n_blocks)](
-        logits, logits.stride(0), V, inv_t, part_max, part_bad, part_fin, sub_max, n_blocks,
-        SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, num_warps=block_warps, enable_fp_fusion=False)
-    if candidates:
-        n_subs = n_blocks * (split // sub)
-        _bound_kernel[(B,)](sub_max, bound, n_subs, top_k, LANES=triton.next_power_of_2(n_subs),
-                            num_warps=cfg.row_warps)
-    _block_stats_kernel[(B, n_blocks)](
-        logits, logits.stride(0), V, inv_t, seeds, steps, top_k,
-        part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, bound, cand, part_cnt, n_blocks,
-        SCALE_T=scale_t, DRAW=draw, CANDIDATES=candidates, SPLIT=split, NBP=nbp,
-        num_warps=block_warps, enable_fp_fusion=False)
-    _draw_kernel[(B,)](
-        logits, logits.stride(0), V, inv_t, seeds, steps, top_k, top_p_bits, filters.min_p_log or 0.0,
-        tokens if given is None else given,
-        part_max, part_bad, part_fin, part_mass, part_best, part_best_block, part_drop, cand, part_cnt,
+    _maxima_kernel[grid](
+        logits, logits.stride(0), V, inv_t, top_k, part_max, part_bad, part_fin, sub_max,
+        row_max, row_status, row_fin, bound, count, n_blocks,
+        SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, NBP=nbp,
+        BOUND_LANES=triton.next_power_of_2(n_blocks * (split // sub)) if candidates else 16,
+        num_warps=cfg.block_warps, enable_fp_fusion=False)
+    steps_t, step_stride, step_value, has_steps = _step_args(steps, tokens)
+    _draw_kernel[grid](
+        logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, top_k, top_p_bits,
+        filters.min_p_log or 0.0, tokens if given is None else given,
+        row_max, row_status, row_fin, bound,
+        part_mass, part_best, part_best_block, part_drop, cand, part_cnt, count,
         tokens, log_probs, sampled, status, n_blocks,
-        SCALE_T=scale_t, PLAIN=filters.plain, TOP_K=filters.top_k is not None, TOP_P=filters.top_p is not None,
-        MIN_P=filters.min_p_log is not None, GIVEN=given is not None, CANDIDATES=candidates, BLOCK=cfg.row_block,
-        NBP=nbp, LANES=max(16, triton.next_power_of_2(n_blocks * top_k)),
-        num_warps=cfg.row_warps, enable_fp_fusion=False,
+        SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, TOP_K=filters.top_k is not None,
+        TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None, DRAW=draw,
+        CANDIDATES=candidates, SPLIT=split, BLOCK=cfg.row_block, NBP=nbp,
+        LANES=max(16, triton.next_power_of_2(n_blocks * top_k)), num_warps=cfg.block_warps, enable_fp_fusion=False,
     )
     return tokens, log_probs, sampled, status
