@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -250,8 +251,16 @@ def action_match(actions: Sequence[Optional[dict]], targets: Sequence[dict], *, 
     """float32 [B]: the fraction of each target's fields the action gets right.
 
     A field matches when equal, except a target ``"bbox_2d"``: the action's ``"point_2d"``
-    must lie in it (same coordinates as the target). An action that is None (unparsed)
-    scores ``failure_reward``; a wrong ``"action"`` scores 0 whatever its other fields."""
+    must lie in it (same coordinates as the target). Equality keeps bools apart from numbers
+    (``True`` does not equal ``1``) and compares lists and tuples alike; a point is any two
+    real numbers (a list, tuple, array or tensor). An action that is None (unparsed) scores
+    ``failure_reward``; a wrong ``"action"`` scores 0 whatever its other fields.
+
+    Raises
+    ------
+    ValueError
+        A target without a known ``"action"``, or a target ``"bbox_2d"`` that is not four
+        finite real numbers (the error names ``targets[b]['bbox_2d']``)."""
     actions = sequence_arg("actions", actions, "action dicts (or None where none was parsed)")
     targets = sequence_arg("targets", targets, "target action dicts")
     failure_reward = float_arg("failure_reward", failure_reward)
@@ -274,13 +283,38 @@ def action_match(actions: Sequence[Optional[dict]], targets: Sequence[dict], *, 
     return torch.tensor(scores, dtype=torch.float32)
 
 
+def _same(a, b) -> bool:
+    """Equality of JSON-like values that keeps bools apart from numbers and lists like tuples."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, numbers.Real) or isinstance(b, numbers.Real):
+        return isinstance(a, numbers.Real) and isinstance(b, numbers.Real) and a == b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _reals(value, n: int) -> Optional[list[float]]:
+    """``value`` as ``n`` real numbers (a list, tuple, array or tensor; never bools or strings), else None."""
+    if isinstance(value, Tensor) or hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) for v in value):
+        return None
+    return [float(v) for v in value]
+
+
 def _field_hit(b: int, key: str, action: dict, value) -> bool:
     if key != "bbox_2d":
-        return action.get(key) == value
-    box = _rows(f"targets[{b}]['bbox_2d']", torch.tensor([value], dtype=torch.float64), 4)
-    point = action.get("point_2d")
-    if not (isinstance(point, list) and len(point) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in point)):
-        return False
-    if not all(math.isfinite(v) for v in point):
+        return _same(action.get(key), value)
+    box = _reals(value, 4)
+    if box is None:
+        raise ValueError(f"targets[{b}]['bbox_2d'] is {value!r:.80}; a target box is four real numbers (x0, y0, x1, y1)")
+    box = _rows(f"targets[{b}]['bbox_2d']", torch.tensor([box], dtype=torch.float64), 4)
+    point = _reals(action.get("point_2d"), 2)  # the model's output: malformed is a miss, not an error
+    if point is None or not all(math.isfinite(v) for v in point):
         return False
     return bool(point_in_box(torch.tensor([point], dtype=torch.float64), box)[0])

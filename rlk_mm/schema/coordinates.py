@@ -3,7 +3,8 @@
 Coordinates are converted only by explicit calls (``convert_boxes``/``convert_points``),
 never implicitly: a box in resized-image pixels is not a box in original pixels.
 The conversion is element-wise: non-finite coordinates stay non-finite (nan stays nan,
-inf stays inf) and coordinates outside the image are converted like any other.
+inf stays inf) and coordinates outside the image are converted like any other. It is exact
+at the edges: 0 stays 0 and an image's edge lands on the other system's edge, bitwise.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def _convert(points: torch.Tensor, source, target, original_size, resized_size) 
     target = CoordinateSystem.parse(target, "target", SchemaError)
     sizes = {name: None if size is None else size_arg(name, size)
              for name, size in (("original_size", original_size), ("resized_size", resized_size))}
-    factor = _scale(target, **sizes) / _scale(source, **sizes)
-    return (points.double() * factor).to(points.dtype if points.is_floating_point() else torch.float32)
+    # multiply first, then divide: exact for integer sizes, so an edge stays an edge (w * W / w == W) and 0 stays 0
+    target_scale, source_scale = _scale(target, **sizes), _scale(source, **sizes)
+    converted = points.double() if source is target else points.double() * target_scale / source_scale
+    return converted.to(points.dtype if points.is_floating_point() else torch.float32)
 
 
 def convert_points(points: torch.Tensor, source, target, *, original_size=None, resized_size=None) -> torch.Tensor:
