@@ -88,7 +88,7 @@ def _add_invariance_parser(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--no-control", action="store_true", help="skip the run without batch_invariant()")
     p.add_argument("--json", type=command.output_file, help="write the report as JSON here")
-    p.add_argument("--png", type=command.output_file, help="draw the 'where drift starts' chart here")
+    p.add_argument("--png", type=command.image_file, help="draw the 'where drift starts' chart here")
     command.add_debug_flag(p)
     p.set_defaults(func=_invariance)
 
@@ -134,7 +134,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="print a saved batch's per-sample layout table (and draw it)")
     p.add_argument("file", help="a batch saved with RLBatch.save (.safetensors)")
-    p.add_argument("--png", type=command.output_file, help="also draw each sample's spans to this PNG")
+    p.add_argument("--png", type=command.image_file, help="also draw each sample's spans to this PNG")
     p.add_argument("--max-rows", type=command.int_at_least(0), default=32, help="samples shown in the table (default 32)")
     command.add_debug_flag(p)
     p.set_defaults(func=_inspect)

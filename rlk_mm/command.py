@@ -20,7 +20,8 @@ import sys
 import traceback
 from pathlib import Path
 
-__all__ = ["add_debug_flag", "device", "folder", "int_at_least", "main", "number", "output_file", "UsageError"]
+__all__ = ["add_debug_flag", "device", "folder", "image_file", "IMAGE_SUFFIXES", "int_at_least", "main", "number",
+           "output_file", "UsageError"]
 
 OK, NEGATIVE, BAD_INPUT, INTERNAL = 0, 1, 2, 3
 _PACKAGE = Path(__file__).resolve().parent
@@ -122,8 +123,26 @@ def folder(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """An argparse type: a file path whose folder exists (checked before any work)."""
+    """An argparse type: a file path (not empty, not a folder) whose folder exists (checked before any work)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a file name")
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name inside it")
     parent = Path(text).parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: the folder {parent} does not exist")
+    return text
+
+
+#: the picture formats the --png options write (matplotlib writes each with its own backends)
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def image_file(text: str) -> str:
+    """An argparse type: an ``output_file`` whose suffix names a picture format (``IMAGE_SUFFIXES``),
+    so the file written is the path given."""
+    text = output_file(text)
+    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text}: give a file name ending in {', '.join(IMAGE_SUFFIXES)} (the picture's "
+                                         "format)")
     return text
