@@ -1,5 +1,5 @@
 """Invariance sweep: the same samples scored every way a trainer batches, pads, packs or
-caches them; bitwise equal or not, by how much, and, where not, which layer drifts first.
+caches them, or decodes them step by step; bitwise equal or not, by how much, and, where not, which layer drifts first.
 
 ``invariance_sweep(model, processor, samples)`` builds RLBatches with the real processor,
 scores each sample's response tokens (selected log-probs, or the hidden states that feed
@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.qwen2_5_vl import VisionCache, check_model, forward_hidden
+from ..models.qwen2_5_vl import VisionCache, check_model, forward_hidden, prompt_lengths
+from ..models.rollout import decode_hidden
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, PaddingSide, RLBatch
@@ -198,6 +199,33 @@ def _video_frames(r: _Runs):
     return [(f"{len(items)} with video", _each(whole, frames, len(items)))]
 
 
+def _decode_run(model, batch: RLBatch) -> Run:
+    """``decode_hidden``: the prompts prefilled into a KV cache, then one token a step."""
+    rows, _ = batch.loss_token_index()
+    prompt = prompt_lengths(batch)
+    cu = batch.cu_seqlens.long().tolist()
+    tail = [cu[b + 1] - cu[b] - p for b, p in enumerate(prompt)]
+    width, n = max(prompt), batch.num_samples
+
+    def views(s):
+        whole = forward_views(batch, None, s)
+        text = [(n, width, s * width + width - prompt[s] + torch.arange(prompt[s]))]
+        for j in range(tail[s]):  # the calls after the sample's last token are not looked at
+            live = [b for b in range(n) if tail[b] > j]
+            text.append((len(live), 1, torch.tensor([live.index(s)])))
+        return Views(whole.vision, text, whole.merge)
+
+    return Run(batch, lambda: decode_hidden(model, batch)[rows], views)
+
+
+def _decode(r: _Runs):
+    """Responses of different lengths (rows leave the decode at different steps)."""
+    items = [_Item(it.sample, it.response[min(i, len(it.response) - 1):]) for i, it in enumerate(r.items)]
+    one_pass = r.forward("decode_one_pass", items, "right")
+    decoded = _RunRef("decode_steps", lambda: _decode_run(r.model, r.build(items)))
+    return [("one pass vs KV-cache decode", _each(one_pass, decoded, r.n))]
+
+
 @dataclass(frozen=True)
 class Case:
     """An invariance case: what it compares, and the pairs of runs it compares (by detail)."""
@@ -216,6 +244,8 @@ CASES = {
     "vision_cache": Case("vision tower inside the forward vs VisionCache (one pass per media key)", _vision_cache),
     "prefix_cache": Case("one forward vs prompt prefilled into a KV cache, then the response", _prefix_cache),
     "group_cache": Case("a GRPO group scored in full vs media-prefix cache (vision once, prompt KV once)", _group_cache),
+    "decode": Case("one forward vs KV-cache decode (prompts of different lengths prefilled left-padded, then one "
+                   "token a step, rows leaving as their responses end)", _decode),
     "video_frames": Case("videos through the vision tower whole vs frame by frame (VideoLayout.frame_batch, each distinct "
                          "frame once)", _video_frames),
 }
@@ -268,6 +298,7 @@ def invariance_sweep(
     group_size: int = 4,
     probe: bool = True,
     seed: int = 0,
+    progress: Optional[Callable[[int, int, str], None]] = None,
 ) -> InvarianceReport:
     """Score ``samples`` (objects with ``messages``, ``images``, ``videos``, like
     ``fixtures.Sample``) under every case of ``CASES`` (or those named in ``cases``), under
@@ -278,7 +309,8 @@ def invariance_sweep(
     the LM head) or ``"hidden"`` (the hidden states that feed it). A case is bitwise when
     every compared sample's scores are ``torch.equal``. Every argument is checked before the
     first forward; a run whose scores are not finite raises (naming the run, sample and
-    token): a drift between NaNs would be no measurement.
+    token): a drift between NaNs would be no measurement. ``progress``, if given, is called as
+    ``progress(done, total, what)`` after each case of each mode (``rlk-mm invariance`` draws its bar so).
     """
     check_model(model)
     if not callable(getattr(processor, "apply_chat_template", None)) or not callable(processor):
@@ -319,9 +351,13 @@ def invariance_sweep(
         owner = run.batch.loss_token_sample()
         return [values[owner == b].detach().float().cpu() for b in range(run.batch.num_samples)]
 
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable (done, total, what) or None, got {type(progress).__name__}")
     results: list[CaseResult] = []
     runs = _Runs(model, processor, device, samples, items, group_items)
-    for mode in [Mode.BATCH_INVARIANT] + ([Mode.DEFAULT] if control else []):
+    modes = [Mode.BATCH_INVARIANT] + ([Mode.DEFAULT] if control else [])
+    done = 0
+    for mode in modes:
         ctx = batch_invariant(backend) if mode is Mode.BATCH_INVARIANT else contextlib.nullcontext()
         with ctx, torch.no_grad():
             memo: dict[str, tuple[Run, list[torch.Tensor]]] = {}
@@ -349,6 +385,9 @@ def invariance_sweep(
                                 first_bad = (ref_run, case_run, ref_sample, other_sample, diff)
                     divergence = first_divergence(model, *first_bad) if first_bad is not None and probe else None
                     results.append(CaseResult(case, detail, mode.value, first_bad is None, worst, tokens, divergence))
+                done += 1
+                if progress is not None:
+                    progress(done, len(modes) * len(cases), f"{mode.value} {case}")
     meta = {
         "model": type(model).__name__,
         "config": {"hidden_size": model.config.text_config.hidden_size, "layers": model.config.text_config.num_hidden_layers,
