@@ -39,7 +39,8 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
 
     longest = max((int(batch.seq_lengths()[b]) for b in samples), default=1)
     rows = max(len(samples), 1)  # an empty selection draws an empty strip
-    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * max(rows, 2)))  # room for the legend below one row
+    # constrained layout keeps the legend (outside, below) clear of the axis label however many rows there are
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * max(rows, 2)), layout="constrained")
     for row, b in enumerate(samples):
         y = len(samples) - 1 - row
         for s in batch.modality_spans_of(b):
@@ -57,9 +58,8 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
     ax.set_xlabel("token position")
     handles = [Patch(color=COLOURS[m], label=m.label) for m in (Modality.TEXT, Modality.IMAGE, Modality.VIDEO)]
     handles.append(Patch(color=LOSS_COLOUR, label="loss (scored targets)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(samples) < 4 else -0.12), ncol=4, fontsize=8)
+    fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
     ax.set_title(title or f"layout: {batch.num_samples} samples, fingerprint {batch.processor_fingerprint[:12]}", fontsize=10)
-    fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
