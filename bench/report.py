@@ -398,7 +398,8 @@ def _given_row(row: dict, data: dict, name: str) -> list[str]:
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, peer))
 
     def cell(value) -> str:
-        return f"{_num(value)}{unit}" if isinstance(value, (int, float)) and not isinstance(value, bool) else _num(value)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return f"{_num(value)}{unit}" if number else _num(value)
 
     return [_num(row["metric"]), cell(ours), cell(peer), _ratio(ours, peer) if numbers else "—",
             _card(meta_of(data)), name]

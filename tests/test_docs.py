@@ -357,7 +357,8 @@ def test_headline_rows_a_result_file_gives():
                          {"metric": "exact match", "ours": "200 / 200 steps", "peer": None, "unit": ""},
                          {"what": "older form", "ours": "1 ms", "peer": "2 ms", "ratio": "0.50×"}]}
     table = report.headline_table({"group_memory.json": data})
-    assert "| log-prob memory, group of 16 | 1.50 GiB | 6.00 GiB | 0.25× | NVIDIA H100 | `group_memory.json` |" in table
+    assert ("| log-prob memory, group of 16 | 1.50 GiB | 6.00 GiB | 0.25× | NVIDIA H100 | `group_memory.json` |"
+            in table)
     assert "| exact match | 200 / 200 steps | — | — |" in table
     assert "| older form | 1 ms | 2 ms | 0.50× |" in table
     assert "`python -m bench.bench_group_memory`" in table
