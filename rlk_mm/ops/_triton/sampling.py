@@ -302,8 +302,18 @@ def _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP: tl.
 
 
 @triton.jit
-def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, part_max_ptr, part_bad_ptr, part_fin_ptr, sub_max_ptr,
-                   row_max_ptr, row_status_ptr, row_fin_ptr, bound_ptr, count_ptr, n_blocks,
+def _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks):
+    """The places of the partials in the three workspaces (``n = rows x blocks`` entries each;
+    ``sample_logits`` sizes them): part_max, part_drop, row_max, sub_max (fp32); part_bad,
+    part_fin, part_cnt, part_best_block, row_status, cand (int32); part_mass, row_fin, bound (int64)."""
+    n = n_rows * n_blocks
+    return (f32_ws, f32_ws + n, f32_ws + 2 * n, f32_ws + 2 * n + n_rows,
+            i32_ws, i32_ws + n, i32_ws + 2 * n, i32_ws + 3 * n, i32_ws + 4 * n, i32_ws + 4 * n + n_rows,
+            i64_ws, i64_ws + n, i64_ws + n + n_rows)
+
+
+@triton.jit
+def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count_ptr, n_rows, n_blocks,
                    SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr,
                    NBP: tl.constexpr, BOUND_LANES: tl.constexpr):
     """Launch 1, per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the
@@ -311,6 +321,8 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, part_max_ptr, part_bad_ptr, p
     combines them in block order: the row's max, status and finite entries, and with
     ``CANDIDATES`` the key of the k-th largest sub-block max (distinct entries, so at most the
     k-th largest entry's key; the smallest key when fewer than k are finite)."""
+    (part_max_ptr, _, row_max_ptr, sub_max_ptr, part_bad_ptr, part_fin_ptr, _, _, row_status_ptr, _, _, row_fin_ptr,
+     bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks)
     pid = tl.program_id(0)
     row, blk = pid // n_blocks, pid % n_blocks
     z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + tl.arange(0, SPLIT), V, inv_t, SCALE_T)
@@ -419,9 +431,7 @@ def _finish_row(x_row, row, V, inv_t, m, status, n_finite, tka, tkb, top_k, top_
 @triton.jit(do_not_specialize=["step_value"])
 def _draw_kernel(
     x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, step_stride, step_value, top_k, top_p_bits, min_p_log, given_ptr,
-    row_max_ptr, row_status_ptr, row_fin_ptr, bound_ptr,
-    part_mass_ptr, part_best_ptr, part_best_block_ptr, part_drop_ptr, cand_ptr, part_cnt_ptr, count_ptr,
-    tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
+    f32_ws, i32_ws, i64_ws, part_best_ptr, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
     SCALE_T: tl.constexpr, STEPS: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
     MIN_P: tl.constexpr, GIVEN: tl.constexpr, DRAW: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
@@ -431,6 +441,8 @@ def _draw_kernel(
     the indices of its (at most ``top_k``) largest entries at or above the row's bound, their
     number, and the largest such entry it leaves out. The row's last block finishes the row
     (``_finish_row``)."""
+    (_, part_drop_ptr, row_max_ptr, _, _, _, part_cnt_ptr, part_best_block_ptr, row_status_ptr, cand_ptr, part_mass_ptr,
+     row_fin_ptr, bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks)
     pid = tl.program_id(0)
     row, blk = pid // n_blocks, pid % n_blocks
     x_row = x_ptr + row.to(tl.int64) * stride
@@ -499,18 +511,13 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     draw = filters.plain and given is None
     candidates = filters.top_k is not None and given is None and n_blocks * top_k <= cfg.candidate_cap
 
-    def parts(dtype, used=True, per=1):  # an unused one: any tensor (its kernel code is compiled out)
-        return torch.empty(B * n_blocks * per, dtype=dtype, device=dev) if used else tokens
-
-    part_max, part_mass = parts(torch.float32), parts(torch.int64)
-    part_bad, part_fin = parts(torch.int32), parts(torch.int32)
-    part_best, part_best_block = parts(torch.float64, draw), parts(torch.int32, draw)
-    part_drop, cand = parts(torch.float32, candidates), parts(torch.int32, candidates, max(top_k, 1))
-    part_cnt = parts(torch.int32, candidates)
+    n = B * n_blocks
     sub = cfg.sub_block
-    sub_max = parts(torch.float32, candidates, split // sub)
-    row_max, row_status = torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.int32, device=dev)
-    row_fin, bound = torch.empty(B, dtype=torch.int64, device=dev), torch.empty(B, dtype=torch.int64, device=dev)
+    # three workspaces hold the partials (``_workspace``: their places), a fourth the plain draw's scores
+    f32_ws = torch.empty(2 * n + B + (n * (split // sub) if candidates else 0), dtype=torch.float32, device=dev)
+    i32_ws = torch.empty(4 * n + B + (n * top_k if candidates else 0), dtype=torch.int32, device=dev)
+    i64_ws = torch.empty(n + 2 * B, dtype=torch.int64, device=dev)
+    part_best = torch.empty(n, dtype=torch.float64, device=dev) if draw else tokens  # unused: any tensor
     count = torch.zeros(B, dtype=torch.int32, device=dev)  # each launch's last block per row resets it
     top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
     scale_t = inv_t != 1.0
@@ -518,8 +525,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     grid = (B * n_blocks,)
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _maxima_kernel[grid](
-        logits, logits.stride(0), V, inv_t, top_k, part_max, part_bad, part_fin, sub_max,
-        row_max, row_status, row_fin, bound, count, n_blocks,
+        logits, logits.stride(0), V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
         SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, NBP=nbp,
         BOUND_LANES=triton.next_power_of_2(n_blocks * (split // sub)) if candidates else 16,
         num_warps=cfg.block_warps, enable_fp_fusion=False)
@@ -527,9 +533,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     _draw_kernel[grid](
         logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, top_k, top_p_bits,
         filters.min_p_log or 0.0, tokens if given is None else given,
-        row_max, row_status, row_fin, bound,
-        part_mass, part_best, part_best_block, part_drop, cand, part_cnt, count,
-        tokens, log_probs, sampled, status, n_blocks,
+        f32_ws, i32_ws, i64_ws, part_best, count, tokens, log_probs, sampled, status, B, n_blocks,
         SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, TOP_K=filters.top_k is not None,
         TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None, DRAW=draw,
         CANDIDATES=candidates, SPLIT=split, BLOCK=cfg.row_block, NBP=nbp,
