@@ -34,7 +34,15 @@ __all__ = ["Lagrangian", "LagrangianAdvantages", "lagrangian_advantages"]
 
 
 class LagrangianAdvantages(NamedTuple):
-    """The combined advantage and its two separately normalized parts, each ``[B]``."""
+    """The combined advantage and its two separately normalized parts.
+
+    Attributes
+    ----------
+    advantages : Tensor
+        ``(A_r - lam * A_c) / (1 + lam)``, ``[B]``.
+    reward_advantages, cost_advantages : Tensor
+        ``A_r`` and ``A_c``, each ``[B]``.
+    """
 
     advantages: Tensor
     reward_advantages: Tensor
@@ -42,12 +50,26 @@ class LagrangianAdvantages(NamedTuple):
 
 
 class Lagrangian:
-    """The multiplier ``value`` (0-d float32 tensor on ``device``) of a cost constraint
-    ``E[episode cost] <= budget``, its dual step and the combined advantages.
+    """The multiplier of a cost constraint ``E[episode cost] <= budget``, its dual step and the advantages.
 
-    ``budget``: the allowed mean episode cost; ``lr``: the dual step size (> 0); ``init``:
-    the starting multiplier (>= 0); ``max_value``: an upper bound (None: unbounded); ``device``:
-    where ``value`` lives (a device, its string or a CUDA index)."""
+    Parameters
+    ----------
+    budget : float
+        The allowed mean episode cost.
+    lr : float
+        The dual step size, > 0.
+    init : float
+        The starting multiplier, >= 0.
+    max_value : float, optional
+        An upper bound (None: unbounded).
+    device : torch.device, str or int, optional
+        Where ``value`` (a 0-d float32 tensor) lives.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming it.
+    """
 
     def __init__(self, budget: float, *, lr: float = 0.05, init: float = 0.0, max_value: Optional[float] = None, device="cpu"):
         self.budget = float_arg("budget", budget)
@@ -57,11 +79,24 @@ class Lagrangian:
         self.value = torch.tensor(init, dtype=torch.float32, device=device_arg(device))
 
     def step(self, episode_costs: Tensor) -> Tensor:
-        """One projected dual step on the mean of ``episode_costs`` (float ``[E]``, E >= 1, on
-        ``value``'s device), in place: ``value`` grows while the cost is over budget and
-        shrinks (to 0 at least) under it. Returns ``value``. The costs are constants (no
-        gradient flows to them; ``value`` keeps no autograd graph); a non-finite mean cost
-        makes ``value`` NaN."""
+        """One projected dual step on the mean of ``episode_costs``, in place.
+
+        Parameters
+        ----------
+        episode_costs : Tensor
+            Float ``[E]``, E >= 1, on ``value``'s device; constants (no gradient flows to them).
+
+        Returns
+        -------
+        Tensor
+            ``value``: it grows while the cost is over budget and shrinks (to 0 at least) under it; it
+            keeps no autograd graph. A non-finite mean cost makes it NaN.
+
+        Raises
+        ------
+        ValueError, TypeError
+            For costs of another shape, dtype or device.
+        """
         tensor_arg("episode_costs", episode_costs, ndim=1, dtypes=FLOAT_DTYPES, device=self.value.device)
         if episode_costs.shape[0] == 0:
             raise ValueError("episode_costs is empty: the dual step needs at least one episode's cost")
@@ -73,25 +108,65 @@ class Lagrangian:
     def advantages(self, rewards: Tensor, costs: Tensor, group_ids: Optional[Tensor] = None, *,
                    batch: Optional[RLBatch] = None, estimator: Estimator | str = Estimator.GRPO,
                    eps: float = 1e-6) -> LagrangianAdvantages:
-        """``(A_r - lam * A_c) / (1 + lam)`` of per-sample ``rewards`` and ``costs`` (float ``[B]``)
-        with group advantages of each normalized on its own (``group_advantages``; same
-        groups (``group_ids`` or ``batch=``), ``estimator`` and ``eps``). ``rewards`` and
-        ``costs`` must be separate tensors."""
+        """``(A_r - lam * A_c) / (1 + lam)``, each part a group advantage normalized on its own.
+
+        Parameters
+        ----------
+        rewards, costs : Tensor
+            Per-sample float ``[B]``, separate tensors.
+        group_ids : Tensor, optional
+            The groups, as ``group_advantages`` takes them.
+        batch : RLBatch, optional
+            Instead of ``group_ids``.
+        estimator : Estimator or str
+            As ``group_advantages``'s.
+        eps : float
+            As ``group_advantages``'s.
+
+        Returns
+        -------
+        LagrangianAdvantages
+        """
         return lagrangian_advantages(rewards, costs, group_ids, self.value, batch=batch, estimator=estimator, eps=eps)
 
 
 def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Optional[Tensor] = None,
                           lam: Optional[Tensor] = None, *, batch: Optional[RLBatch] = None,
                           estimator: Estimator | str = Estimator.GRPO, eps: float = 1e-6) -> LagrangianAdvantages:
-    """The PPO-Lagrangian advantages (see ``Lagrangian.advantages``) for a multiplier ``lam``
-    (a 0-d float tensor on the scores' device, >= 0 by construction of ``Lagrangian``;
-    required). The value of ``lam`` is not read on the host: a negative or non-finite ``lam``
-    (which would let a cost raise the advantage, or divide by 0) gives NaN ``advantages``;
-    the two parts are returned as they are. The groups: ``group_ids`` or ``batch=``, as
-    ``group_advantages`` takes them; ``estimator`` an ``Estimator`` or its string. Rewards
-    and costs whose elements share memory are refused (disjoint views of one tensor, such as
-    the two columns of a ``[B, 2]`` scores tensor, are fine; under ``torch.compile`` only the
-    same tensor twice is refused)."""
+    """The PPO-Lagrangian advantages (see ``Lagrangian.advantages``) for a multiplier ``lam``.
+
+    Parameters
+    ----------
+    rewards, costs : Tensor
+        Per-sample float ``[B]``. Elements that share memory are refused (disjoint views of one
+        tensor, such as the two columns of a ``[B, 2]`` scores tensor, are fine; under
+        ``torch.compile`` only the same tensor twice is refused).
+    group_ids : Tensor, optional
+        The groups, as ``group_advantages`` takes them.
+    lam : Tensor
+        A 0-d float tensor on the scores' device, >= 0 by construction of ``Lagrangian``; required.
+    batch : RLBatch, optional
+        Instead of ``group_ids``.
+    estimator : Estimator or str
+        As ``group_advantages``'s.
+    eps : float
+        As ``group_advantages``'s.
+
+    Returns
+    -------
+    LagrangianAdvantages
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad arguments, a missing ``lam``, or rewards and costs that share memory.
+
+    Notes
+    -----
+    The value of ``lam`` is not read on the host: a negative or non-finite ``lam`` (which would let a
+    cost raise the advantage, or divide by 0) gives NaN ``advantages``; the two parts are returned as
+    they are.
+    """
     if lam is None:
         raise TypeError("lagrangian_advantages needs lam, the multiplier (a 0-d float tensor; Lagrangian.value)")
     tensor_arg("rewards", rewards, ndim=1, dtypes=FLOAT_DTYPES)

@@ -38,9 +38,17 @@ __all__ = ["PolicyLossOutput", "linear_policy_loss"]
 
 
 class PolicyLossOutput(NamedTuple):
-    """``linear_policy_loss``'s result: ``policy_loss``'s ``PolicyLoss(loss, metrics)`` fields
-    first, then the scored tokens' fp32 log-probs and entropies (detached, in scored-row
-    order) for logging. ``loss, metrics, log_probs, entropy = linear_policy_loss(...)``."""
+    """``linear_policy_loss``'s result: ``loss, metrics, log_probs, entropy = linear_policy_loss(...)``.
+
+    Attributes
+    ----------
+    loss : Tensor
+        The float32 scalar loss (as ``policy_loss``'s).
+    metrics : dict of str to Tensor
+        ``policy_loss``'s metrics, 0-d float32 tensors named as verl names them.
+    log_probs, entropy : Tensor
+        The scored tokens' fp32 log-probs and entropies, detached, in scored-row order, for logging.
+    """
 
     loss: Tensor
     metrics: dict[str, Tensor]
@@ -71,42 +79,74 @@ def linear_policy_loss(
     config: Optional[PolicyLossConfig] = None,
     **knobs,
 ) -> PolicyLossOutput:
-    """``policy_loss(selected_logprob(hidden, weight, ...), old_log_probs, advantages, ...)``
-    in one op: ``(loss, metrics, log_probs, entropy)``.
+    """``policy_loss(selected_logprob(hidden, weight, ...), old_log_probs, advantages, ...)`` in one op.
 
-    The scored rows and their targets are ``selected_logprob``'s (``batch`` with
-    ``padding`` for ``[B, L, H]`` hidden states, or ``index`` with ``targets``), as are
-    ``temperature`` and ``bias``. The per-token inputs (``old_log_probs``, ``advantages``,
-    ``mask``, ``rollout_is_weights``, ``ref_log_probs``) are compact ``[n]`` in the same
-    scored-row order; their samples are ``batch.loss_token_sample()`` with a batch, else
-    ``sample_index`` and ``num_samples`` (as ``policy_loss``'s compact layout). The loss knobs
-    are ``policy_loss``'s: ``config=PolicyLossConfig(...)`` or its fields as keywords (see
-    ``PolicyLossConfig``: clips, ``ratio``, ``log_ratio_clamp``, ``kl_type``, ``kl_coef``,
-    ``entropy_coeff``, ``loss_agg_mode``, ``dp_size`` and the counts), with the same checks
-    and errors. The entropy is always
-    computed (it costs no extra product): ``metrics`` has ``entropy_loss``, and
-    ``entropy_coeff > 0`` adds the bonus.
+    The LM head fused with the policy loss: the gradient is formed during the forward, so three
+    logits-sized products instead of four, and no ``[n, V]`` logits are kept.
 
-    ``old_log_probs=None`` is on-policy: the old log-probs are the ones this call computes,
-    detached (every ratio is 1), as a trainer that updates once per rollout has them (TRL's
-    ``num_iterations=1``); it must be passed explicitly.
+    Parameters
+    ----------
+    hidden : Tensor
+        ``[T, H]`` packed or ``[B, L, H]`` padded hidden states.
+    weight : Tensor
+        The LM head ``[V, H]`` (or this rank's shard of its rows, with ``tp_group``).
+    batch : RLBatch, optional
+        The scored rows and targets from its loss spans (as ``selected_logprob``); else ``index``
+        with ``targets``.
+    old_log_probs : Tensor or None
+        Compact ``[n]``, in scored-row order. ``None`` is on-policy: the log-probs this call computes,
+        detached (every ratio is 1), as a trainer that updates once per rollout has them; it must be
+        passed explicitly.
+    advantages : Tensor
+        Compact ``[n]``, in scored-row order.
+    index, targets : Tensor, optional
+        Rows of the flattened hidden states and their token ids (instead of ``batch``).
+    padding : PaddingSide or str, optional
+        With ``[B, L, H]`` hidden states and a batch: where each sample sits in its row.
+    temperature : float
+        Logits are divided by it; >= ``MIN_TEMPERATURE``.
+    bias : Tensor, optional
+        ``[V]``, finite, or -inf to mask an entry that is never a target.
+    mask, rollout_is_weights, ref_log_probs : Tensor, optional
+        Compact ``[n]`` per-token inputs, as ``policy_loss``'s.
+    sample_index : Tensor, optional
+        Each token's sample, without a batch (``batch.loss_token_sample()`` with one).
+    num_samples : int, optional
+        The number of samples, without a batch.
+    tp_group : ProcessGroup, optional
+        Vocabulary-parallel: every rank passes the same rows and loss inputs and gets the same loss;
+        d hidden is summed over the group in rank order, each rank gets its shard's d weight.
+    vocab_start_index : int, optional
+        This rank's first vocabulary row, checked when given.
+    gather_weight : bool
+        A ``DTensor`` head: gather it instead of running vocabulary-parallel.
+    config : PolicyLossConfig, optional
+        The loss knobs (see ``PolicyLossConfig``).
+    **knobs
+        ``PolicyLossConfig``'s fields as keywords instead of ``config`` (not both).
 
-    Gradients flow to ``hidden``, ``weight`` and ``bias`` (those that require them; a frozen
-    head or frozen hidden states skip their product). They are formed in this call, so
-    calling ``backward`` on the loss more than once (``retain_graph``) is refused.
-    ``ratio="gspo_token"`` and ``"gspo"`` need a whole sequence's log-probs before any
-    gradient: they run ``policy_loss(selected_logprob(...))`` (four products), with the same
-    results.
+    Returns
+    -------
+    PolicyLossOutput
+        ``(loss, metrics, log_probs, entropy)``. The entropy is always computed (it costs no extra
+        product): ``metrics`` has ``entropy_loss``, and ``entropy_coeff > 0`` adds the bonus.
 
-    Two host syncs before any work: the rows, targets and bias values (as
-    ``selected_logprob``), then the loss inputs (as ``policy_loss``).
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, with ``selected_logprob``'s and ``policy_loss``'s checks and errors, in
+        two host syncs before any work.
+    RuntimeError
+        When ``backward`` runs through the loss a second time (the gradients are formed in the call).
 
-    ``tp_group``, ``vocab_start_index`` and ``gather_weight`` are ``selected_logprob``'s: a
-    vocabulary-sharded head (``vocab_parallel``), every rank passing the same rows and loss
-    inputs and getting the same loss; d hidden is summed over the group in rank order, each
-    rank gets its shard's d weight. One collective per chunk of rows in the forward. The
-    log-probs and entropies are bitwise ``selected_logprob``'s (on one device or on any
-    vocabulary split of the same head); the loss and gradients within the numerical contract.
+    Notes
+    -----
+    Gradients flow to ``hidden``, ``weight`` and ``bias`` (those that require them; a frozen head or
+    frozen hidden states skip their product). ``ratio="gspo_token"`` and ``"gspo"`` need a whole
+    sequence's log-probs before any gradient: they run ``policy_loss(selected_logprob(...))`` (four
+    products), with the same results. The log-probs and entropies are bitwise ``selected_logprob``'s
+    (on one device or on any vocabulary split of the same head); the loss and gradients are within
+    the numerical contract.
     """
     config = policy_loss_config(config, knobs, "linear_policy_loss")
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)

@@ -97,8 +97,24 @@ def selected_logprob(
 
 
 def sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight):
-    """``(weight, bias, tp_group)`` to compute with: unchanged for a plain head without
-    ``tp_group`` (no import, no cost); else ``vocab_parallel.local_head``'s resolution."""
+    """The head to compute with: unchanged for a plain head without ``tp_group`` (no import, no cost).
+
+    Parameters
+    ----------
+    weight, bias : Tensor
+        The LM head (a ``DTensor`` for FSDP2) and its optional bias.
+    tp_group : ProcessGroup, optional
+        The vocabulary-parallel group.
+    vocab_start_index : int, optional
+        This rank's first vocabulary row, checked when given.
+    gather_weight : bool
+        Gather a ``DTensor`` head instead of running vocabulary-parallel.
+
+    Returns
+    -------
+    tuple
+        ``(weight, bias, tp_group)``: else ``vocab_parallel.local_head``'s resolution.
+    """
     plain = (torch.Tensor, torch.nn.Parameter)
     if (tp_group is None and vocab_start_index is None and gather_weight is False
             and type(weight) in plain and (bias is None or type(bias) in plain)):

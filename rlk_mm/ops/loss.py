@@ -55,19 +55,46 @@ def agg_loss(
 ) -> Tensor:
     """Aggregate per-token losses to a scalar: verl 0.9.1's ``agg_loss`` modes and EasyR1's ``token``/``seq``.
 
-    ``loss_agg_mode`` (an ``AggMode`` or its string): ``token-mean``: sum / batch_num_tokens *
-    dp_size; ``token-sum``: sum * dp_size; ``seq-mean-token-sum``: sum over sequences of their
-    token sums / global_batch_size * dp_size (``-norm``: further / loss_scale_factor, default
-    R); ``seq-mean-token-mean``: the same over per-sequence token means. Sequences with no
-    token are left out of the default global_batch_size. EasyR1 ``token``: masked mean (eps
-    ``MEAN_EPS``); ``seq``: mean over all rows of per-row masked means. The counts are
-    ``PolicyLossConfig``'s fields of the same names, with the same checks.
+    Parameters
+    ----------
+    loss_mat : Tensor
+        Per-token losses: padded ``[B, R]`` with ``mask``, or compact ``[n]`` with ``sample_index``.
+    mask : Tensor, optional
+        ``[B, R]`` (or ``[n]``): bool, integer 0/1, or finite float weights >= 0. None: every token.
+    loss_agg_mode : AggMode or str
+        ``token-mean``: sum / batch_num_tokens * dp_size; ``token-sum``: sum * dp_size;
+        ``seq-mean-token-sum``: sum over sequences of their token sums / global_batch_size * dp_size
+        (``-norm``: further / loss_scale_factor, default R); ``seq-mean-token-mean``: the same over
+        per-sequence token means. EasyR1 ``token``: masked mean (eps ``MEAN_EPS``); ``seq``: mean over
+        all rows of per-row masked means.
+    sample_index : Tensor, optional
+        Compact layout: each token's sample, sorted, in ``[0, num_samples)``.
+    num_samples : int, optional
+        Compact layout: the number of samples.
+    dp_size : int
+        Data-parallel ranks the global counts span, >= 1.
+    batch_num_tokens, global_batch_size : float or Tensor, optional
+        The global token and sequence counts (``PolicyLossConfig``'s fields of the same names, with
+        the same checks); None: this batch's. Sequences with no token are left out of the default
+        ``global_batch_size``.
+    loss_scale_factor : float, optional
+        ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
 
-    Checks as ``policy_loss`` does (one host sync for a non-bool mask, ``sample_index`` or a
-    tensor count; none otherwise). A global count below what this batch shows (see
-    ``policy_loss``) is refused in that sync; where the call makes none it gives a NaN result.
-    A non-finite ``loss_mat`` entry propagates where the mask is set and is ignored where it
-    is not.
+    Returns
+    -------
+    Tensor
+        A float32 scalar.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming it (checked before any work; one host sync for a non-bool mask,
+        ``sample_index`` or a tensor count, none otherwise). A global count below what this batch
+        shows is refused in that sync; where the call makes none it gives a NaN result.
+
+    Notes
+    -----
+    A non-finite ``loss_mat`` entry propagates where the mask is set and is ignored where it is not.
     """
     checks = DeviceChecks()
     layout = layout_of("loss_mat", loss_mat, sample_index, num_samples, checks)
@@ -92,11 +119,28 @@ def agg_loss(
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: KLType | str = KLType.LOW_VAR_KL) -> Tensor:
     """Per-token KL estimate of the policy to a reference (verl's ``kl_penalty``; EasyR1's ``compute_kl``).
 
-    ``kl_type`` (a ``KLType`` or its string; ``kind=`` is its deprecated old name):
-    ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2; ``k3``/``low_var_kl``:
-    exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT.
-    A trailing ``+`` (e.g. ``k3+``) keeps the value and takes k2's gradient (straight-through).
-    Both inputs: float tensors of one shape (no broadcasting) and device; no host sync.
+    Parameters
+    ----------
+    log_probs, ref_log_probs : Tensor
+        Float tensors of one shape (no broadcasting) and device.
+    kl_type : KLType or str
+        ``k1``/``kl``: x = logp - ref; ``abs``: |x|; ``k2``/``mse``: x^2 / 2; ``k3``/``low_var_kl``:
+        exp(k) - k - 1 with k = clamp(-x, ±K3_EXPONENT_LIMIT), clamped to ±K3_VALUE_LIMIT. A
+        trailing ``+`` (e.g. ``k3+``) keeps the value and takes k2's gradient (straight-through).
+        ``kind=`` is its deprecated old name.
+
+    Returns
+    -------
+    Tensor
+        The estimate, the inputs' shape and dtype.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For an unknown ``kl_type`` or inputs of different shapes, dtypes or devices. No host sync.
+
+    Notes
+    -----
     Non-finite values propagate, except through k3's clamps.
     """
     tensor_arg("log_probs", log_probs, dtypes=FLOAT_DTYPES)
@@ -133,37 +177,62 @@ def policy_loss(
     config: Optional[PolicyLossConfig] = None,
     **knobs,
 ) -> PolicyLoss:
-    """Clipped policy-gradient loss (PPO / dual-clip / GSPO) + KL and entropy terms, fused.
-
-    The knobs are a ``PolicyLossConfig``: pass ``config=PolicyLossConfig(...)``, or its fields
-    as keywords (``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``ratio``
-    (``RatioMode``), ``log_ratio_clamp``, ``kl_type`` (``KLType``), ``kl_coef``,
-    ``entropy_coeff``, ``loss_agg_mode`` (``AggMode``), ``dp_size``, ``batch_num_tokens``,
-    ``global_batch_size``, ``loss_scale_factor``), which build one; not both.
+    """Clipped policy-gradient loss (PPO / dual-clip / GSPO) with KL and entropy terms, fused.
 
     Per token: ``r = exp(clamp(logp - old, *log_ratio_clamp))``;
-    ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` the
-    dual clip ``min(l, -A c)`` (``clip_ratio_c=None`` turns it off); times
-    ``rollout_is_weights``. ``ratio="gspo_token"``/``"gspo"`` replace ``logp - old`` by the
-    sequence's mean log-ratio (see ``RatioMode``). Total:
-    ``agg(l) + kl_coef * agg(kl_penalty(logp, ref, kl_type)) - entropy_coeff * agg(entropy)``
-    with ``agg`` = ``agg_loss(..., loss_agg_mode, ...)``.
+    ``l = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; for ``A < 0`` the dual
+    clip ``min(l, -A c)``; times ``rollout_is_weights``. ``ratio="gspo_token"``/``"gspo"`` replace
+    ``logp - old`` by the sequence's mean log-ratio (see ``RatioMode``). Total:
+    ``agg(l) + kl_coef * agg(kl_penalty(logp, ref, kl_type)) - entropy_coeff * agg(entropy)`` with
+    ``agg`` = ``agg_loss(..., loss_agg_mode, ...)``.
 
-    Returns ``PolicyLoss(loss, metrics)`` (a NamedTuple: ``loss, metrics = policy_loss(...)``
-    works): a float32 scalar, and 0-d float32 tensors named as verl names them — ``pg_loss``,
-    ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (mask means), plus ``kl_loss`` /
-    ``entropy_loss`` when those inputs are given.
+    Parameters
+    ----------
+    log_probs : Tensor
+        The policy's log-probs: padded ``[B, R]`` with ``mask``, or the compact ``[n]`` output of
+        ``selected_logprob`` with ``sample_index`` and ``num_samples``.
+    old_log_probs, advantages : Tensor
+        Same layout as ``log_probs``; finite where the mask is set.
+    mask : Tensor, optional
+        Bool, integer 0/1, or finite float weights >= 0. None: every token.
+    sample_index : Tensor, optional
+        Compact layout: each token's sample (``batch.loss_token_sample()``), sorted.
+    num_samples : int, optional
+        Compact layout: the number of samples.
+    rollout_is_weights : Tensor, optional
+        Importance-sampling weights, finite and >= 0 where the mask is set.
+    ref_log_probs : Tensor, optional
+        The reference policy's log-probs, finite; needed when ``kl_coef > 0``.
+    entropy : Tensor, optional
+        Per-token entropies; needed when ``entropy_coeff > 0``.
+    config : PolicyLossConfig, optional
+        The knobs (clips, ``ratio``, ``log_ratio_clamp``, ``kl_type``, ``kl_coef``,
+        ``entropy_coeff``, ``loss_agg_mode``, ``dp_size`` and the global counts).
+    **knobs
+        ``PolicyLossConfig``'s fields as keywords instead of ``config`` (not both).
 
-    Every argument is checked before any work (the knobs when the config is built), and the
-    values in one host sync per call: ``sample_index`` (order, range), the mask (bool; integer
-    0 or 1; float weights finite and >= 0), ``old_log_probs``, ``advantages``,
-    ``ref_log_probs`` (finite) and ``rollout_is_weights`` (finite, >= 0) where the mask is set,
-    tensor counts (>= 0), and the global count the mode uses against the data:
-    ``batch_num_tokens`` (token-mean) at least the mask's sum, ``global_batch_size``
-    (seq-mean-*) a whole number at least the sequences with a scored token (both before the
-    ``dp_size`` factor: they count every rank's tokens or sequences). The model's outputs are
-    not checked: a non-finite ``log_probs`` or ``entropy`` value propagates to the loss where the mask is set (verl skips such steps by
-    the gradient norm) and is ignored where it is not.
+    Returns
+    -------
+    PolicyLoss
+        ``(loss, metrics)``: a float32 scalar, and 0-d float32 tensors named as verl names them:
+        ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl`` (mask means), plus ``kl_loss``
+        and ``entropy_loss`` when those inputs are given.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument or value, naming it, the sample and the position. The knobs are checked
+        when the config is built, the values in one host sync per call: ``sample_index`` (order,
+        range), the mask, ``old_log_probs``, ``advantages``, ``ref_log_probs`` and
+        ``rollout_is_weights`` where the mask is set, and the global count the mode uses against the
+        data (``batch_num_tokens`` at least the mask's sum, ``global_batch_size`` a whole number at
+        least the sequences with a scored token, both before the ``dp_size`` factor).
+
+    Notes
+    -----
+    The model's outputs are not checked: a non-finite ``log_probs`` or ``entropy`` value propagates to
+    the loss where the mask is set (verl skips such steps by the gradient norm) and is ignored where
+    it is not.
     """
     config = policy_loss_config(config, knobs, "policy_loss")
     policy = checked_policy(

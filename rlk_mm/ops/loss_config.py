@@ -29,8 +29,15 @@ SEQ_MODES = (AggMode.SEQ_MEAN_TOKEN_SUM, AggMode.SEQ_MEAN_TOKEN_MEAN, AggMode.SE
 
 
 class PolicyLoss(NamedTuple):
-    """``policy_loss``'s result: the float32 scalar loss and its metrics (0-d float32 tensors,
-    named as verl names them)."""
+    """``policy_loss``'s result, a NamedTuple: ``loss, metrics = policy_loss(...)``.
+
+    Attributes
+    ----------
+    loss : Tensor
+        The float32 scalar loss.
+    metrics : dict of str to Tensor
+        0-d float32 tensors, named as verl names them.
+    """
 
     loss: Tensor
     metrics: dict[str, Tensor]
@@ -40,28 +47,44 @@ class PolicyLoss(NamedTuple):
 class PolicyLossConfig:
     """The knobs of ``policy_loss`` and ``linear_policy_loss``, checked when built.
 
-    Fields (defaults are verl's vanilla PPO):
+    Defaults are verl's vanilla PPO. Strings are parsed to the enum members, numbers to floats
+    (ints for ``dp_size``).
 
-    - ``clip_ratio_low``: the PPO clip's lower side, ``r >= 1 - clip_ratio_low``; in [0, 1].
-    - ``clip_ratio_high``: the PPO clip's upper side, ``r <= 1 + clip_ratio_high``; >= 0 (inf: no bound).
-    - ``clip_ratio_c``: the dual-clip bound for negative advantages, > 1; None turns it off.
-    - ``ratio``: the importance ratio, a ``RatioMode`` (``"token"``, ``"gspo_token"``, ``"gspo"``).
-    - ``log_ratio_clamp``: (low, high) bounds of the log-ratio before ``exp``; None for no bound (kept as ±inf).
-    - ``kl_type``: the KL estimator, a ``KLType`` (a trailing ``+``, e.g. ``"k3+"``: k2's gradient).
-    - ``kl_coef``: the KL term's weight, >= 0 (0: no KL term; > 0 needs ``ref_log_probs``).
-    - ``entropy_coeff``: the entropy bonus's weight, >= 0 (> 0 needs the entropy).
-    - ``loss_agg_mode``: how per-token losses become a scalar, an ``AggMode``.
-    - ``dp_size``: data-parallel ranks the global counts span, >= 1.
-    - ``batch_num_tokens``: the global token count of ``token-mean`` (None: this batch's mask sum);
-      a number >= 0 or a 0-d tensor (its value checked in the op's one host sync), at least this
-      batch's mask sum (the op checks it against the data).
-    - ``global_batch_size``: the global sequence count of the seq modes (None: this batch's
-      sequences with a token); a number >= 0 or a 0-d tensor, a whole number, at least this
-      batch's sequences with a token (the op checks it against the data).
-    - ``loss_scale_factor``: ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
+    Parameters
+    ----------
+    clip_ratio_low : float
+        The PPO clip's lower side, ``r >= 1 - clip_ratio_low``; in [0, 1].
+    clip_ratio_high : float
+        The PPO clip's upper side, ``r <= 1 + clip_ratio_high``; >= 0 (inf: no bound).
+    clip_ratio_c : float or None
+        The dual-clip bound for negative advantages, > 1; None turns it off.
+    ratio : RatioMode or str
+        The importance ratio: ``"token"``, ``"gspo_token"``, ``"gspo"``.
+    log_ratio_clamp : tuple of float, optional
+        (low, high) bounds of the log-ratio before ``exp``; None for no bound (kept as ±inf).
+    kl_type : KLType or str
+        The KL estimator (a trailing ``+``, e.g. ``"k3+"``: k2's gradient).
+    kl_coef : float
+        The KL term's weight, >= 0 (0: no KL term; > 0 needs ``ref_log_probs``).
+    entropy_coeff : float
+        The entropy bonus's weight, >= 0 (> 0 needs the entropy).
+    loss_agg_mode : AggMode or str
+        How per-token losses become a scalar.
+    dp_size : int
+        Data-parallel ranks the global counts span, >= 1.
+    batch_num_tokens : float or Tensor, optional
+        The global token count of ``token-mean`` (None: this batch's mask sum); a number >= 0 or a
+        0-d tensor (its value checked in the op's one host sync), at least this batch's mask sum.
+    global_batch_size : float or Tensor, optional
+        The global sequence count of the seq modes (None: this batch's sequences with a token); a
+        whole number >= 0 or a 0-d tensor, at least this batch's sequences with a token.
+    loss_scale_factor : float, optional
+        ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
 
-    Strings are parsed to the enum members, numbers to floats (ints for ``dp_size``); a bad
-    value raises an error naming the field.
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad value, naming the field.
     """
 
     clip_ratio_low: float = 0.2
@@ -118,7 +141,26 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
 
 
 def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str) -> PolicyLossConfig:
-    """The config of a call: ``config``, or one built from the keyword ``knobs`` (not both)."""
+    """The config of a call: ``config``, or one built from the keyword ``knobs`` (not both).
+
+    Parameters
+    ----------
+    config : PolicyLossConfig or None
+        The caller's config.
+    knobs : dict
+        The caller's keyword knobs, ``PolicyLossConfig``'s fields.
+    op : str
+        The op's name, for the error message.
+
+    Returns
+    -------
+    PolicyLossConfig
+
+    Raises
+    ------
+    TypeError
+        For both a config and knobs, an unknown knob, or a config of another type.
+    """
     if config is None:
         unknown = sorted(set(knobs) - set(_FIELDS))
         if unknown:
@@ -139,7 +181,28 @@ def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str)
 
 # ----------------------------------------------------------------------------- the knobs' checks
 def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False) -> float:
-    """A knob of the float32 math: a number within float32's range (``inf_ok``: or ±inf, no bound)."""
+    """A knob of the float32 math: a number within float32's range.
+
+    Parameters
+    ----------
+    name : str
+        The knob's name, for the error message.
+    value : float
+        The value given.
+    min : float, optional
+        The lowest value allowed.
+    inf_ok : bool
+        Also accept ±inf (no bound).
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a value that is not such a number.
+    """
     value = float_arg(name, value, min=min, finite=not inf_ok)
     if math.isfinite(value) and abs(value) > _F32_MAX:
         raise ValueError(f"{name}={value} is out of range: float32 math needs |{name}| <= {_F32_MAX:.7g}")
@@ -147,7 +210,25 @@ def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = Fal
 
 
 def dual_clip(name: str, value) -> float:
-    """The dual-clip bound ``c`` (> 1), ``inf`` for None (off)."""
+    """The dual-clip bound ``c``.
+
+    Parameters
+    ----------
+    name : str
+        The knob's name, for the error message.
+    value : float or None
+        The bound, > 1; None turns the dual clip off.
+
+    Returns
+    -------
+    float
+        The bound, ``inf`` for None.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a value that is not a number > 1.
+    """
     if value is None:
         return math.inf
     value = f32_arg(name, value, inf_ok=True)
@@ -157,7 +238,23 @@ def dual_clip(name: str, value) -> float:
 
 
 def log_ratio_bounds(value) -> tuple[float, float]:
-    """``log_ratio_clamp`` as (low, high), None meaning unbounded; low <= high."""
+    """``log_ratio_clamp`` as (low, high).
+
+    Parameters
+    ----------
+    value : tuple of float or None
+        (low, high), None meaning unbounded; low <= high.
+
+    Returns
+    -------
+    tuple of float
+        (low, high), ±inf where unbounded.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For anything else, or low > high.
+    """
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"log_ratio_clamp must be a pair (low, high) of numbers or None, got {value!r}")
     lo, hi = (
@@ -170,7 +267,25 @@ def log_ratio_bounds(value) -> tuple[float, float]:
 
 
 def kl_estimator(kl_type, argument: str) -> tuple[KLEstimator, bool]:
-    """(estimator, straight-through) of a ``KLType`` name, optionally with a trailing ``+``."""
+    """The estimator of a ``KLType`` name, optionally with a trailing ``+``.
+
+    Parameters
+    ----------
+    kl_type : KLType or str
+        The estimator's name.
+    argument : str
+        The argument's name, for the error message.
+
+    Returns
+    -------
+    tuple of (KLEstimator, bool)
+        The estimator, and whether the gradient is k2's (straight-through, the ``+`` form).
+
+    Raises
+    ------
+    ValueError
+        For an unknown name.
+    """
     straight = isinstance(kl_type, str) and kl_type.endswith("+")
     try:
         estimator = KLType(kl_type[:-1] if straight else kl_type).estimator

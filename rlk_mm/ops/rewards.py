@@ -40,10 +40,22 @@ _KEY_SHIFT = 32  # token key = sample << 32 | position: sorts like (sample, posi
 class SpanReward:
     """One value per span of ``spans``, placed on the loss tokens inside that span.
 
-    ``mode="last"``: on the span's last loss token (a turn's reward at the end of its action);
-    ``"spread"``: split evenly over the span's loss tokens (a region's reward on its tokens).
-    Spans of one table must not overlap within a sample. Checked when built (``values``: a
-    float tensor, one value per span; ``name`` names it in errors).
+    Parameters
+    ----------
+    spans : SpanTable
+        The spans (a region's, or a turn's action span); they must not overlap within a sample.
+    values : Tensor
+        A float tensor, one value per span.
+    mode : RewardPlacement or str
+        ``"last"``: on the span's last loss token (a turn's reward at the end of its action);
+        ``"spread"``: split evenly over the span's loss tokens (a region's reward on its tokens).
+    name : str
+        Names the table in errors.
+
+    Raises
+    ------
+    ValueError, TypeError
+        When built, for values that do not match the spans or a bad ``mode``.
     """
 
     spans: SpanTable
@@ -62,9 +74,27 @@ class SpanReward:
 
 # ----------------------------------------------------------------------------- scatter
 def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
-    """DAPO's soft overlong penalty of token counts ``lengths`` (an integer tensor, >= 0):
-    0 up to ``max_length - buffer`` tokens, then linear to -1 at ``max_length``, and -1
-    beyond. One host read (the check that no length is negative)."""
+    """DAPO's soft overlong penalty of token counts.
+
+    Parameters
+    ----------
+    lengths : Tensor
+        Token counts, an integer tensor, >= 0.
+    max_length : int
+        The length at which the penalty reaches -1.
+    buffer : int
+        The penalty grows linearly over the last ``buffer`` tokens before ``max_length``.
+
+    Returns
+    -------
+    Tensor
+        0 up to ``max_length - buffer`` tokens, then linear to -1 at ``max_length``, and -1 beyond.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad arguments or a negative length (one host read).
+    """
     tensor_arg("lengths", lengths, dtypes=INTEGER_DTYPES)
     max_length, buffer = _penalty_args(max_length, buffer)
     checks = DeviceChecks()
@@ -102,19 +132,38 @@ def scatter_rewards(
 ) -> Tensor:
     """Per-loss-token rewards, float32 ``[n]`` in loss-token order.
 
-    ``batch``: an ``RLBatch`` (then ``rewards`` defaults to ``batch.rewards`` and ``spans`` to
-    its region rewards, spread, and turn rewards, on each action's last token), or just its
-    loss ``SpanTable`` (``batch.loss_spans``; ``loss_spans=`` is the deprecated old name of this
-    argument). ``rewards``: ``[B]`` sequence rewards, placed by ``mode`` (a
-    ``RewardPlacement``: ``"last"``, verl's last-token convention; ``"spread"``, r / n_b on each
-    of the sample's n_b loss tokens, so sums are kept). ``spans``: a list of ``SpanReward``.
-    ``length_penalty=(max_length, buffer)`` adds ``overlong_penalty`` of each sample's
-    loss-token count to its sequence reward.
+    Parameters
+    ----------
+    batch : RLBatch or SpanTable
+        An ``RLBatch`` (then ``rewards`` defaults to ``batch.rewards`` and ``spans`` to its region
+        rewards, spread, and turn rewards, on each action's last token), or just its loss
+        ``SpanTable`` (``batch.loss_spans``; ``loss_spans=`` is the deprecated old name).
+    rewards : Tensor, optional
+        ``[B]`` sequence rewards, placed by ``mode``.
+    mode : RewardPlacement or str
+        ``"last"``: verl's last-token convention; ``"spread"``: r / n_b on each of the sample's n_b
+        loss tokens, so sums are kept.
+    spans : sequence of SpanReward
+        Region and turn rewards.
+    length_penalty : tuple of int, optional
+        ``(max_length, buffer)``: adds ``overlong_penalty`` of each sample's loss-token count to its
+        sequence reward.
+    num_tokens : int, optional
+        The number of loss tokens, if known.
+    check : bool
+        Validate, in the one host read that also counts the loss tokens. With ``num_tokens=`` and
+        ``check=False`` nothing is read, and ``num_tokens`` is trusted.
 
-    ``check=True`` validates in the one host read that also counts the loss tokens: finite
-    values, spans that do not overlap, no non-zero reward on a sample or span without loss
-    tokens (it would be lost), and ``num_tokens`` (if given) equal to the count. With
-    ``num_tokens=`` and ``check=False`` nothing is read, and ``num_tokens`` is trusted.
+    Returns
+    -------
+    Tensor
+        float32 ``[n]``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        With ``check``: non-finite values, overlapping spans, a non-zero reward on a sample or span
+        without loss tokens (it would be lost), or ``num_tokens`` unequal to the count.
     """
     table, rewards, spans = _resolve_target(batch, rewards, spans)
     mode = RewardPlacement.parse(mode, "mode")
@@ -280,18 +329,37 @@ def group_advantages(
 ) -> Tensor:
     """Group-relative advantages of per-sample scores ``[B]`` or ``[B, K]`` (columns independent).
 
-    ``estimator`` (an ``Estimator`` or its string): ``grpo``: (s - mean_g) / (std_g + eps),
-    std unbiased; ``dr_grpo``: s - mean_g; ``rloo``: (s - mean_g) * n_g / (n_g - 1), the score
-    minus the mean of the others. A group of one follows verl: mean 0 and std 1 (GRPO:
-    s / (1 + eps); RLOO: s). The groups: ``group_ids``, an integer tensor ``[B]``, any values
-    in any order (equal id = same group), or ``batch=`` an ``RLBatch`` (its
-    ``group_index()``: verl's ``uid``s as dense numbers), one of the two.
-    The mean is taken about the group's first score, so a group of equal scores gets
-    exactly 0. Same dtype as ``scores`` (computed in at least float32). ``eps`` > 0 in that
-    dtype (at least its smallest normal number).
+    Parameters
+    ----------
+    scores : Tensor
+        ``[B]`` or ``[B, K]`` float scores.
+    group_ids : Tensor, optional
+        An integer tensor ``[B]``, any values in any order (equal id = same group).
+    batch : RLBatch, optional
+        Instead of ``group_ids``: its ``group_index()`` (verl's ``uid``s as dense numbers). One of
+        the two.
+    estimator : Estimator or str
+        ``grpo``: (s - mean_g) / (std_g + eps), std unbiased; ``dr_grpo``: s - mean_g; ``rloo``:
+        (s - mean_g) * n_g / (n_g - 1), the score minus the mean of the others. A group of one
+        follows verl: mean 0 and std 1 (GRPO: s / (1 + eps); RLOO: s).
+    eps : float
+        > 0 in the scores' dtype (at least its smallest normal number).
 
-    Never reads the device: scores are not checked for finiteness; a NaN or infinite score
-    makes its own group's advantages NaN (other groups are unaffected).
+    Returns
+    -------
+    Tensor
+        The scores' shape and dtype (computed in at least float32). The mean is taken about the
+        group's first score, so a group of equal scores gets exactly 0.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad arguments (both or neither of ``group_ids`` and ``batch``, a bad ``eps``).
+
+    Notes
+    -----
+    Never reads the device: scores are not checked for finiteness; a NaN or infinite score makes its
+    own group's advantages NaN (other groups are unaffected).
     """
     tensor_arg("scores", scores, dtypes=FLOAT_DTYPES)
     group_ids = groups_of(group_ids, batch, scores.device)
