@@ -14,6 +14,16 @@ is keyed by global vocabulary indices; for plain temperature each rank's best no
 on a tie: the first block of the whole vocabulary, as on one device); filters gather the
 rows' logits (``[B, V]`` fp32 per chunk: a top-k/top-p/min-p threshold needs the whole row);
 the log-probs fold the gathered partials of every shard, as ``selected_logprob`` does.
+
+Roofline of the plain path (one row chunk): the tiles kernel reads the head once per
+``block_m`` rows (2VH bytes in bf16, the same as the logits GEMM at B <= block_m) and never
+writes logits; beyond the GEMM its epilogue computes one exp per logit (the log-sum-exp
+partials ``selected_logprob`` computes anyway), one noise value per 32 logits and writes a
+noise block per row per tile. Then two small launches (the draw's finish, the combine) and two
+elementwise torch ops. So the plain path's cost over the GEMM is the tile kernel's speed at
+small B against cuBLAS's: its tiles are ``lm_head.default_config``'s, the selected log-prob's,
+and must stay so (the log-probs are ``selected_logprob``'s bitwise), so a faster small-B path
+is a change to that shared config, not to this module.
 """
 
 from __future__ import annotations

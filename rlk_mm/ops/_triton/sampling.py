@@ -481,6 +481,11 @@ def _draw_kernel(
                     SCALE_T, PLAIN, TOP_K, TOP_P, MIN_P, GIVEN, CANDIDATES, BLOCK, NBP, LANES)
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (``triton.next_power_of_2``, without its host-call overhead)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _step_args(steps, placeholder: Tensor) -> tuple:
     """(steps tensor, its stride, the int step, STEPS) for the kernels: ``steps`` an int or an
     int64 tensor ``[]``/``[B]`` on the logits' device (a tensor: a CUDA graph replays the new value)."""
@@ -506,7 +511,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
         return tokens, log_probs, sampled, status
     cfg = config or default_config(dev)
     split = cfg.split_block
-    n_blocks = triton.cdiv(V, split)  # V alone sets the blocks: a row's arithmetic never depends on B
+    n_blocks = -(-V // split)  # V alone sets the blocks: a row's arithmetic never depends on B
     top_k = filters.top_k or 0
     draw = filters.plain and given is None
     candidates = filters.top_k is not None and given is None and n_blocks * top_k <= cfg.candidate_cap
@@ -521,13 +526,13 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     count = torch.zeros(B, dtype=torch.int32, device=dev)  # each launch's last block per row resets it
     top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
     scale_t = inv_t != 1.0
-    nbp = max(2, triton.next_power_of_2(n_blocks))
+    nbp = max(2, _pow2(n_blocks))
     grid = (B * n_blocks,)
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _maxima_kernel[grid](
         logits, logits.stride(0), V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
         SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, NBP=nbp,
-        BOUND_LANES=triton.next_power_of_2(n_blocks * (split // sub)) if candidates else 16,
+        BOUND_LANES=_pow2(n_blocks * (split // sub)) if candidates else 16,
         num_warps=cfg.block_warps, enable_fp_fusion=False)
     steps_t, step_stride, step_value, has_steps = _step_args(steps, tokens)
     _draw_kernel[grid](
@@ -537,6 +542,6 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
         SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, TOP_K=filters.top_k is not None,
         TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None, DRAW=draw,
         CANDIDATES=candidates, SPLIT=split, BLOCK=cfg.row_block, NBP=nbp,
-        LANES=max(16, triton.next_power_of_2(n_blocks * top_k)), num_warps=cfg.block_warps, enable_fp_fusion=False,
+        LANES=max(16, _pow2(n_blocks * top_k)), num_warps=cfg.block_warps, enable_fp_fusion=False,
     )
     return tokens, log_probs, sampled, status
