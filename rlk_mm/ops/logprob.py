@@ -46,38 +46,63 @@ def selected_logprob(
 ):
     """fp32 log-probs ``[n]`` of the scored tokens (and their entropies with ``return_entropy``).
 
-    ``hidden`` is ``[T, H]`` (packed) or ``[B, L, H]`` (padded); ``weight`` is the LM head
-    ``[V, H]``, ``bias`` an optional ``[V]`` (finite, or -inf to mask an entry that is never
-    a target). The logits are ``(h·Wᵀ + bias) / temperature``, ``temperature >=
-    MIN_TEMPERATURE``. Give either ``batch`` (an ``RLBatch``: rows and targets from its loss
-    spans, target ``t`` scored from the hidden state at ``t - 1``, in loss-span order; with
-    ``[B, L, H]`` hidden states also ``padding``, a ``PaddingSide`` (``"right"`` or
-    ``"left"``), where each sample's tokens sit in its row: never guessed) or ``index`` (rows of
-    the flattened hidden states) with ``targets`` (token ids, in ``[0, V)``). Gradients flow
-    to ``hidden`` (only the scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
+    The logits are ``(h·Wᵀ + bias) / temperature``; no ``[n, V]`` logits are written, forward or
+    backward, and rows outside the loss spans cost nothing.
 
-    Every argument is checked before any work. One host sync per call, in the forward: the
-    index and target ranges, the bias values and whether every row is scored in order are
-    read together; the backward never syncs. The batch path also reads the batch's span
-    sizes (free for a batch on the CPU, one more sync for a batch on the GPU). ``hidden``
-    and ``weight`` are not read for checks: a non-finite value there propagates (a NaN
-    hidden row gives NaN for that row).
+    Parameters
+    ----------
+    hidden : Tensor
+        ``[T, H]`` (packed) or ``[B, L, H]`` (padded) hidden states.
+    weight : Tensor
+        The LM head ``[V, H]`` (with ``tp_group``: this rank's contiguous shard of its rows; a
+        ``DTensor`` ``Shard(0)`` head, FSDP2, runs over its mesh's group).
+    batch : RLBatch, optional
+        Rows and targets from its loss spans: target ``t`` scored from the hidden state at ``t - 1``,
+        in loss-span order. Else give ``index`` with ``targets``.
+    index : Tensor, optional
+        Rows of the flattened hidden states.
+    targets : Tensor, optional
+        Their token ids, in ``[0, V)``.
+    padding : PaddingSide or str, optional
+        With ``[B, L, H]`` hidden states and a batch: ``"right"`` or ``"left"``, where each sample's
+        tokens sit in its row (never guessed).
+    temperature : float
+        >= ``MIN_TEMPERATURE``.
+    bias : Tensor, optional
+        ``[V]``, finite, or -inf to mask an entry that is never a target.
+    return_entropy : bool
+        Also return the entropies.
+    tp_group : ProcessGroup, optional
+        Vocabulary-parallel (see ``vocab_parallel``): every rank passes the same hidden rows and
+        targets (global token ids). Every shard but the last holds a multiple of 128 rows.
+    vocab_start_index : int, optional
+        This rank's first vocabulary row, checked when given.
+    gather_weight : bool
+        A ``DTensor`` head: gather it instead, for ranks that score different rows.
 
-    Reduction order: the logits of each 128-column vocabulary segment (a global grid from
-    column 0) are reduced to per-row partials, which are folded in vocabulary order; so a
-    row's log-prob and entropy do not depend on the other rows, on where the row stands, or
-    on how the vocabulary is sharded over ranks (bitwise run to run, on one backend and dtype).
+    Returns
+    -------
+    Tensor or tuple of Tensor
+        ``logp [n]`` fp32, or ``(logp, entropy)`` with ``return_entropy``. Gradients flow to
+        ``hidden`` (only the scored rows are non-zero), ``weight`` and ``bias``, from both outputs.
 
-    Vocabulary-parallel (``vocab_parallel``: layouts, collectives, bytes per token): with
-    ``tp_group`` (a ``torch.distributed`` group) ``weight``/``bias`` are this rank's
-    contiguous shard of the head's rows, every rank passing the same hidden rows and
-    targets (global token ids); ``vocab_start_index`` is checked when given. Every shard but
-    the last holds a multiple of 128 rows (a misaligned shard is refused, saying how to pad).
-    A ``DTensor`` head (``Shard(0)``, FSDP2) runs that way over its mesh's group;
-    ``gather_weight=True`` gathers it instead, for ranks that score different rows. Every
-    rank gets the same result: the log-probs and entropies are bitwise the single-device
-    op's for every group size and split; the gradients are within the numerical contract
-    (``parity/contract.py``) of the single-device op's.
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming the argument, the sample and the position, before any work (one
+        host sync in the forward reads the index and target ranges, the bias values and whether
+        every row is scored in order; the backward never syncs). A misaligned shard is refused,
+        saying how to pad.
+
+    Notes
+    -----
+    ``hidden`` and ``weight`` are not read for checks: a non-finite value there propagates (a NaN
+    hidden row gives NaN for that row). Reduction order: the logits of each 128-column vocabulary
+    segment (a global grid from column 0) are reduced to per-row partials, which are folded in
+    vocabulary order; so a row's log-prob and entropy do not depend on the other rows, on where the
+    row stands, or on how the vocabulary is sharded over ranks (bitwise run to run, on one backend
+    and dtype). Vocabulary-parallel log-probs and entropies are bitwise the single-device op's; the
+    gradients are within the numerical contract (``parity/contract.py``).
     """
     return_entropy = bool_arg("return_entropy", return_entropy)
     temperature = temperature_arg(temperature)

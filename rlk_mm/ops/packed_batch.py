@@ -35,11 +35,37 @@ _PACK_CALLS = itertools.count()  # numbers each pack() call: unpack refuses to m
 class PackedBatch:
     """The samples of one pack in one packed sequence ("slots" in order), ready for varlen attention.
 
-    Positions below are positions in the pack. Slot ``i`` holds sample ``sample_index[i]``
-    of the batch given to ``pack``: its ``seq_lengths[i]`` tokens at
-    ``cu_seqlens[i]:cu_seqlens[i] + seq_lengths[i]``, then alignment padding up to
-    ``cu_seqlens[i + 1]`` (pad id, positions continuing, ``valid`` False, in no span, so
-    never scored; causal attention keeps it from touching the real tokens).
+    Positions are positions in the pack. Slot ``i`` holds sample ``sample_index[i]`` of the batch
+    given to ``pack``: its ``seq_lengths[i]`` tokens at ``cu_seqlens[i]:cu_seqlens[i] + seq_lengths[i]``,
+    then alignment padding up to ``cu_seqlens[i + 1]`` (pad id, positions continuing, ``valid``
+    False, in no span, so never scored; causal attention keeps it from touching the real tokens).
+
+    Attributes
+    ----------
+    input_ids : Tensor
+        int64 ``[T']``.
+    position_ids : Tensor
+        int64 ``[3, T']`` (M-RoPE t, h, w).
+    cu_seqlens : Tensor
+        int32 ``[n + 1]``: slot boundaries, padding included.
+    seq_lengths : Tensor
+        int64 ``[n]``: real tokens of each slot.
+    sample_index : Tensor
+        int64 ``[n]``: the sample of the batch given to ``pack`` in each slot.
+    valid : Tensor
+        bool ``[T']``: False at alignment padding.
+    source_rows : Tensor
+        int64 ``[T']``: the token of the batch given to ``pack``; -1 at padding.
+    modality_spans, loss_spans : SpanTable
+        CSR by slot, positions in the pack (media indices are ``batch``'s).
+    batch : RLBatch
+        This pack's samples in slot order (media, pixels, rewards, groups, ...).
+    source_tokens, source_samples : int
+        Tokens and samples of the batch given to ``pack``.
+    align, pad_token_id : int
+        ``pack``'s arguments.
+    source_id : int
+        The ``pack`` call that made this pack (the same for all its packs).
     """
 
     input_ids: Tensor  # int64 [T']
@@ -60,10 +86,12 @@ class PackedBatch:
 
     @property
     def num_samples(self) -> int:
+        """The slots of this pack."""
         return self.cu_seqlens.numel() - 1
 
     @property
     def num_tokens(self) -> int:
+        """The pack's tokens ``T'``, padding included."""
         return self.input_ids.numel()
 
     @property
@@ -77,8 +105,14 @@ class PackedBatch:
         return int(torch.diff(self.cu_seqlens).max()) if self.num_samples else 0
 
     def loss_token_index(self) -> tuple[Tensor, Tensor]:
-        """(rows, targets) int64 [n] in loss-span order: target at pack position ``p`` is scored
-        from hidden row ``p - 1`` of the packed ``[T', H]`` hidden states."""
+        """The scored rows and their targets, in loss-span order.
+
+        Returns
+        -------
+        tuple of Tensor
+            ``(rows, targets)`` int64 ``[n]``: the target at pack position ``p`` is scored from hidden row
+            ``p - 1`` of the packed ``[T', H]`` hidden states.
+        """
         _, position, _ = self.loss_spans.token_positions()
         return position - 1, self.input_ids[position]
 
@@ -90,8 +124,25 @@ class PackedBatch:
         return self.cu_seqlens.long()[slot] + torch.arange(n, device=dev) - first[slot]
 
     def pack_tokens(self, values: Tensor, fill: Union[int, float] = 0) -> Tensor:
-        """``[T', *]`` from per-token ``values [T, *]`` of the batch given to ``pack``; ``fill``
-        (a value of ``values``' dtype) at padding. No host sync."""
+        """Per-token values of the batch given to ``pack``, laid out as the pack. No host sync.
+
+        Parameters
+        ----------
+        values : Tensor
+            ``[T, *]``, one row per token of that batch.
+        fill : int or float
+            A value of ``values``' dtype, at padding.
+
+        Returns
+        -------
+        Tensor
+            ``[T', *]``.
+
+        Raises
+        ------
+        ValueError, TypeError
+            For values of another length, or a ``fill`` that is not a value of the dtype.
+        """
         values = data_arg("values", values, 1, "[T, *]")
         if values.shape[0] != self.source_tokens:
             raise ValueError(f"values must be [T, *] with T = {self.source_tokens} (tokens of the batch given to pack); "
@@ -101,7 +152,17 @@ class PackedBatch:
         return out.index_copy_(0, rows, values.index_select(0, self.source_rows.to(values.device)[rows]))
 
     def to(self, device) -> "PackedBatch":
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device``.
+
+        Parameters
+        ----------
+        device : torch.device or str
+            Where to.
+
+        Returns
+        -------
+        PackedBatch
+        """
         device = device_arg(device)
         moved = {
             f.name: getattr(self, f.name).to(device)
@@ -114,13 +175,30 @@ class PackedBatch:
 def pack(
     batch: RLBatch, *, align: int = 1, max_tokens_per_pack: Optional[int] = None, pad_token_id: int = 0
 ) -> Union[PackedBatch, list[PackedBatch]]:
-    """Pack ``batch``: one ``PackedBatch``, or with ``max_tokens_per_pack`` a list of them.
+    """Pack ``batch`` into packed sequences for varlen attention.
 
-    ``align``: each sample is padded to a multiple of this many tokens (e.g. 8 or 64) with
-    ``pad_token_id``. ``max_tokens_per_pack``: samples are taken in order and a new pack
-    starts when the next (aligned) sample would not fit; a sample longer than the limit is
-    an error naming it (samples are never split). One host sync (the samples' lengths);
-    with ``max_tokens_per_pack`` each pack's batch is ``batch.select`` of its samples.
+    Parameters
+    ----------
+    batch : RLBatch
+        The samples.
+    align : int
+        Each sample is padded to a multiple of this many tokens (e.g. 8 or 64) with ``pad_token_id``.
+    max_tokens_per_pack : int, optional
+        Samples are taken in order and a new pack starts when the next (aligned) sample would not
+        fit; each pack's batch is ``batch.select`` of its samples. Samples are never split.
+    pad_token_id : int
+        The token id of the alignment padding (never scored).
+
+    Returns
+    -------
+    PackedBatch or list of PackedBatch
+        One pack, or with ``max_tokens_per_pack`` a list of them.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad arguments, or a sample longer than ``max_tokens_per_pack`` (named). One host sync
+        (the samples' lengths).
     """
     if not isinstance(batch, RLBatch):
         raise TypeError(f"pack takes an RLBatch; got {type(batch).__name__} (padded tensors: use pack_padded)")
@@ -206,14 +284,26 @@ def _shift(table: SpanTable, cu: Tensor, sign: int) -> SpanTable:
 def unpack(packed: Union[PackedBatch, Sequence[PackedBatch]], values=None):
     """Undo ``pack``, bitwise.
 
-    - ``unpack(p)`` → the ``RLBatch`` of pack ``p``'s samples (``p.batch``), rebuilt from the
-      packed tokens, positions and spans; ``unpack(packs)`` → the whole batch given to ``pack``.
-    - ``unpack(p, values)``: per-token ``values [T', *]`` of the pack → ``[T, *]`` rows of
-      ``p.batch`` (padding dropped); ``unpack(packs, values_list)`` → rows of the whole batch.
+    Parameters
+    ----------
+    packed : PackedBatch or sequence of PackedBatch
+        One pack, or every pack of one ``pack`` call (any order), each once.
+    values : Tensor or sequence of Tensor, optional
+        Per-token values ``[T', *]`` of the pack, or one tensor per pack (one dtype and per-token
+        shape). Values pass through as they are.
 
-    ``packs`` must be every pack of one ``pack`` call (any order), each once; ``values_list``
-    one tensor per pack, of one dtype and per-token shape. Values pass through as they are.
-    Host syncs: none for one pack's values; one for a list of packs (their sample indices).
+    Returns
+    -------
+    RLBatch or Tensor
+        Without ``values``: the ``RLBatch`` of the pack's samples (``p.batch``), rebuilt from the
+        packed tokens, positions and spans; for every pack, the whole batch given to ``pack``. With
+        ``values``: ``[T, *]`` rows of that batch, padding dropped.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a missing pack, a repeated one or one of another call (naming the sample), or values of
+        another shape. Host syncs: none for one pack's values; one for a list of packs.
     """
     if isinstance(packed, PackedBatch):
         if values is None:

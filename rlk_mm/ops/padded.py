@@ -44,7 +44,28 @@ DTYPE_NAMES = ", ".join(str(d).replace("torch.", "") for d in DTYPES)
 
 
 def data_arg(name: str, value, min_dim: int, layout: str) -> Tensor:
-    """``value``: a tensor of ``min_dim`` or more dims (``layout``, e.g. "[T, *]") and a dtype pack/unpad copies."""
+    """A tensor that pack/unpad copy.
+
+    Parameters
+    ----------
+    name : str
+        The argument's name, for the error message.
+    value : Tensor
+        The tensor given.
+    min_dim : int
+        Its fewest dims.
+    layout : str
+        Its layout for the error message, e.g. "[T, *]".
+
+    Returns
+    -------
+    Tensor
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a non-tensor, too few dims, or a dtype the copy does not support.
+    """
     value = tensor_arg(name, value)
     if value.dim() < min_dim:
         raise ValueError(f"{name} must be a {layout} tensor ({min_dim}-D or more), got shape {tuple(value.shape)}")
@@ -54,9 +75,25 @@ def data_arg(name: str, value, min_dim: int, layout: str) -> Tensor:
 
 
 def fill_arg(fill, dtype: torch.dtype) -> float:
-    """``fill`` as a float that is a value of ``dtype``: exact for integer dtypes (within
-    ±2**53, what a float carries exactly); for float dtypes NaN and ±inf are values, a finite
-    number that rounds to inf is not."""
+    """``fill`` as a float that is a value of ``dtype``.
+
+    Parameters
+    ----------
+    fill : int or float
+        The value given.
+    dtype : torch.dtype
+        The tensor's dtype: exact for integer dtypes (within ±2**53, what a float carries exactly);
+        for float dtypes NaN and ±inf are values, a finite number that rounds to inf is not.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a value that is not one of ``dtype``.
+    """
     if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
         raise TypeError(f"fill must be an int or float, got {type(fill).__name__} {fill!r}")
     try:
@@ -75,13 +112,27 @@ def fill_arg(fill, dtype: torch.dtype) -> float:
 
 
 def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(``packed [T, *]``, int32 ``cu_seqlens [B+1]``): the rows of ``x [B, L, *]`` where ``mask [B, L]`` is set.
+    """The rows of ``x [B, L, *]`` where ``mask [B, L]`` is set, packed.
 
-    ``mask`` is bool or integer 0/1, on ``x``'s device; each row one contiguous run (left,
-    right or middle padding): a hole or another value is an error naming the sample and
-    position. One host sync: the mask checks and the output size, read together.
-    Differentiable: the gradient of ``x`` is the packed gradient scattered back, zero at
-    padding (the backward never syncs).
+    Parameters
+    ----------
+    x : Tensor
+        ``[B, L, *]``.
+    mask : Tensor
+        ``[B, L]``, bool or integer 0/1, on ``x``'s device; each row one contiguous run (left, right
+        or middle padding).
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(packed [T, *], cu_seqlens [B + 1])``, ``cu_seqlens`` int32. Differentiable: the gradient
+        of ``x`` is the packed gradient scattered back, zero at padding (the backward never syncs).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a mask with a hole or another value (naming the sample and position), or of another
+        shape or device. One host sync: the mask checks and the output size, read together.
     """
     x = data_arg("x", x, 2, "[B, L, *]")
     checks = DeviceChecks()
@@ -100,12 +151,34 @@ def unpack_to_padded(
     packed: Tensor, cu_seqlens: Tensor, length: int, padding: PaddingSide | str | Tensor = PaddingSide.RIGHT, *,
     fill: Union[int, float] = 0,
 ) -> Tensor:
-    """``[B, length, *]`` from ``packed [T, *]``: sample ``b``'s rows ``cu_seqlens[b]:cu_seqlens[b+1]``
-    placed by ``padding`` (a ``PaddingSide``: ``"right"`` padding, at 0; ``"left"``, ending at
-    ``length``; or the ``[B, length]`` mask the rows came from; ``side=`` is its deprecated old
-    name), ``fill`` (a value of ``packed``'s dtype) elsewhere. ``cu_seqlens`` (any integer dtype) must run from 0 to ``T`` without
-    decreasing. One host sync: the ``cu_seqlens`` and mask checks, read together.
-    Differentiable."""
+    """``[B, length, *]`` from ``packed [T, *]``: sample ``b``'s rows ``cu_seqlens[b]:cu_seqlens[b+1]``, placed.
+
+    Parameters
+    ----------
+    packed : Tensor
+        ``[T, *]``.
+    cu_seqlens : Tensor
+        ``[B + 1]``, any integer dtype, from 0 to ``T`` without decreasing; no sample longer than
+        ``length``.
+    length : int
+        The padded length L.
+    padding : PaddingSide, str or Tensor
+        ``"right"`` (rows from 0), ``"left"`` (rows ending at ``length``), or the ``[B, length]`` mask
+        the rows came from. ``side=`` is its deprecated old name.
+    fill : int or float
+        A value of ``packed``'s dtype, everywhere else.
+
+    Returns
+    -------
+    Tensor
+        ``[B, length, *]``, differentiable.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For bad ``cu_seqlens``, mask or ``fill``, naming the sample. One host sync: the
+        ``cu_seqlens`` and mask checks, read together.
+    """
     packed = data_arg("packed", packed, 1, "[T, *]")
     cu = tensor_arg("cu_seqlens", cu_seqlens, ndim=1, dtypes=INTEGER_DTYPES)
     if cu.numel() == 0:
@@ -136,9 +209,24 @@ def unpack_to_padded(
 
 
 def mask_runs(x: Optional[Tensor], mask, checks: DeviceChecks, name: str = "mask") -> tuple[Tensor, Tensor]:
-    """(first set position, count) int64 ``[B]`` of each row of ``mask [B, L]`` (bool or integer
-    0/1; shaped like ``x``'s first two dims when given); adds its value checks (only 0/1, each
-    row one contiguous run) to ``checks``. No host sync: the caller runs the checks."""
+    """The first set position and the count of each row of a mask; adds its value checks to ``checks``.
+
+    Parameters
+    ----------
+    x : Tensor, optional
+        When given, the mask is shaped like its first two dims.
+    mask : Tensor
+        ``[B, L]``, bool or integer 0/1.
+    checks : DeviceChecks
+        Collects the value checks (only 0/1, each row one contiguous run); the caller runs them.
+    name : str
+        The mask's name, for the error message.
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(first, count)``, int64 ``[B]``. No host sync.
+    """
     mask = tensor_arg(name, mask)
     if mask.dim() != 2:
         raise ValueError(f"{name} must be a [B, L] mask, got shape {tuple(mask.shape)}")
@@ -203,6 +291,23 @@ def _raise_count(differ: Tensor, mask_lengths: Tensor, lengths: Tensor) -> NoRet
 
 
 def cu_seqlens_of(lengths: Tensor) -> Tensor:
+    """Boundaries of runs of ``lengths``.
+
+    Parameters
+    ----------
+    lengths : Tensor
+        ``[B]`` integer run lengths.
+
+    Returns
+    -------
+    Tensor
+        int32 ``[B + 1]``, from 0, on ``lengths``' device.
+
+    Raises
+    ------
+    ValueError
+        When the total does not fit int32.
+    """
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=cu[1:])
     if lengths.numel() and int(cu[-1]) >= INT32_LIMIT:
@@ -225,7 +330,20 @@ def _check_op_args(values: Tensor, starts: Tensor, cu: Tensor, B: int) -> None:
 
 
 def packed_source_rows(starts: Tensor, cu: Tensor, L: int, T: int) -> Tensor:
-    """int64 ``[T]``: for each packed row, its row in the padded tensor viewed as ``[B*L, F]``."""
+    """For each packed row, its row in the padded tensor viewed as ``[B*L, F]``.
+
+    Parameters
+    ----------
+    starts, cu : Tensor
+        Each sample's first padded position, and the packed boundaries ``[B + 1]``.
+    L, T : int
+        The padded length and the packed row count.
+
+    Returns
+    -------
+    Tensor
+        int64 ``[T]``.
+    """
     B = starts.numel()
     lengths = torch.diff(cu).long()
     sample = torch.repeat_interleave(torch.arange(B, device=cu.device), lengths, output_size=T)
@@ -234,7 +352,20 @@ def packed_source_rows(starts: Tensor, cu: Tensor, L: int, T: int) -> Tensor:
 
 
 def padded_source_rows(starts: Tensor, cu: Tensor, L: int) -> Tensor:
-    """int64 ``[B*L]``: for each padded row, its packed row, or -1 at padding."""
+    """For each padded row, its packed row, or -1 at padding.
+
+    Parameters
+    ----------
+    starts, cu : Tensor
+        Each sample's first padded position, and the packed boundaries ``[B + 1]``.
+    L : int
+        The padded length.
+
+    Returns
+    -------
+    Tensor
+        int64 ``[B*L]``.
+    """
     lengths = torch.diff(cu).long()
     k = torch.arange(L, device=cu.device)[None, :] - starts[:, None]
     inside = (k >= 0) & (k < lengths[:, None])
