@@ -119,3 +119,44 @@ def test_accepted_exactly_when_each_group_has_one_prompt(processor, prompts, gro
     else:
         assert one_prompt
         assert batch.select(list(reversed(range(batch.num_samples)))).num_samples == len(prompts)
+
+
+@pytest.mark.parametrize("path", [None, 3, b"batch.safetensors", "", 1.5])
+def test_save_and_load_take_a_path(processor, path):
+    batch = tokens(processor, [[1, 2, 3]], [[7]])
+    with pytest.raises(TypeError, match=r"path must be a file path \(a non-empty str or pathlib.Path\), got"):
+        RLBatch.load(path)
+    with pytest.raises(TypeError, match=r"path must be a file path"):
+        batch.save(path)
+
+
+def _rewrite(path, edit_tensors=None, edit_meta=None):
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_meta:
+        edit_meta(meta)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_a_file_whose_pixels_changed_is_refused(processor, two_prompts, tmp_path):
+    """Same shapes, same metadata, other pixel values: the saved cache keys no longer name the content."""
+    out, responses = two_prompts
+    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["a", "b", "a", "b"])
+    path = tmp_path / "b.safetensors"
+    batch.save(path)
+    assert RLBatch.load(path) == batch
+
+    def bump(tensors):
+        tensors["pixel_values"][:4] += 1
+
+    _rewrite(path, edit_tensors=bump)
+    with pytest.raises(BatchFileError, match=r"media item 0 .* its pixel rows are not those saved with its cache key"):
+        RLBatch.load(path)
+    batch.save(path)
+    _rewrite(path, edit_meta=lambda meta: meta.pop("media_digests"))  # a file from before the digests: loads
+    assert RLBatch.load(path) == batch
+    _rewrite(path, edit_meta=lambda meta: meta.update(media_digests="[1"))
+    with pytest.raises(BatchFileError, match=r"media_digests is damaged"):
+        RLBatch.load(path)

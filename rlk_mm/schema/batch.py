@@ -340,12 +340,16 @@ class RLBatch(BaseModel):
 
     @classmethod
     def load(cls, path) -> "RLBatch":
-        """Read a file written by ``save``; the invariants are checked again."""
-        fields = io.load_fields(path, cls.model_fields)
+        """Read a file written by ``save``; the invariants are checked again, and each media
+        item's pixel rows against the digest saved with them (a ``BatchFileError`` when the
+        file's pixels changed, since its cache keys name the saved content)."""
+        fields, digests = io.load_fields(path, cls.model_fields)
         try:
-            return cls(**fields)
+            batch = cls(**fields)
         except SchemaError as e:
             raise BatchFileError(f"{path}: {e}") from None
+        io.check_media_digests(batch, digests, path)
+        return batch
 
     # ------------------------------------------------------------------ reading
     def summary(self, max_rows: int = 16) -> str:

@@ -2,7 +2,8 @@
 
 Never pickle: a saved batch is tensors (spans as their CSR tensors) and a JSON metadata
 record with the format name and version. ``RLBatch.save`` / ``RLBatch.load`` call these;
-loading checks the invariants again. A saved file gets the permissions of any new file
+loading checks the invariants again, and each media item's pixel rows against the digest
+saved with them (so a file whose pixels changed never loads with its old cache keys). A saved file gets the permissions of any new file
 (the umask's), so other users on the machine can read it unless the umask says otherwise.
 """
 
@@ -12,13 +13,15 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
-from .spans import SchemaError, SpanTable
+from .media import content_key
+from .spans import Modality, SchemaError, SpanTable
 
-__all__ = ["BatchFileError", "FORMAT", "FORMAT_VERSION", "load_fields", "save"]
+__all__ = ["BatchFileError", "check_media_digests", "FORMAT", "FORMAT_VERSION", "load_fields", "media_digests",
+           "path_arg", "save"]
 
 FORMAT = "rlk_mm.RLBatch"
 FORMAT_VERSION = "1"
@@ -28,6 +31,15 @@ class BatchFileError(SchemaError):
     """A saved batch cannot be read: corrupt, truncated, or not written by rlk_mm."""
 
 
+def path_arg(name: str, value) -> Path:
+    """``value`` as a ``Path``: a non-empty str or an ``os.PathLike`` (never None, bytes or a number)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a file path (a non-empty str or pathlib.Path), got {type(value).__name__} {value!r:.60}")
+    return Path(value)
+
+
 def save(batch, path) -> Path:
     """Write ``batch`` (an RLBatch) to one safetensors file. Filesystem errors (a directory,
     a missing folder, no permission) raise the ``OSError`` naming the path."""
@@ -35,6 +47,7 @@ def save(batch, path) -> Path:
 
     if batch.device.type == "meta":
         raise ValueError("a batch on the meta device holds no values to save: save it before .to('meta')")
+    path = path_arg("path", path)
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {}
     for name in type(batch).model_fields:
@@ -45,20 +58,44 @@ def save(batch, path) -> Path:
             tensors[name] = v.detach().contiguous().cpu()
         else:
             meta[name] = v
-    path = Path(path)
     with open(path, "ab"):  # a new file gets the umask's mode; an existing one keeps its own
         mode = stat.S_IMODE(os.stat(path).st_mode)
     # safetensors writes a private (0600) temporary file and renames it over the path
-    save_file(tensors, str(path), metadata={"format": FORMAT, "version": FORMAT_VERSION, "fields": json.dumps(meta)})
+    metadata = {"format": FORMAT, "version": FORMAT_VERSION, "fields": json.dumps(meta),
+                "media_digests": json.dumps(media_digests(batch))}
+    save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, mode)
     return path
 
 
-def load_fields(path, field_names: Iterable[str]) -> dict:
-    """The fields a file written by ``save`` holds, checked against ``field_names``."""
+def media_digests(batch) -> list[Optional[str]]:
+    """A digest of each media item's pixel rows, grid and modality (None where the batch keeps no pixels)."""
+    rows = batch.media_pixel_rows()
+    labels = [] if batch.media_modality is None else [Modality(m).label for m in batch.media_modality.tolist()]
+    return [None if r is None else content_key(r, batch.media_grid_thw[g].tolist(), labels[g], "") for g, r in enumerate(rows)]
+
+
+def check_media_digests(batch, digests: Optional[list], path) -> None:
+    """Each media item's pixel rows are those saved with its cache key (``digests``: the file's
+    ``media_digests``; None for a file written before they were saved)."""
+    if digests is None:
+        return
+    if not isinstance(digests, list) or len(digests) != batch.num_media:
+        raise BatchFileError(f"{path}: media_digests lists {len(digests) if isinstance(digests, list) else digests!r} "
+                             f"entries; the batch has {batch.num_media} media items")
+    for g, (saved, now) in enumerate(zip(digests, media_digests(batch))):
+        if saved != now:
+            raise BatchFileError(f"{path}: media item {g} ({batch.media_ids[g]!r}): its pixel rows are not those saved with "
+                                 f"its cache key {batch.media_cache_keys[g][:16]}...: the file was changed after RLBatch.save; "
+                                 "rebuild the batch from its media")
+
+
+def load_fields(path, field_names: Iterable[str]) -> tuple[dict, Optional[list]]:
+    """The fields a file written by ``save`` holds, checked against ``field_names``, and its
+    media digests (None in a file that has none)."""
     from safetensors import safe_open
 
-    path = Path(path)
+    path = path_arg("path", path)
     if path.is_dir():
         raise BatchFileError(f"{path} is a directory, not a batch file: pass the .safetensors file RLBatch.save wrote")
     if not path.is_file():
@@ -88,4 +125,8 @@ def load_fields(path, field_names: Iterable[str]) -> dict:
     unknown = set(values) - set(names)
     if unknown:
         raise BatchFileError(f"{path}: unknown batch fields {sorted(unknown)}")
-    return values
+    try:
+        digests = json.loads(metadata["media_digests"]) if "media_digests" in metadata else None
+    except json.JSONDecodeError as e:
+        raise BatchFileError(f"{path}: media_digests is damaged ({e})") from None
+    return values, digests
