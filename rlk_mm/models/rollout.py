@@ -28,6 +28,7 @@ import torch
 from ..ops.invariant.mode import BACKENDS, batch_invariant, batch_invariant_active, stock_kernels
 from ..ops.sampling import group_seeds, sample_from_hidden
 from ..schema import Choice, RLBatch
+from ..schema.batch import batch_arg
 from ..schema.checks import (
     INTEGER_DTYPES,
     float_arg,
@@ -37,10 +38,10 @@ from ..schema.checks import (
     temperature_arg,
     tensor_arg,
 )
-from .qwen2_5_vl import check_inputs, fill_media, layout_inputs
+from .qwen2_5_vl import check_inputs, fill_media, prompt_lengths
 from .vision_cache import VisionCache, check_model
 
-__all__ = ["cache_keyword", "generate_on_policy", "Kernels", "OnPolicyRollout"]
+__all__ = ["cache_keyword", "decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
 
 
 class Kernels(Choice):
@@ -305,7 +306,6 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
             stop: list[int], media: list[int], sampling: dict):
     """The decode loop. Returns ([rows, steps] tokens, log-probs, sampled log-probs, per-row
     response lengths, per-row end reason (0 max tokens, 1 stop token, 2 media token), steps)."""
-    from transformers import DynamicCache
 
     lm = model.model.language_model
     embed = model.get_input_embeddings()
@@ -313,16 +313,10 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     bias = getattr(head, "bias", None)
     device = embed.weight.device
     pad = getattr(model.config.text_config, "pad_token_id", None) or 0
-    inputs, flat_rows = layout_inputs(prompt_batch, "left", pad)
-    embeds = fill_media(embed(prompt_batch.input_ids), prompt_batch, _media_rows(model, prompt_batch, vision_cache))
-    width = inputs["input_ids"].numel()
-    padded = embeds.new_zeros((width, embeds.shape[-1])).index_put((flat_rows,), embeds)
-    cache = DynamicCache()
     key = cache_keyword(lm)
-    mask = inputs["attention_mask"]
-    out = lm(inputs_embeds=padded.view(*inputs["input_ids"].shape, -1), attention_mask=mask,
-             position_ids=inputs["position_ids"], use_cache=True, **{key: cache})
-    hidden = out.last_hidden_state[:, -1]  # left padding: every prompt's last token is the last column
+    embeds = fill_media(embed(prompt_batch.input_ids), prompt_batch, _media_rows(model, prompt_batch, vision_cache))
+    out, cache, mask, _, _ = _prefill(lm, prompt_batch, embeds, prompt_batch.seq_lengths().tolist())
+    hidden = out[:, -1]  # left padding: every prompt's last token is the last column
     # the next text position of each prompt: one past its largest M-RoPE position
     sample = torch.repeat_interleave(torch.arange(prompt_batch.num_samples, device=device),
                                      prompt_batch.seq_lengths().to(device))
@@ -366,6 +360,91 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
                  **{key: cache})
         hidden = out.last_hidden_state[:, -1]
     return tokens, logps, sampled, lengths, ended, steps
+
+
+def _prefill(lm, batch: RLBatch, embeds: torch.Tensor, prompt: list[int]):
+    """The first ``prompt[b]`` tokens of every sample, left-padded, through the language model
+    into a new KV cache. Returns the output ``[B, width, H]``, the cache, the attention mask
+    ``[B, width]``, each prompt token's row in the padded layout and its packed index."""
+    from transformers import DynamicCache
+
+    device, n, width = embeds.device, batch.num_samples, max(prompt)
+    count = torch.tensor(prompt, dtype=torch.int64, device=device)
+    sample = torch.repeat_interleave(torch.arange(n, device=device), count)
+    offset = torch.arange(int(count.sum()), device=device) - (torch.cumsum(count, 0) - count)[sample]
+    src = batch.cu_seqlens.long().to(device)[:-1][sample] + offset
+    rows = sample * width + (width - count)[sample] + offset
+    padded = embeds.new_zeros((n * width, embeds.shape[-1])).index_put((rows,), embeds[src])
+    mask = torch.zeros(n * width, dtype=torch.int64, device=device).index_fill(0, rows, 1)
+    positions = torch.ones((3, n * width), dtype=torch.int64, device=device)
+    positions[:, rows] = batch.position_ids[:, src]
+    cache = DynamicCache()
+    out = lm(inputs_embeds=padded.view(n, width, -1), attention_mask=mask.view(n, width),
+             position_ids=positions.view(3, n, width), use_cache=True, **{cache_keyword(lm): cache})
+    return out.last_hidden_state, cache, mask.view(n, width), rows, src
+
+
+def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Every token's final hidden state as a KV-cache decode computes it: the prompts prefilled
+    together (left-padded), then the tokens after each prompt fed one step at a time, batched
+    over the rows still going (a row leaves the batch and the cache after its last token).
+
+    The decode twin of ``forward_hidden(model, batch)``: under ``batch_invariant()`` the two
+    are bitwise equal, which is what makes a rollout's log-probs the training's.
+
+    Parameters
+    ----------
+    model : Qwen2_5_VLForConditionalGeneration
+    batch : RLBatch
+        Prompts and responses (the prompt of a sample: ``prompt_lengths``, the tokens before
+        its first loss span); every sample needs at least one prompt token.
+    media_embeds : Tensor, optional
+        Every media item's vision rows (``VisionCache``'s output); default: the vision tower.
+
+    Returns
+    -------
+    Tensor ``[T, H]``: one row per packed token of ``batch``, as ``forward_hidden``'s.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A bad batch, model or ``media_embeds`` (``check_inputs``), or a sample without prompt.
+    """
+    check_model(model)
+    batch_arg("batch", batch)
+    device = model.get_input_embeddings().weight.device
+    if batch.device != device:
+        batch = batch.to(device)
+    check_inputs(model, batch, media_embeds)
+    prompt = prompt_lengths(batch)
+    for b, p in enumerate(prompt):
+        if p == 0:
+            raise ValueError(f"batch: sample {b} has no prompt tokens (its loss span starts at token 0); a decode "
+                             "needs a prompt to prefill")
+    lm = model.model.language_model
+    if media_embeds is None:
+        media_embeds = _media_rows(model, batch, None)
+    embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, media_embeds)
+    out, cache, mask, rows, src = _prefill(lm, batch, embeds, prompt)
+    hidden = out.new_empty((batch.num_tokens, out.shape[-1]))
+    hidden[src] = out.reshape(-1, out.shape[-1])[rows]
+    starts = batch.cu_seqlens.long().tolist()
+    tail = [starts[b + 1] - starts[b] - p for b, p in enumerate(prompt)]
+    going = list(range(batch.num_samples))
+    key = cache_keyword(lm)
+    for j in range(max(tail)):
+        live = [b for b in going if tail[b] > j]
+        if len(live) < len(going):
+            keep = torch.tensor([going.index(b) for b in live], device=device)
+            cache.batch_select_indices(keep)
+            mask = mask[keep]
+            going = live
+        index = torch.tensor([starts[b] + prompt[b] + j for b in going], device=device)
+        mask = torch.cat([mask, mask.new_ones((len(going), 1))], dim=1)
+        step = lm(inputs_embeds=embeds[index][:, None], attention_mask=mask,
+                  position_ids=batch.position_ids[:, index, None], use_cache=True, **{key: cache})
+        hidden[index] = step.last_hidden_state[:, -1]
+    return hidden
 
 
 def _assemble(processor, prompt_batch: RLBatch, G: int, row_groups: list, tokens, logps, sampled, lengths, ended,
