@@ -28,14 +28,16 @@ def _assert_decode_is_the_forward(model, batch, media_embeds=None):
     with torch.no_grad(), batch_invariant(backend="torch"):
         decoded = decode_hidden(model, batch, media_embeds=media_embeds)
         for padding in (None, "left", "right"):
-            assert torch.equal(decoded, forward_hidden(model, batch, padding=padding, media_embeds=media_embeds)), padding
+            one_pass = forward_hidden(model, batch, padding=padding, media_embeds=media_embeds)
+            assert torch.equal(decoded, one_pass), padding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_equals_the_forward_for_images_and_ragged_responses(processor, dtype):
     model = fixtures.tiny_qwen2_5_vl(seed=0).eval().to(dtype)
     samples = fixtures.synthetic_image_text(3, seed=1, max_images=3)
-    _assert_decode_is_the_forward(model, _batch(processor, samples, [[11, 12, 13, EOS], [14, EOS], [5, 6, 7, 8, 9, EOS]]))
+    responses = [[11, 12, 13, EOS], [14, EOS], [5, 6, 7, 8, 9, EOS]]
+    _assert_decode_is_the_forward(model, _batch(processor, samples, responses))
 
 
 def test_decode_equals_the_forward_for_video_and_vision_cache(tiny_model, processor):
