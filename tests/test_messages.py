@@ -233,3 +233,18 @@ def test_any_size_and_limits_give_qwen_vl_utils_grid(processor, width, height, l
     s = key_settings(batch.media_cache_keys[0])
     assert (s.min_pixels, s.max_pixels, s.resized_height, s.resized_width) == (min_pixels, max_pixels, h, w)
     assert ResizeSettings.from_tag(s.tag()) == s
+
+
+@pytest.mark.parametrize("tps", [25.0, 1.0, 2.0])
+def test_video_layout_reads_the_batch_temporal_positions(processor, tps):
+    """VideoLayout.temporal_positions() is the batch's own t row at each frame, whatever
+    tokens_per_second the batch was built with (issue 31, D-16)."""
+    from rlk_mm.schema import VideoLayout
+
+    frames = [Image.new("RGB", (56, 56), (10 * f, 0, 0)) for f in range(6)]
+    batch = RLBatch.from_messages([_conv({"type": "video", "video": frames, "fps": 2.0}, {"type": "text", "text": "hi"})],
+                                  processor=processor, tokens_per_second=tps)
+    layout = VideoLayout(batch)
+    rows = [int(batch.position_ids[0, lo]) for lo, _ in layout.frame_ranges(0)]
+    assert layout.temporal_positions(0).tolist() == rows
+    assert layout.temporal_positions(0, tps).tolist() == rows  # the model's formula agrees with the batch

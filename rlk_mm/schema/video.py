@@ -29,6 +29,8 @@ from .spans import Modality, Span
 Tensor = torch.Tensor
 
 
+_BATCH = object()  # temporal_positions' default: read the batch's own positions
+
 class VideoLayout:
     """The video items of an ``RLBatch``, in batch media order: per-frame token ranges,
     temporal positions, row permutations, per-frame masks and keys."""
@@ -70,12 +72,24 @@ class VideoLayout:
         n, start = self.tokens_per_frame(v), self.starts[self._video(v)]
         return [(start + f * n, start + (f + 1) * n) for f in range(self.num_frames(v))]
 
-    def temporal_positions(self, v: int, tokens_per_second: Optional[float] = 2.0) -> Tensor:
-        """int64 [t]: the temporal (first-row) position id of each frame of video ``v``, as the
-        model's ``get_rope_index`` computes it: the video's start position plus
-        ``int(f × tokens_per_second × second_per_grid)`` (Qwen2-VL: ``tokens_per_second=None``,
-        one step per frame). ``second_per_grid`` is the batch's, else 1 (as the model)."""
+    def temporal_positions(self, v: int, tokens_per_second=_BATCH) -> Tensor:
+        """int64 [t]: the temporal (first-row) position id of each frame of video ``v``.
+
+        By default the batch's own: ``position_ids[0]`` at each frame's first token (whatever
+        ``tokens_per_second`` the batch was built with). With ``tokens_per_second`` given, what
+        the model's ``get_rope_index`` computes with it: the video's start position plus
+        ``int(f × tokens_per_second × second_per_grid)`` (Qwen2-VL: ``None``, one step per
+        frame); ``second_per_grid`` is the batch's, else 1 (as the model).
+
+        Raises
+        ------
+        ValueError
+            ``v`` is not a video of the batch, or ``tokens_per_second`` is not > 0."""
         v = self._video(v)
+        if tokens_per_second is _BATCH:
+            offset = int(self.batch.cu_seqlens[self.samples[v]])
+            firsts = torch.tensor([offset + lo for lo, _ in self.frame_ranges(v)], device=self.batch.device)
+            return self.batch.position_ids[0, firsts].cpu()
         interval = 1.0
         if tokens_per_second is not None:
             tokens_per_second = float_arg("tokens_per_second", tokens_per_second, min=0.0, min_open=True)
