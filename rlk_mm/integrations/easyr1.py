@@ -8,11 +8,8 @@ the ratio's log clamped to ±20 before ``exp``, dual clip for negative advantage
 means), metrics as floats, and GRPO / RLOO that need at least two samples per group.
 Clipping ``exp(clamp(log r, log(1 - lo), log(1 + hi)))`` equals ``clamp(r, 1 - lo, 1 + hi)``
 up to one rounding of ``exp`` at the band edges; rlk_mm's fused kernel uses the latter.
-``patch()`` swaps them into an installed EasyR1, falling back to EasyR1's own functions for
-settings they do not implement; ``examples/easyr1_swap.py`` shows a run.
-``micro_batch_loss(actor, micro_batch, temperature)`` is one micro-batch of the actor's
-``update_policy`` (forward, policy loss, KL loss, metrics) with the LM head fused with the
-loss (``linear_policy_loss``): an explicit helper for an actor's own loop, not patched in.
+``patch()`` swaps them into an installed EasyR1 (``examples/easyr1_swap.py``);
+``micro_batch_loss`` fuses the LM head with the loss in an actor's own loop (not patched in).
 
 This module imports neither EasyR1 nor transformers: ``pip install rlk-mm`` sits beside
 EasyR1's transformers 4.5x.
@@ -64,7 +61,22 @@ def _avg_mode(argument: str, mode) -> AggMode:
 
 
 def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token", "seq"], eps: float = MEAN_EPS) -> torch.Tensor:
-    """EasyR1's ``average_loss``: ``token`` = masked mean, ``seq`` = mean over rows of row masked means."""
+    """EasyR1's ``average_loss``: ``token`` = masked mean, ``seq`` = mean over rows of row masked means.
+
+    A bad argument raises ValueError or TypeError naming it, as every function here does.
+
+    Parameters
+    ----------
+    values, mask : Tensor
+        ``[B, R]`` per-token values and the response mask.
+    mode : {"token", "seq"}
+    eps : float
+        Added to the denominators, as EasyR1 does.
+
+    Returns
+    -------
+    Tensor
+    """
     padded_inputs({"values": values, "mask": mask}, mask="mask")
     mode = _avg_mode("mode", mode)
     if eps != MEAN_EPS:
@@ -73,7 +85,17 @@ def average_loss(values: torch.Tensor, mask: torch.Tensor, mode: Literal["token"
 
 
 def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """EasyR1's ``compute_kl`` (``kl``, ``abs``, ``mse``, ``low_var_kl``), in float32."""
+    """EasyR1's ``compute_kl`` (``kl``, ``abs``, ``mse``, ``low_var_kl``), in float32.
+
+    Parameters
+    ----------
+    log_probs, ref_log_probs : Tensor
+    kl_penalty : str
+
+    Returns
+    -------
+    Tensor
+    """
     if kl_penalty not in _KL:
         raise ValueError(
             f"kl_penalty={kl_penalty!r}: expected one of {', '.join(_KL)} ('full' needs whole distributions, "
@@ -100,9 +122,25 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EasyR1's ``compute_policy_loss`` for ``default``, ``gspo`` and ``gspo_token``, fused.
 
-    Returns ``(pg_loss, metrics)`` with EasyR1's metric names: ``ppo_kl``, ``entropy_loss``
-    (mean of -log-prob, an entropy estimate), ``pg_clipfrac_higher``, ``pg_clipfrac_lower``
-    (floats). ``tau_positive``/``tau_negative`` belong to ``sapo``, which is not fused.
+    Parameters
+    ----------
+    old_log_probs, log_probs, advantages, response_mask : Tensor
+        ``[B, R]``, as EasyR1 passes them.
+    clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_type, loss_avg_mode
+        EasyR1's settings (see ``loss_config``).
+    tau_positive, tau_negative, **kwargs
+        ``sapo``'s (not fused), and what EasyR1 passes besides: ignored.
+
+    Returns
+    -------
+    tuple
+        ``(pg_loss, metrics)`` with EasyR1's metric names: ``ppo_kl``, ``entropy_loss`` (mean of
+        -log-prob, an entropy estimate), ``pg_clipfrac_higher``, ``pg_clipfrac_lower`` (floats).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming it.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(
@@ -118,12 +156,31 @@ def compute_policy_loss(
 
 def loss_config(clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_type: str, loss_avg_mode: str, *,
                 kl_penalty: Optional[str] = None, kl_coef: float = 0.0, names: str = "") -> PolicyLossConfig:
-    """The ``PolicyLossConfig`` of EasyR1's loss settings (``compute_policy_loss``'s arguments,
-    or an ``ActorConfig``'s fields, named in errors with the prefix ``names``, e.g. ``config.``):
-    PPO clipping in log space (``0 <= clip_ratio_low < 1``), the dual clip ``clip_ratio_dual``,
-    the ratio of ``loss_type`` (``default``: per token; ``gspo``, ``gspo_token``), the log-ratio
-    clamped at ±``LOG_RATIO_LIMIT``, ``loss_avg_mode`` (``token`` or ``seq``) and, with
-    ``kl_penalty``, the KL term (``kl``, ``abs``, ``mse``, ``low_var_kl``) weighted ``kl_coef``."""
+    """The ``PolicyLossConfig`` of EasyR1's loss settings.
+
+    Parameters
+    ----------
+    clip_ratio_low, clip_ratio_high, clip_ratio_dual : float
+        PPO clipping in log space (``0 <= clip_ratio_low < 1``) and the dual clip.
+    loss_type : str
+        The ratio: ``default`` (per token), ``gspo``, ``gspo_token``; the log-ratio is clamped at
+        ±``LOG_RATIO_LIMIT``.
+    loss_avg_mode : str
+        ``token`` or ``seq``.
+    kl_penalty, kl_coef : str or None, float
+        The KL term (``kl``, ``abs``, ``mse``, ``low_var_kl``) and its weight.
+    names : str
+        Prefix of the names in errors, e.g. ``config.`` for an ``ActorConfig``'s fields.
+
+    Returns
+    -------
+    PolicyLossConfig
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming it.
+    """
     avg_mode = _avg_mode(f"{names}loss_avg_mode", loss_avg_mode)
     if not 0.0 <= float_arg(f"{names}clip_ratio_low", clip_ratio_low) < 1.0:
         raise ValueError(f"{names}clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
@@ -161,32 +218,35 @@ _MICRO_BATCH_KEYS = ("input_ids", "attention_mask", "position_ids", "responses",
 
 
 def micro_batch_loss(actor, micro_batch: Mapping, temperature: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch of EasyR1's ``DataParallelPPOActor.update_policy`` with the LM head fused
-    with the loss (``linear_policy_loss``: three logits-sized products, the gradient formed here).
+    """One micro-batch of EasyR1's ``update_policy`` with the LM head fused with the loss.
 
-    Returns ``(loss, metrics)``: ``loss`` is EasyR1's ``pg_loss + kl_coef * kl_loss`` (the KL term
-    when ``actor.config.use_kl_loss`` and the micro-batch has ``ref_log_probs``), before
-    ``update_policy`` scales it by the micro-batch's token share; call ``backward`` on it (or on
-    that scaled loss) once. ``metrics`` are the ``actor/...`` floats ``update_policy`` records
-    for the micro-batch. In an actor of your own, these replace ``_forward_micro_batch``,
-    ``compute_policy_loss``, ``compute_kl`` and ``average_loss`` of the micro-batch loop::
+    ``linear_policy_loss`` inside the model's own ``lm_head`` call. In an actor of your own, this
+    replaces ``_forward_micro_batch``, ``compute_policy_loss``, ``compute_kl`` and ``average_loss``::
 
         loss, batch_metrics = micro_batch_loss(self, model_inputs, temperature)
         loss = loss * torch.sum(response_mask) * self.world_size / total_response_tokens
 
-    ``actor``: an EasyR1 actor (``actor_module``: the causal LM; ``config``: its ``ActorConfig``);
-    ``micro_batch``: ``update_policy``'s ``model_inputs`` (``input_ids``, ``attention_mask``,
-    ``position_ids``, ``responses``, ``response_mask``, ``old_log_probs``, ``advantages``,
-    optional ``ref_log_probs`` and ``multi_modal_inputs``). The micro-batch is checked as
-    ``RLBatch.from_verl`` checks its tensors, before the model sees it (one host read of its
-    integer tensors): shapes, 0/1 masks, ``responses`` equal to ``input_ids``' last R tokens,
-    ``response_mask`` inside ``attention_mask``, token ids in the vocabulary, the media
-    placeholders against ``multi_modal_inputs``' grids, and ``position_ids`` equal to the M-RoPE
-    positions the model computes; errors name the micro-batch key. Padded and padding-free
-    (``config.padding_free``) layouts; refused, naming the setting: ``loss_type`` cispo/sapo,
-    ``kl_penalty='full'``, ``ulysses_size > 1``. ``gspo`` runs four products (see
-    ``linear_policy_loss``). The LM head runs inside the model's own forward (its ``lm_head``
-    call), so wrappers that gather parameters around the forward see it.
+    Parameters
+    ----------
+    actor : DataParallelPPOActor
+        An EasyR1 actor (``actor_module``: the causal LM; ``config``: its ``ActorConfig``).
+    micro_batch : Mapping
+        ``update_policy``'s ``model_inputs`` (``input_ids``, ``attention_mask``, ``position_ids``,
+        ``responses``, ``response_mask``, ``old_log_probs``, ``advantages``, optional
+        ``ref_log_probs`` and ``multi_modal_inputs``), padded or padding-free.
+    temperature : float
+
+    Returns
+    -------
+    tuple
+        ``(loss, metrics)``: EasyR1's ``pg_loss + kl_coef * kl_loss`` before ``update_policy`` scales
+        it by the micro-batch's token share (call ``backward`` once), and the ``actor/...`` floats.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a micro-batch ``RLBatch.from_verl`` would refuse (one host read), naming the key; for
+        settings not fused: ``loss_type`` cispo/sapo, ``kl_penalty='full'``, ``ulysses_size > 1``.
     """
     config = _actor_config(actor)
     if not isinstance(micro_batch, Mapping):
@@ -326,14 +386,42 @@ def _outcome_advantage(token_level_rewards, response_mask, index, estimator, eps
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, eps: float = 1e-6, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EasyR1's GRPO: (s - mean_g) / (std_g + eps) on every response token; (advantages, returns)."""
+    """EasyR1's GRPO: (s - mean_g) / (std_g + eps) on every response token.
+
+    Parameters
+    ----------
+    token_level_rewards, response_mask : Tensor
+        ``[B, R]``; a sample's score is its rewards' sum.
+    index : array-like
+        Each sample's group id.
+    eps, **kwargs
+        Added to the std; the rest is ignored.
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(advantages, returns)``.
+    """
     return _outcome_advantage(token_level_rewards, response_mask, index, "grpo", eps)
 
 
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index, **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """EasyR1's RLOO: the score minus the mean of the group's other scores; (advantages, returns)."""
+    """EasyR1's RLOO: the score minus the mean of the group's other scores.
+
+    Parameters
+    ----------
+    token_level_rewards, response_mask : Tensor
+        ``[B, R]``; a sample's score is its rewards' sum.
+    index, **kwargs
+        Each sample's group id; the rest is ignored.
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(advantages, returns)``.
+    """
     return _outcome_advantage(token_level_rewards, response_mask, index, "rloo", 1e-6)
 
 
@@ -390,16 +478,20 @@ def _core_algos():
 
 
 def patch() -> list[str]:
-    """Swap these functions into an installed EasyR1; returns the names replaced.
+    """Swap these functions into an installed EasyR1 (idempotent).
 
-    In ``verl.trainer.core_algos``: ``compute_policy_loss``, ``compute_kl`` and
-    ``average_loss``, which fall back to EasyR1's own for settings rlk_mm does not implement
-    (``loss_type`` ``cispo``/``sapo``, ``kl_penalty='full'``, another ``eps``; logged once per
-    setting), and GRPO / RLOO in ``ADV_ESTIMATOR_MAP``. Modules that imported these by name
-    before the call (``dp_actor``, ``ray_trainer``'s ``compute_kl``, any other ``verl.*``
-    module) are patched too; those imported after read the patched ``core_algos``.
-    Idempotent. EasyR1's trainer and actors run in Ray workers: patch every worker with Ray's
-    ``worker_process_setup_hook`` = ``SETUP_HOOK`` (see ``runtime_env_hook``).
+    ``compute_policy_loss``, ``compute_kl``, ``average_loss`` (falling back to EasyR1's own for
+    settings rlk_mm lacks) and GRPO / RLOO, wherever ``verl.*`` holds them; see ``runtime_env_hook``.
+
+    Returns
+    -------
+    list of str
+        The names replaced.
+
+    Raises
+    ------
+    ImportError
+        When EasyR1 is not installed.
     """
     core = _core_algos()
     swaps: dict[int, tuple[Callable, Callable]] = {}  # id -> (what a module may hold, its replacement)
@@ -429,10 +521,23 @@ def patch() -> list[str]:
 
 
 def runtime_env_hook(runtime_env: Optional[Mapping]) -> dict:
-    """Ray's ``RAY_RUNTIME_ENV_HOOK``: the job's ``runtime_env`` plus ``SETUP_HOOK`` as its
-    ``worker_process_setup_hook``, so that every Ray worker calls ``patch()`` before any
-    EasyR1 code runs there. ``RAY_RUNTIME_ENV_HOOK=rlk_mm.integrations.easyr1.runtime_env_hook``
-    before ``python3 -m verl.trainer.main ...`` adds it to EasyR1's own ``ray.init``."""
+    """Ray's ``RAY_RUNTIME_ENV_HOOK``: every Ray worker calls ``patch()`` before any EasyR1 code.
+
+    Parameters
+    ----------
+    runtime_env : Mapping or None
+        The job's ``runtime_env``.
+
+    Returns
+    -------
+    dict
+        ``runtime_env`` plus ``SETUP_HOOK`` as its ``worker_process_setup_hook``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a ``runtime_env`` that is not a dict, or one with another setup hook.
+    """
     if runtime_env is not None and not isinstance(runtime_env, Mapping):
         raise TypeError(f"runtime_env must be a dict or None (Ray passes ray.init's), got {type(runtime_env).__name__}")
     env = dict(runtime_env or {})

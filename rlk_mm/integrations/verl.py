@@ -46,11 +46,30 @@ ADV_ESTIMATORS = ("rlk_mm_grpo", "rlk_mm_rloo")
 
 
 def loss_config(config, loss_agg_mode: str, *, gspo: bool = False) -> PolicyLossConfig:
-    """The ``PolicyLossConfig`` of verl's actor ``config`` (``ActorConfig``: its clip ratios,
-    dual clip and ``global_batch_info``; or a mapping of those fields) for ``loss_agg_mode``:
-    verl's vanilla PPO loss, or with ``gspo`` verl's ``gspo`` (sequence ratio, log-ratio
-    clamped at 10, no dual clip). The global counts are checked against each micro-batch by
-    ``policy_loss``: at least what the micro-batch shows."""
+    """The ``PolicyLossConfig`` of verl's actor config for ``loss_agg_mode``.
+
+    Parameters
+    ----------
+    config : ActorConfig or Mapping
+        verl's actor config (its clip ratios, dual clip and ``global_batch_info``), or a mapping of
+        those fields.
+    loss_agg_mode : str
+        verl's ``loss_agg_mode``.
+    gspo : bool
+        verl's ``gspo`` (sequence ratio, log-ratio clamped at 10, no dual clip) instead of its
+        vanilla PPO loss.
+
+    Returns
+    -------
+    PolicyLossConfig
+        The global counts are checked against each micro-batch by ``policy_loss``: at least what the
+        micro-batch shows.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a missing or bad field, naming it.
+    """
     low, high = clip_ratios(config)
     if gspo:
         ratio = dict(clip_ratio_c=None, ratio=RatioMode.GSPO_TOKEN, log_ratio_clamp=(None, 10.0))
@@ -90,8 +109,30 @@ def compute_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's ``compute_policy_loss_vanilla``, fused: same signature, loss, gradient and metrics.
 
-    When verl's LM head already computed the loss for this micro-batch (``RLK_MM_VERL_FUSED=1``
-    with ``use_fused_kernels=True``: ``rlk_mm.integrations.verl_fused``), that loss is returned.
+    When verl's LM head already computed the loss for this micro-batch (``RLK_MM_VERL_FUSED=1`` with
+    ``use_fused_kernels=True``: ``rlk_mm.integrations.verl_fused``), that loss is returned.
+
+    Parameters
+    ----------
+    old_log_prob, log_prob, advantages, response_mask : Tensor
+        ``[B, R]``, as verl passes them.
+    loss_agg_mode : str
+        verl's aggregation mode.
+    config : ActorConfig or Mapping, optional
+        verl's actor config (see ``loss_config``).
+    rollout_is_weights : Tensor, optional
+        ``[B, R]`` importance-sampling weights.
+
+    Returns
+    -------
+    tuple
+        ``(loss, metrics)``: the scalar loss and verl's metrics (``actor/pg_loss``, ``pg_clipfrac``,
+        ``pg_clipfrac_lower``, ``ppo_kl``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument or value, naming it (the checks of ``policy_loss``).
     """
     _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
     from . import verl_fused
@@ -113,7 +154,29 @@ def compute_policy_loss_gspo(
     config=None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """verl's ``compute_policy_loss_gspo``, fused: sequence ratio (log clamped at 10), no dual clip."""
+    """verl's ``compute_policy_loss_gspo``, fused: sequence ratio (log clamped at 10), no dual clip.
+
+    Parameters
+    ----------
+    old_log_prob, log_prob, advantages, response_mask : Tensor
+        ``[B, R]``, as verl passes them.
+    loss_agg_mode : str
+        verl's aggregation mode.
+    config : ActorConfig or Mapping, optional
+        verl's actor config (see ``loss_config``).
+    rollout_is_weights : Tensor, optional
+        ``[B, R]`` importance-sampling weights.
+
+    Returns
+    -------
+    tuple
+        ``(loss, metrics)``, as ``compute_policy_loss``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument or value, naming it (the checks of ``policy_loss``).
+    """
     _policy_loss_inputs(old_log_prob, log_prob, advantages, response_mask, config, rollout_is_weights)
     knobs = loss_config(config, loss_agg_mode, gspo=True)
     loss, metrics = policy_loss(log_prob, old_log_prob, advantages, response_mask,
@@ -141,8 +204,33 @@ def compute_grpo_outcome_advantage(
     config=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's GRPO (and Dr.GRPO with ``norm_adv_by_std_in_grpo=False`` or the config's flag),
-    vectorized: returns (advantages, returns), both ``score_adv[:, None] * response_mask``."""
+    """verl's GRPO (and Dr.GRPO), vectorized.
+
+    Parameters
+    ----------
+    token_level_rewards, response_mask : Tensor
+        ``[B, R]``; a sample's score is its rewards' sum.
+    index : numpy.ndarray
+        verl's ``uid`` of each sample: its group.
+    epsilon : float
+        GRPO's ``eps``.
+    norm_adv_by_std_in_grpo : bool
+        False (or the config's flag): Dr.GRPO, no division by the std.
+    config : AlgoConfig, optional
+        verl's algorithm config.
+    **kwargs
+        Ignored, as verl's estimators take them.
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(advantages, returns)``, both ``score_adv[:, None] * response_mask``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For inputs of mismatched shapes or a bad ``epsilon``.
+    """
     if config is not None:
         norm_adv_by_std_in_grpo = config.get("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
     norm = bool_arg("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo)
@@ -158,13 +246,44 @@ def compute_rloo_outcome_advantage(
     config=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """verl's RLOO, vectorized: the score minus the mean of the group's other scores."""
+    """verl's RLOO, vectorized: the score minus the mean of the group's other scores.
+
+    Parameters
+    ----------
+    token_level_rewards, response_mask : Tensor
+        ``[B, R]``; a sample's score is its rewards' sum.
+    index : numpy.ndarray
+        verl's ``uid`` of each sample: its group.
+    epsilon : float
+        Unused by RLOO; verl's signature.
+    config : AlgoConfig, optional
+        verl's algorithm config.
+    **kwargs
+        Ignored, as verl's estimators take them.
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(advantages, returns)``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For inputs of mismatched shapes.
+    """
     return _outcome_advantage(token_level_rewards, response_mask, index, Estimator.RLOO, epsilon)
 
 
 def register() -> None:
-    """Register the policy losses and advantage estimators with verl (idempotent; replaces
-    what an earlier import of this module registered, refuses a name someone else took)."""
+    """Register the policy losses and advantage estimators with verl.
+
+    Idempotent: replaces what an earlier import of this module registered.
+
+    Raises
+    ------
+    ValueError
+        verl's, when one of the names is already taken by someone else's estimator.
+    """
     from verl.trainer.ppo import core_algos
 
     for name, loss in zip(POLICY_LOSSES, (compute_policy_loss, compute_policy_loss_gspo)):
