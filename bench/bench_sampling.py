@@ -154,6 +154,28 @@ class FlashInferBuild:
 
 
 # ------------------------------------------------------------------ measurements
+def warps_sweep(cfg: dict, choices: str) -> list:
+    """GPU time (graph replays) of the from-logits kernels, top-k + top-p, with other warps per
+    launch (``choices``: "launch1xlaunch2,..."; the default config is timed alongside)."""
+    from rlk_mm.ops._torch.sampling import Filters
+    from rlk_mm.ops._triton import sampling as tri
+
+    configs = {"default": tri.default_config(torch.device("cuda"))}
+    for choice in filter(None, choices.split(",")):
+        a, b = (int(x) for x in choice.split("x"))
+        configs[choice] = tri.SamplingConfig(**{**configs["default"].__dict__, "block_warps": a, "row_warps": b})
+    filters, inv_t = Filters(TOP_K, TOP_P, None), float(torch.tensor(1 / TEMPERATURE, dtype=torch.float32))
+    rows = []
+    for B in cfg["batches"]:
+        logits = logits_rows(B, cfg["V"], "cuda")
+        seeds = torch.arange(B, device="cuda")
+        fns = {name: graph_of(lambda c=c: tri.sample_logits(logits, inv_t, filters, seeds, 0, config=c))
+               for name, c in configs.items()}
+        rows.append({"B": B, **{k: v["ms"] for k, v in timed(fns, cfg["reps"], "cuda").items()}})
+        print(f"warps B={B}: {rows[-1]}", flush=True)
+    return rows
+
+
 def host_syncs(fn) -> int | None:
     """Synchronizing CUDA calls that one call of ``fn`` makes (torch's sync debug mode warns
     once per such call; the warnings are counted). None without CUDA."""
@@ -328,6 +350,7 @@ def main() -> None:
     p.add_argument("--fi-budget", type=float, default=40.0, help="seconds for FlashInfer's JIT builds (default 40)")
     p.add_argument("--agreement-steps", type=int, default=3,
                    help="batches of 64 rows in the CPU/GPU agreement (default 3)")
+    p.add_argument("--warps", default="", help="also time these warps per launch, e.g. 4x4,8x8 (GPU only)")
     p.add_argument("--fi-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.fi_child:
@@ -346,6 +369,8 @@ def main() -> None:
         ("from_logits", lambda: bench_logits(cfg, fi, backend)),
         ("invariance", lambda: invariance(cfg, fi, backend)),
     )
+    if args.warps and not args.dry_run:
+        sections += (("warps", lambda: warps_sweep(cfg, args.warps)),)
     for name, run in sections:
         try:
             result[name] = run()

@@ -75,9 +75,10 @@ class SamplingConfig:
     entry from below, so top-k candidates are looked for only above it). ``row_block``:
     entries per chunk of a pass over a whole row (the bisection). ``candidate_cap``: most
     top-k candidate slots (blocks x k) a row merges in registers (more: the bisection).
-    ``block_warps``: warps of the per-(row, block) kernels; ``row_warps``: of the per-row
-    kernels. ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes
-    per row chunk; ``finish_rows``: rows per program of its draw's last step."""
+    ``block_warps``: warps of launch 1; ``row_warps``: of launch 2, whose programs hold the
+    row's finish (the candidates' merge: its registers set the warps that avoid spills).
+    ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row
+    chunk; ``finish_rows``: rows per program of its draw's last step."""
 
     split_block: int
     sub_block: int
@@ -92,8 +93,8 @@ class SamplingConfig:
 def default_config(device: torch.device) -> SamplingConfig:
     """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
     if device.type == "cuda":
-        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=4,
-                              row_warps=8)
+        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=8,
+                              row_warps=16)
     return SamplingConfig(split_block=32, sub_block=8, row_block=64, candidate_cap=32, block_warps=1, row_warps=1)
 
 
@@ -542,6 +543,6 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
         SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, TOP_K=filters.top_k is not None,
         TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None, DRAW=draw,
         CANDIDATES=candidates, SPLIT=split, BLOCK=cfg.row_block, NBP=nbp,
-        LANES=max(16, _pow2(n_blocks * top_k)), num_warps=cfg.block_warps, enable_fp_fusion=False,
+        LANES=max(16, _pow2(n_blocks * top_k)), num_warps=cfg.row_warps, enable_fp_fusion=False,
     )
     return tokens, log_probs, sampled, status
