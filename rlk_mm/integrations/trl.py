@@ -83,19 +83,41 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, Optional[Tensor]]]:
     """TRL ``GRPOTrainer``'s loss (``_compute_loss`` without the entropy bonus), by TRL's names.
 
-    Tensors are padded ``[B, C]`` over the completions (``advantages`` may be ``[B]``,
-    ``importance_sampling_ratio`` ``[B, 1]``). ``loss_type``: ``grpo`` (mean of per-sequence
-    means), ``bnpo`` (token mean), ``dr_grpo`` (sum / (B * ``max_completion_length``)),
-    ``dapo`` (sum / ``num_items``: TRL's normalizer, ``num_items_in_batch`` clamped at 1,
-    divided by the processes and rescaled to one accumulation window; > 0, and not a count
-    of this batch's tokens: it may be fractional or below them), ``luspo`` (mean of
-    per-sequence sums); all but ``dapo`` are then divided by ``gradient_accumulation_steps``
-    (1 in eval). ``num_items`` as a number is checked here; as a 0-d tensor it is not read on
-    the host (TRL keeps it on the device): a value <= 0 or not finite makes the loss NaN.
-    Returns ``(loss, stats)``: ``policy_loss`` (the loss before that division, detached),
-    ``ratio`` (TRL's ``coef_1``, detached: ``[B, C]``, or ``[B, 1]`` for
-    ``importance_sampling_level="sequence"``) and ``kl`` (the per-token KL term, detached; None
-    without ``beta``).
+    Parameters
+    ----------
+    per_token_logps, old_per_token_logps, completion_mask : Tensor
+        Padded ``[B, C]`` over the completions.
+    advantages : Tensor
+        ``[B, C]`` or ``[B]``.
+    loss_type : str
+        ``grpo`` (mean of per-sequence means), ``bnpo`` (token mean), ``dr_grpo`` (sum / (B *
+        ``max_completion_length``)), ``dapo`` (sum / ``num_items``), ``luspo`` (mean of per-sequence
+        sums); all but ``dapo`` are then divided by ``gradient_accumulation_steps``.
+    epsilon_low, epsilon_high, delta : float
+        The clip and the dual clip (None: off).
+    importance_sampling_level : str
+        ``token`` or ``sequence`` (GSPO).
+    beta, ref_per_token_logps : float, Tensor
+        The KL weight and the reference log-probs (needed when ``beta > 0``).
+    use_bias_correction_kl : bool
+        TRL's setting of that name.
+    importance_sampling_ratio : Tensor, optional
+        ``[B, C]`` or ``[B, 1]`` vLLM importance-sampling correction.
+    max_completion_length, num_items : int, float or Tensor, optional
+        ``dr_grpo``'s and ``dapo``'s divisors (see ``dapo_normalizer``).
+    gradient_accumulation_steps : int
+
+    Returns
+    -------
+    tuple
+        ``(loss, stats)``: ``policy_loss`` (the loss before the accumulation division, detached),
+        ``ratio`` (TRL's ``coef_1``, detached: ``[B, C]``, or ``[B, 1]`` at the sequence level) and
+        ``kl`` (the per-token KL term, detached; None without ``beta``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a bad argument, naming TRL's name for it.
     """
     C = tensor_arg("per_token_logps", per_token_logps, ndim=2, dtypes=FLOAT_DTYPES).shape[1]
     B = per_token_logps.shape[0]
@@ -146,8 +168,25 @@ def grpo_loss(
 
 
 def dapo_normalizer(num_items) -> float | Tensor:
-    """TRL's ``dapo`` divisor ``num_items``: a number > 0 (checked), or a 0-d float tensor
-    (not read on the host: NaN where it is <= 0 or not finite, so the loss shows it)."""
+    """TRL's ``dapo`` divisor ``num_items``.
+
+    ``num_items_in_batch`` clamped at 1, divided by the processes, rescaled to one accumulation window.
+
+    Parameters
+    ----------
+    num_items : float or Tensor
+        A number > 0 (checked), or a 0-d float tensor (not read on the host).
+
+    Returns
+    -------
+    float or Tensor
+        The divisor; a tensor is NaN where it is <= 0 or not finite, so the loss shows it.
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a number that is not > 0, or another type.
+    """
     if num_items is None:
         raise ValueError("loss_type='dapo' needs num_items (TRL's normalizer: the active tokens of the accumulation "
                          "window, num_items_in_batch clamped at 1, per process)")
@@ -181,14 +220,35 @@ def _importance_ratio(logps: Tensor, old: Tensor, mask: Tensor, level: str) -> T
 def loss_config(loss_type: str, importance_sampling_level: str, epsilon_low: float, epsilon_high: float,
                 delta: Optional[float], *, num_completions: int, max_completion_length: Optional[int] = None,
                 entropy_coeff: float = 0.0) -> PolicyLossConfig:
-    """The ``PolicyLossConfig`` of TRL ``GRPOConfig``'s loss settings, by TRL's names, for a batch
-    of ``num_completions``: ``epsilon_low``/``epsilon_high`` as the clip, no log-ratio clamp,
-    ``delta`` as the dual clip, the ratio of ``importance_sampling_level`` (``sequence``: GSPO
-    with the gradient through the sequence mean), the aggregation of ``loss_type`` (with
-    ``max_completion_length`` for ``dr_grpo``) and the entropy bonus. ``dapo`` is the token
-    sum: its divisor, TRL's normalizer (``dapo_normalizer``), is no count of tokens (it may be
-    fractional, or below this batch's tokens on a process with long completions), so the caller
-    divides the loss by it rather than passing it as ``batch_num_tokens``."""
+    """The ``PolicyLossConfig`` of TRL ``GRPOConfig``'s loss settings, by TRL's names.
+
+    Parameters
+    ----------
+    loss_type : str
+        The aggregation (see ``grpo_loss``). ``dapo`` is the token sum: the caller divides by
+        ``dapo_normalizer``'s divisor rather than passing it as ``batch_num_tokens``.
+    importance_sampling_level : str
+        ``token``, or ``sequence``: GSPO with the gradient through the sequence mean.
+    epsilon_low, epsilon_high : float
+        The clip (no log-ratio clamp).
+    delta : float or None
+        The dual clip.
+    num_completions : int
+        The batch's completions.
+    max_completion_length : int, optional
+        For ``dr_grpo``.
+    entropy_coeff : float
+        The entropy bonus.
+
+    Returns
+    -------
+    PolicyLossConfig
+
+    Raises
+    ------
+    ValueError, TypeError
+        For a setting rlk_mm cannot reproduce, naming it.
+    """
     loss_type, level, low, high, delta, _ = _options(loss_type, importance_sampling_level, epsilon_low, epsilon_high,
                                                      delta, 0.0)
     return PolicyLossConfig(
@@ -303,10 +363,21 @@ def _spread(values: Tensor, where: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- the trainer
 class RLKGRPOMixin:
-    """Put first in the bases of a TRL ``GRPOTrainer`` (sub)class: its LM head becomes
-    ``selected_logprob`` and its loss rlk_mm's: ``linear_policy_loss`` where expressible
-    (``linear_loss=True``, the default), else ``grpo_loss``. Options it cannot reproduce raise
-    at construction, naming the ``GRPOConfig`` field."""
+    """Put first in the bases of a TRL ``GRPOTrainer`` (sub)class: its LM head and its loss become rlk_mm's.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        ``GRPOTrainer``'s.
+    linear_loss : bool
+        The LM head becomes ``selected_logprob``; the loss ``linear_policy_loss`` where the settings
+        allow it (True), else ``grpo_loss``.
+
+    Raises
+    ------
+    ValueError
+        At construction, for options it cannot reproduce, naming the ``GRPOConfig`` field.
+    """
 
     def __init__(self, *args, linear_loss: bool = True, **kwargs):
         linear_loss = bool_arg("linear_loss", linear_loss)
