@@ -6,21 +6,37 @@
   installed; an installed verl that fails to import is an error, never a skip.
 - ``GPU_NEEDED``: the message of a ``gpu``-marked test run where CUDA is absent.
 - ``count_syncs(fn)``: the host-device syncs of a call (GPU tests of the one-sync rule).
+- ``close(actual, expected)``: equal within the loss contract's fp32 elementwise tolerance.
+- ``raised_by_rlk_mm(error)``: whether a check of rlk_mm raised an error (the input tables
+  sort an error that no check raised as a crash).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import linecache
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
+import rlk_mm
+from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
+from rlk_mm.schema import SchemaError
+
+__all__ = [
+    "BACKENDS", "GPU_NEEDED", "PACKAGE_DIR", "VERL_MISSING", "close", "count_syncs", "raised_by_rlk_mm", "skip_module_without_verl",
+    "use_backend", "verl_installed",
+]
+
 #: the backends ``RLK_MM_BACKEND`` can force
 BACKENDS = ("torch", "triton")
 
+#: the package's source folder: an error raised by a ``raise`` there is rlk_mm's own
+PACKAGE_DIR = Path(rlk_mm.__file__).resolve().parent
 GPU_NEEDED = "needs a CUDA GPU: run `pytest -m gpu` on the GPU machine"
 VERL_MISSING = "verl is not installed (`make setup` installs verl==0.9.1 with --no-deps)"
 
@@ -60,3 +76,23 @@ def count_syncs(fn) -> int:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def close(actual, expected, tol: float = ELEMENTWISE_LOSS_MAX_ABS.fp32) -> None:
+    """``actual`` equals ``expected`` within ``tol`` (absolute and relative)."""
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def raised_by_rlk_mm(error: BaseException) -> bool:
+    """Whether rlk_mm raised ``error`` itself (a ``SchemaError``, or a ``raise`` statement of the
+    package), rather than torch, Python or another library failing under it."""
+    if isinstance(error, SchemaError):
+        return True
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    filename = tb.tb_frame.f_code.co_filename
+    under = Path(filename).resolve().is_relative_to(PACKAGE_DIR)
+    return under and linecache.getline(filename, tb.tb_lineno).strip().startswith("raise")

@@ -1,7 +1,7 @@
 """selected_logprob on CPU: the torch backend and the Triton kernels (under
 TRITON_INTERPRET=1) against an fp64 oracle, within the numerical contract; batch
 invariance bitwise; the RLBatch path (packed, right and left padded); bad input; empty
-selection; torch.compile. tests/test_adversarial_ops.py holds the full table of bad inputs."""
+selection; torch.compile. tests/test_logprob_inputs.py holds the full table of bad inputs."""
 
 import pytest
 import torch

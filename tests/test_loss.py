@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import use_backend
+from helpers import close, use_backend
 from oracles import loss as ref
 from rlk_mm.ops.loss import agg_loss, kl_penalty, policy_loss
 from rlk_mm.ops.options import AggMode
@@ -25,10 +25,6 @@ VERL_MODES = [m.value for m in AggMode if m not in (AggMode.TOKEN, AggMode.SEQ)]
 def core_algos(requires_verl):
     """verl's ``verl.trainer.ppo.core_algos`` (skipped without verl; an import error errors)."""
     return importlib.import_module("verl.trainer.ppo.core_algos")
-
-
-def close(actual, expected, tol=TOL):
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
 
 
 def inputs(seed, B=6, R=23, spread=0.4):
@@ -483,8 +479,8 @@ def test_triton_on_gpu_matches_verl_and_torch(core_algos, mode):
 def test_host_syncs_gpu():
     """policy_loss reads the device once a call (its value checks), its backward never;
     group_advantages never reads it. (``count_syncs`` counts the syncs of calls on this thread.)"""
-    from rlk_mm.ops import group_advantages
     from helpers import count_syncs
+    from rlk_mm.ops import group_advantages
 
     logp, old, adv, mask = (t.cuda() for t in inputs(16, B=8, R=300))
     logp = logp.detach().requires_grad_()

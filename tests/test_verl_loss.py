@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import skip_module_without_verl
+from helpers import close, skip_module_without_verl
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
 
 skip_module_without_verl()  # an installed verl that fails to import errors below, never skips
@@ -24,10 +24,6 @@ from rlk_mm.integrations import verl as rlk_verl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32
-
-
-def close(a, b):
-    torch.testing.assert_close(a, b, rtol=TOL, atol=TOL)
 
 
 def batch(seed, B=8, R=19):
