@@ -269,16 +269,18 @@ def take_fused_loss(log_prob: Tensor, response_mask: Tensor) -> Optional[tuple[T
 class FusedLinearForPPO(torch.nn.Module):
     """verl's ``FusedLinearForPPO`` (same constructor and call), computed by rlk_mm.
 
-    Under a fused-loss plan (``update_actor`` with ``loss_mode=rlk_mm``) it computes the
-    actor loss with ``linear_policy_loss`` and returns the log-probs and entropies detached
-    (the loss carries the gradient; see the module docstring).
+    Under a fused-loss plan (``update_actor`` with ``loss_mode=rlk_mm``) it computes the actor loss
+    with ``linear_policy_loss`` and returns the log-probs and entropies detached.
 
-    ``forward(hidden_states [B, L, H] | [T, H], vocab_weights [V, H], input_ids [B, L] | [T],
-    temperature)`` returns ``(log_probs fp32, entropy in hidden_states' dtype)`` shaped like
-    ``input_ids``, as verl's does, with gradients through both. Logits are formed in
-    autocast's dtype when autocast is on (as verl's matmul would be). ``chunk_size`` and ``impl_backend`` are
-    accepted for compatibility (rlk_mm tiles the vocabulary itself). A token id outside the
-    vocabulary raises, naming its place in ``input_ids``.
+    Parameters
+    ----------
+    chunk_size, impl_backend : int, str
+        Accepted for compatibility (rlk_mm tiles the vocabulary itself).
+
+    Raises
+    ------
+    ValueError
+        For a backend verl does not know.
     """
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
@@ -289,6 +291,25 @@ class FusedLinearForPPO(torch.nn.Module):
         self.impl_backend = impl_backend
 
     def forward(self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor, temperature: float = 1.0):
+        """Log-probs and entropies of ``input_ids``, with gradients through both.
+
+        Parameters
+        ----------
+        hidden_states, vocab_weights, input_ids : Tensor
+            ``[B, L, H]`` or ``[T, H]``; ``[V, H]``; ``[B, L]`` or ``[T]``.
+        temperature : float
+
+        Returns
+        -------
+        tuple of Tensor
+            ``(log_probs fp32, entropy in hidden_states' dtype)`` shaped like ``input_ids``. Logits are
+            formed in autocast's dtype when autocast is on.
+
+        Raises
+        ------
+        ValueError, TypeError
+            For other shapes or dtypes, or a token id outside the vocabulary (naming its place).
+        """
         tensor_arg("hidden_states", hidden_states)
         tensor_arg("vocab_weights", vocab_weights)
         tensor_arg("input_ids", input_ids)
@@ -447,13 +468,20 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
 
 def enable(*, response_only: bool = True) -> bool:
-    """Use rlk_mm's ``FusedLinearForPPO`` wherever verl looks the class up and, with
-    ``response_only``, wrap the FSDP engine's ``forward_step`` (response rows only, and the
-    loss in the LM head for ``loss_mode=rlk_mm``).
+    """Use rlk_mm's ``FusedLinearForPPO`` wherever verl looks the class up.
 
-    Completes whatever part is missing, so it is safe to call again: after the engine
-    failed to import (a warning says so), or after this module was imported anew. Returns
-    whether every requested part is on.
+    Completes whatever part is missing, so it is safe to call again.
+
+    Parameters
+    ----------
+    response_only : bool
+        Also wrap the FSDP engine's ``forward_step`` (response rows only, and the loss in the LM
+        head for ``loss_mode=rlk_mm``).
+
+    Returns
+    -------
+    bool
+        Whether every requested part is on (a warning says what is not).
     """
     response_only = bool_arg("response_only", response_only)
     _swap_class()
@@ -461,8 +489,8 @@ def enable(*, response_only: bool = True) -> bool:
 
 
 def disable() -> None:
-    """Undo ``enable()``: every replaced attribute gets verl's original object back, and a
-    pending wrap of the engine is dropped."""
+    """Undo ``enable()``: verl's original objects back, and a pending wrap of the engine dropped.
+    """
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != _WrapOnImport.__name__]
     while _REPLACED:
         (owner, name), original = _REPLACED.popitem()
@@ -470,14 +498,24 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    """Whether verl's LM head runs this module's ``FusedLinearForPPO``."""
+    """Whether verl's LM head runs this module's ``FusedLinearForPPO``.
+
+    Returns
+    -------
+    bool
+    """
     module = sys.modules.get(_TORCH_FUNCTIONAL)
     return module is not None and module.FusedLinearForPPO is FusedLinearForPPO
 
 
 def register() -> bool:
     """Hook for verl's plugin loader: ``enable()`` when ``RLK_MM_VERL_FUSED`` is 1/true/yes/on.
-    Returns whether rlk_mm is now verl's fused backend."""
+
+    Returns
+    -------
+    bool
+        Whether rlk_mm is now verl's fused backend.
+    """
     value = os.environ.get(ENV_SWITCH, "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         enable()
