@@ -57,13 +57,18 @@ def run(device: str, reps: int) -> dict:
         "verl_vectorized_max_abs_vs_verl": (vectorized - expected).abs().max().item(),
         "op_bitwise_run_to_run": bool(torch.equal(group_advantages(seq_scores, group_ids), ours)),
     }
-    check["ok"] = check["op_max_abs_vs_verl"] < 1e-5 and check["adapter_max_abs_vs_verl"] < 1e-5 and check["op_bitwise_run_to_run"]
+    check["ok"] = (check["op_max_abs_vs_verl"] < 1e-5 and check["adapter_max_abs_vs_verl"] < 1e-5
+                   and check["op_bitwise_run_to_run"])
 
     t = {
-        "verl_grpo": time_ms(lambda: core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index), max(2, reps // 2), warmup=1, device=device),
-        "verl_grpo_vectorized": time_ms(lambda: core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index), reps, warmup=1, device=device),
+        "verl_grpo": time_ms(lambda: core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index),
+                             max(2, reps // 2), warmup=1, device=device),
+        "verl_grpo_vectorized": time_ms(
+            lambda: core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index), reps, warmup=1,
+            device=device),
         "ours_op": time_ms(lambda: group_advantages(seq_scores, group_ids), reps * 20, warmup=3, device=device),
-        "ours_verl_adapter": time_ms(lambda: rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index), reps * 4, warmup=2, device=device),
+        "ours_verl_adapter": time_ms(lambda: rlk_verl.compute_grpo_outcome_advantage(rewards, mask, index), reps * 4,
+                                     warmup=2, device=device),
     }
     ms = {k: v["ms"] for k, v in t.items()}
     return {

@@ -19,11 +19,11 @@ import json
 
 import torch
 
-from .common import DEFAULT_OUT, time_ms, write_result
-
 from rlk_mm.fixtures.codec import synthetic_clips, tiny_codec
 from rlk_mm.ops import batch_invariant
 from rlk_mm.parity.codec import MODES, codec_invariance
+
+from .common import DEFAULT_OUT, time_ms, write_result
 
 #: name -> codec sizes and clips (N clips of `seconds` at 16 kHz)
 CONFIGS = {
@@ -55,7 +55,8 @@ def run_config(name: str, cfg: dict, device: torch.device, seeds: list[int], rep
         out["seeds"].append(entry)
         print(f"{name} seed {seed}: " + ", ".join(
             f"{mode} {entry[mode]['flip_rate']:.2%} flips ({entry[mode]['flipped']}/{entry[mode]['codes']}, "
-            f"latent drift {entry[mode]['latent_max_abs_diff']:.3g}, encode {entry[mode]['batched_encode']['ms']:.2f} ms)"
+            f"latent drift {entry[mode]['latent_max_abs_diff']:.3g}, "
+            f"encode {entry[mode]['batched_encode']['ms']:.2f} ms)"
             for mode in MODES), flush=True)
     for mode in MODES:
         flipped = sum(s[mode]["flipped"] for s in out["seeds"])
@@ -66,7 +67,8 @@ def run_config(name: str, cfg: dict, device: torch.device, seeds: list[int], rep
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: exercises every code path, writes the JSON")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes on the CPU: exercises every code path, writes the JSON")
     ap.add_argument("--seeds", type=int, default=3, help="codecs (and clip sets) per config (default 3)")
     ap.add_argument("--reps", type=int, default=10, help="timed batched encodes per mode (default 10)")
     ap.add_argument("--out", default=DEFAULT_OUT)

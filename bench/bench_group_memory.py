@@ -29,14 +29,16 @@ import traceback
 
 import torch
 
-from .common import DEFAULT_OUT, GIB, measure_interleaved, peak_extra_bytes, write_result
 from rlk_mm.ops import PolicyLossConfig, linear_policy_loss, selected_logprob
+
+from .common import DEFAULT_OUT, GIB, measure_interleaved, peak_extra_bytes, write_result
 
 #: RL-Kernel's head (Llama-3-8B): vocabulary and hidden size
 V, H = 128_256, 4096
 #: RL-Kernel's published figures (A100, GB): torch native and theirs, by G
 PUBLISHED = {"source": "RL-Kernel README (A100, Llama-3-8B head, seq 512)",
-             "torch_native_gb": {"64": 15.7, "128": 31.3, "256": 62.6}, "rl_kernel_gb": {"64": 16.2, "128": 31.8, "256": 63.1}}
+             "torch_native_gb": {"64": 15.7, "128": 31.3,
+                                 "256": 62.6}, "rl_kernel_gb": {"64": 16.2, "128": 31.8, "256": 63.1}}
 CONFIG = PolicyLossConfig(kl_type="low_var_kl", kl_coef=0.001, loss_agg_mode="token-mean")
 
 
@@ -53,8 +55,9 @@ def peers(h, w, tg, old, ref, adv, sample, num_samples) -> dict:
         selected_logprob(h, w, index=index, targets=tg).sum().backward()
 
     def ours_linear():
-        linear_policy_loss(h, w, index=index, targets=tg, old_log_probs=old, advantages=adv[sample],
-                           sample_index=sample, num_samples=num_samples, ref_log_probs=ref, config=CONFIG).loss.backward()
+        out = linear_policy_loss(h, w, index=index, targets=tg, old_log_probs=old, advantages=adv[sample],
+                                 sample_index=sample, num_samples=num_samples, ref_log_probs=ref, config=CONFIG)
+        out.loss.backward()
 
     fns = {"torch_native": torch_native, "ours_selected": ours_selected, "ours_linear": ours_linear}
     try:
@@ -114,7 +117,8 @@ def run_group(G: int, seq: int, reps: int, skip: set) -> dict:
     times = measure_interleaved(fitting, reps, warmup=1, before=free) if fitting else {}
     for name, t in times.items():
         res["peers"][name].update(ms=t["ms"], times_ms=t["times_ms"])
-    print({k: (v.get("extra_gib"), v.get("ms")) if "extra_gib" in v else v for k, v in res["peers"].items()}, flush=True)
+    print({k: (v.get("extra_gib"), v.get("ms")) if "extra_gib" in v else v for k, v in res["peers"].items()},
+          flush=True)
     free()
     return res
 

@@ -38,14 +38,22 @@ from dataclasses import asdict, replace
 
 import torch
 
-from .common import (
-    DEFAULT_OUT, GIB, forced_backend, load_config, measure, measure_interleaved, time_ms, write_result,
-)
 from rlk_mm.ops import PolicyLossConfig, linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._backend import resolve_backend
 from rlk_mm.ops._triton import linear_loss as tri_linear
 from rlk_mm.ops._triton import logprob as tri
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+
+from .common import (
+    DEFAULT_OUT,
+    GIB,
+    forced_backend,
+    load_config,
+    measure,
+    measure_interleaved,
+    time_ms,
+    write_result,
+)
 
 HEADS = load_config("lm_heads")
 TOKENS = {"7b": 16384, "3b": 4096}
@@ -136,7 +144,8 @@ def run_shape(name: str, reps: int, budgets: list[int]) -> dict:
     fns = {
         "ours_linear": lambda: linear_policy_loss(hg, wg, index=index, targets=x["tg"], **kw).loss.backward(),
         "ours_composed": lambda: composed(hg, wg, x["tg"], index, kw).backward(),
-        "gemm": lambda: torch.matmul(x["h"], x["w"].T, out=logits),
+        # logits is deleted below to free its memory: the lambda runs before
+        "gemm": lambda: torch.matmul(x["h"], x["w"].T, out=logits),  # noqa: F821
     }
     alone = {}
     try:

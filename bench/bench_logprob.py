@@ -21,11 +21,12 @@ from dataclasses import asdict, replace
 
 import torch
 
-from .common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.ops._triton import logprob as tri
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+
+from .common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
 
 HEADS = load_config("lm_heads")
 TOKENS = {"7b": 16384, "3b": 4096}  # scored tokens at each head shape
@@ -182,7 +183,8 @@ def host_overhead_us(calls: int = 300) -> dict:
         }
 
 
-CANDIDATES = [  # tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), read through tensor descriptors or not
+#: tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), read through tensor descriptors or not
+CANDIDATES = [
     tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=False),
     tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
     tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4),

@@ -98,7 +98,8 @@ def bench_losses(reps: int) -> dict:
 
     # correctness on the GPU: ours vs verl
     checks = {}
-    for name, ours, theirs, leaves in (("pg", ours_pg, verl_pg, [logp]), ("pg_kl_entropy", ours_full, verl_full, [logp, entropy])):
+    for name, ours, theirs, leaves in (("pg", ours_pg, verl_pg, [logp]),
+                                       ("pg_kl_entropy", ours_full, verl_full, [logp, entropy])):
         a = ours()
         ga = torch.autograd.grad(a, leaves)
         e = theirs()
@@ -108,7 +109,8 @@ def bench_losses(reps: int) -> dict:
     a, e = ours_compact(), ours_pg()
     checks["compact_vs_padded_abs_diff"] = abs(a.item() - e.item())
     checks["ok"] = all(v["loss_abs_diff"] <= ELEMENTWISE_LOSS_MAX_ABS.fp32 and v["grad_rel"] <= LOGPROB_GRAD_REL.fp32
-                       for k, v in checks.items() if isinstance(v, dict)) and checks["compact_vs_padded_abs_diff"] <= 1e-6
+                       for k, v in checks.items() if isinstance(v, dict))
+    checks["ok"] = checks["ok"] and checks["compact_vs_padded_abs_diff"] <= 1e-6
     l1, g1 = ours_pg(), None
     (g1,) = torch.autograd.grad(l1, logp)
     l2 = ours_pg()
@@ -133,7 +135,8 @@ def bench_losses(reps: int) -> dict:
     for name in ("pg", "pg_kl_entropy"):
         t[name]["speedup_fwd_bwd"] = round(t[name]["verl_fwd_bwd"]["ms"] / t[name]["ours_fwd_bwd"]["ms"], 2)
     t["pg"]["speedup_fwd"] = round(t["pg"]["verl_fwd"]["ms"] / t["pg"]["ours_fwd"]["ms"], 2)
-    return {"shape": {"B": B, "R": R, "valid_tokens": int(mask.sum()), "dtype": "float32"}, "correctness": checks, "timings": t}
+    return {"shape": {"B": B, "R": R, "valid_tokens": int(mask.sum()), "dtype": "float32"}, "correctness": checks,
+            "timings": t}
 
 
 def bench_combined(reps: int) -> dict:
@@ -161,13 +164,15 @@ def bench_combined(reps: int) -> dict:
     def eager():
         h.grad = w.grad = None
         logp = (h @ w.T).float().log_softmax(-1).gather(1, tg[:, None]).squeeze(1)
-        loss = core_algos.compute_policy_loss_vanilla(old.view(Bc, -1), logp.view(Bc, -1), adv.view(Bc, -1), ones, "token-mean", cfg)[0]
+        loss = core_algos.compute_policy_loss_vanilla(old.view(Bc, -1), logp.view(Bc, -1), adv.view(Bc, -1), ones,
+                                                      "token-mean", cfg)[0]
         loss.backward()
 
     # reference: the same loss in float32 from the upcast bf16 inputs (TF32 off), autograd
     h32, w32 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     logp32 = (h32 @ w32.T).log_softmax(-1).gather(1, tg[:, None]).squeeze(1)
-    ref = core_algos.compute_policy_loss_vanilla(old.view(Bc, -1), logp32.view(Bc, -1), adv.view(Bc, -1), ones, "token-mean", cfg)[0]
+    ref = core_algos.compute_policy_loss_vanilla(old.view(Bc, -1), logp32.view(Bc, -1), adv.view(Bc, -1), ones,
+                                                 "token-mean", cfg)[0]
     ref_grads = torch.autograd.grad(ref, (h32, w32))
     del h32, w32, logp32
     check = {}
@@ -176,7 +181,8 @@ def bench_combined(reps: int) -> dict:
         check[f"{name}_grad_hidden_rel"] = relative_error(h.grad, ref_grads[0])
         check[f"{name}_grad_weight_rel"] = relative_error(w.grad, ref_grads[1])
     del ref_grads
-    check["ok"] = max(check["ours_grad_hidden_rel"], check["ours_grad_weight_rel"]) <= LOGPROB_GRAD_REL.for_dtype(torch.bfloat16)
+    check["ok"] = max(check["ours_grad_hidden_rel"],
+                      check["ours_grad_weight_rel"]) <= LOGPROB_GRAD_REL.for_dtype(torch.bfloat16)
     n_reps = max(3, reps // 10)
     t = {"ours_fwd_bwd": measure(ours, n_reps, warmup=1), "eager_fwd_bwd": measure(eager, n_reps, warmup=1)}
     return {

@@ -28,10 +28,11 @@ from dataclasses import asdict, astuple
 
 import torch
 
-from .common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
 from rlk_mm.ops import padded as P
 from rlk_mm.ops._triton import pack as tri
 from rlk_mm.schema.checks import DeviceChecks
+
+from .common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
 
 DEVICE = "cuda"
 SWEEP = [
@@ -108,7 +109,8 @@ def main() -> None:
     ref_grad[mask[:2]] = gy
     checks["backward_triton_is_scatter"] = torch.equal(grads["triton"][0], ref_grad)
     for cfg in SWEEP:
-        checks[f"gather_config_{astuple(cfg)}"] = torch.equal(tri.gather_rows(flat, rows, zero, config=cfg), want) and torch.equal(
+        gathered = torch.equal(tri.gather_rows(flat, rows, zero, config=cfg), want)
+        checks[f"gather_config_{astuple(cfg)}"] = gathered and torch.equal(
             tri.gather_rows(want, inverse, zero, config=cfg).reshape(B, L, H), want_padded
         )
     result["checks"] = checks
@@ -118,8 +120,9 @@ def main() -> None:
     src = torch.randn(T, H, device=DEVICE, generator=g).bfloat16()
     dst = torch.empty_like(src)
     big_dst = torch.empty_like(flat)
-    copy_packed = measure(lambda: dst.copy_(src), reps)
-    copy_padded = measure(lambda: big_dst.copy_(flat), reps)
+    # the lambdas run here; the del below frees the buffers (pyflakes sees the del as undefining them)
+    copy_packed = measure(lambda: dst.copy_(src), reps)  # noqa: F821
+    copy_padded = measure(lambda: big_dst.copy_(flat), reps)  # noqa: F821
     pack_bytes = 2 * T * H * elt
     unpad_bytes = (T + B * L) * H * elt
     copy_gbps = pack_bytes / (copy_packed["ms"] * 1e-3) / 1e9
@@ -156,8 +159,10 @@ def main() -> None:
     with forced_backend("torch"):
         torch_public = measure(lambda: P.unpack_to_padded(packed, cu, L, "left"), reps)
     result["unpad"] = {
-        "triton_unpack_to_padded": rate(measure(lambda: P.unpack_to_padded(packed, cu, L, "left"), reps), unpad_bytes, unpad_copy_gbps),
-        "triton_gather_only": rate(measure(lambda: tri.gather_rows(packed, inverse, zero), reps), unpad_bytes, unpad_copy_gbps),
+        "triton_unpack_to_padded": rate(measure(lambda: P.unpack_to_padded(packed, cu, L, "left"), reps), unpad_bytes,
+                                        unpad_copy_gbps),
+        "triton_gather_only": rate(measure(lambda: tri.gather_rows(packed, inverse, zero), reps), unpad_bytes,
+                                   unpad_copy_gbps),
         "torch_backend_unpack_to_padded": rate(torch_public, unpad_bytes, unpad_copy_gbps),
         "torch_masked_assign": rate(measure(torch_masked_assign, reps), unpad_bytes, unpad_copy_gbps),
         "torch_index_copy": rate(measure(torch_index_copy, reps), unpad_bytes, unpad_copy_gbps),
@@ -167,10 +172,10 @@ def main() -> None:
     xg = x.detach().requires_grad_()
     gy = torch.randn(T, H, device=DEVICE, generator=g).bfloat16()
 
-    def fwd_bwd():
-        out, _ = P.pack_padded(xg, mask)
-        out.backward(gy)
-        xg.grad = None
+    def fwd_bwd():  # runs before the del of xg and gy below
+        out, _ = P.pack_padded(xg, mask)  # noqa: F821
+        out.backward(gy)  # noqa: F821
+        xg.grad = None  # noqa: F821
 
     fb = {}
     for name in ("triton", "torch"):
@@ -204,12 +209,16 @@ def main() -> None:
     write_result(args.out, "pack.json", result)
     print(json.dumps(result["checks"]))
     print(f"{torch.cuda.get_device_name()}  B={B} L={L} H={H} T={T} ({T / (B * L):.0%} valid) bf16")
-    print(f"copy [T,H]: {copy_packed['ms']:.3f} ms = {copy_gbps:.0f} GB/s;  copy [B*L,H]: {copy_padded['ms']:.3f} ms = {copy_big_gbps:.0f} GB/s")
+    print(f"copy [T,H]: {copy_packed['ms']:.3f} ms = {copy_gbps:.0f} GB/s;  "
+          f"copy [B*L,H]: {copy_padded['ms']:.3f} ms = {copy_big_gbps:.0f} GB/s")
     for section in ("pack", "unpad", "pack_forward_backward"):
         for name, e in result[section].items():
-            print(f"{section:>22} {name:<32} {e['ms']:8.3f} ms {e['GBps']:7.0f} GB/s {e['fraction_of_copy']:6.1%} of copy  +{e['extra_gib']:.3f} GiB")
+            print(f"{section:>22} {name:<32} {e['ms']:8.3f} ms {e['GBps']:7.0f} GB/s "
+                  f"{e['fraction_of_copy']:6.1%} of copy  +{e['extra_gib']:.3f} GiB")
     for s in sweep:
-        print(f"  tile {s['block_r']:>3}x{s['block_f']:<5} w{s['num_warps']}: pack {s['pack_ms']:.3f} ms ({s['pack_fraction_of_copy']:.1%}), unpad {s['unpad_ms']:.3f} ms ({s['unpad_fraction_of_copy']:.1%})")
+        print(f"  tile {s['block_r']:>3}x{s['block_f']:<5} w{s['num_warps']}: "
+              f"pack {s['pack_ms']:.3f} ms ({s['pack_fraction_of_copy']:.1%}), "
+              f"unpad {s['unpad_ms']:.3f} ms ({s['unpad_fraction_of_copy']:.1%})")
     for name, e in result["per_token_fp32"].items():
         print(f"  per-token fp32 [B, L] {name:<28} {e['ms']:.4f} ms")
     if not all(checks.values()):

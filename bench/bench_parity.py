@@ -16,10 +16,11 @@ import time
 
 import torch
 
-from .common import DEFAULT_OUT, write_result
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import qwen_vl_processor
 from rlk_mm.parity import check_layout_parity
+
+from .common import DEFAULT_OUT, write_result
 
 IMAGE_PAD, VISION_START, VISION_END, EOS = 151655, 151652, 151653, 151645
 
@@ -42,7 +43,8 @@ def build(processor, samples: int, tokens: int) -> RLBatch:
         resp[-1] = EOS
         responses.append(resp.tolist())
     keys = [f"key-{i}" for i in range(2 * samples)]
-    return RLBatch.from_token_lists(prompts, responses, processor=processor, image_grid_thw=grid.repeat(2 * samples, 1), media_cache_keys=keys)
+    return RLBatch.from_token_lists(prompts, responses, processor=processor, image_grid_thw=grid.repeat(2 * samples, 1),
+                                    media_cache_keys=keys)
 
 
 def main() -> None:
@@ -85,7 +87,8 @@ def main() -> None:
         "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates the times
     }
     write_result(args.out, "parity_cpu.json", result)
-    print(f"check_layout_parity: {args.samples} x {args.tokens} tokens, 2 images each: median {result['median_s']:.3f} s (one drift: {drift_s:.3f} s)")
+    print(f"check_layout_parity: {args.samples} x {args.tokens} tokens, 2 images each: "
+          f"median {result['median_s']:.3f} s (one drift: {drift_s:.3f} s)")
 
 
 if __name__ == "__main__":

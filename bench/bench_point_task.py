@@ -53,19 +53,23 @@ def main() -> None:
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--warmup-steps", type=int, default=100, help="format warm-up (the answer is ~15 tokens, not one word)")
+    p.add_argument("--warmup-steps", type=int, default=100,
+                   help="format warm-up (the answer is ~15 tokens, not one word)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature: at 1.0 the tail of the 151k vocabulary breaks most 15-token answers")
-    p.add_argument("--parallel", type=int, default=6, help="runs side by side (the tiny model leaves the GPU mostly idle)")
+    p.add_argument("--parallel", type=int, default=6,
+                   help="runs side by side (the tiny model leaves the GPU mostly idle)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per run")
-    p.add_argument("--deadline", type=float, default=225, help="seconds after which unfinished runs are killed (and reported)")
+    p.add_argument("--deadline", type=float, default=225,
+                   help="seconds after which unfinished runs are killed (and reported)")
     p.add_argument("--dry-run", action="store_true", help="CPU, seed 0, 1 warm-up step and 1 step: checks the script")
     p.add_argument("--device", choices=("cuda", "cpu"), help="where the runs train (default: cuda where there is one)")
     a = p.parse_args()
     device = a.device or ("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu")
     seeds = [0] if a.dry_run else [int(s) for s in a.seeds.split(",")]
     smoke_args = (["--steps", "1", "--warmup-steps", "1", "--prompts", "2", "--samples", "2"] if a.dry_run
-                  else ["--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--temperature", str(a.temperature)])
+                  else ["--steps", str(a.steps), "--warmup-steps", str(a.warmup_steps), "--temperature",
+                        str(a.temperature)])
     out = Path(a.out)
     logs = out / "point_task_runs"
     logs.mkdir(parents=True, exist_ok=True)

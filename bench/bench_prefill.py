@@ -44,7 +44,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
 from rlk_mm import fixtures
 from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, forward_hidden, group_logprobs
 from rlk_mm.ops._triton import attention as TA
@@ -55,6 +54,8 @@ from rlk_mm.ops.invariant.mode import batch_invariant
 from rlk_mm.ops.logprob import selected_logprob
 from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.schema.batch import RLBatch
+
+from .common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
 
 EOS = fixtures.IM_END_TOKEN_ID
 MODEL = load_config("qwen2_5_vl_3b")
@@ -72,7 +73,8 @@ def config_3b(layers: int):
     """``configs/qwen2_5_vl_3b.json`` with ``layers`` text layers and the Qwen token ids."""
     from transformers import Qwen2_5_VLConfig
 
-    special = {"bos_token_id": fixtures.ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS, "pad_token_id": fixtures.ENDOFTEXT_TOKEN_ID}
+    special = {"bos_token_id": fixtures.ENDOFTEXT_TOKEN_ID, "eos_token_id": EOS,
+               "pad_token_id": fixtures.ENDOFTEXT_TOKEN_ID}
     config = Qwen2_5_VLConfig(
         text_config={**MODEL["text_config"], "num_hidden_layers": layers, **special},
         vision_config=MODEL["vision_config"],
@@ -126,7 +128,8 @@ def image(seed: int) -> Image.Image:
 def sample(n_images: int, seed: int) -> fixtures.Sample:
     images = [image(seed * 10 + i) for i in range(n_images)]
     content = [{"type": "image"} for _ in images] + [
-        {"type": "text", "text": f"Describe {'this image' if n_images == 1 else 'these images'} in detail, then answer: "
+        {"type": "text",
+         "text": f"Describe {'this image' if n_images == 1 else 'these images'} in detail, then answer: "
                                  "which region is brightest and why? Think step by step."}]
     return fixtures.Sample(f"bench-{seed}", [{"role": "user", "content": content}], images=images)
 
@@ -221,7 +224,8 @@ def tiles() -> dict:
     for name, (n, k) in linear_shapes().items():
         a, w = rnd(m, k), rnd(n, k)
         flops = 2 * m * n * k
-        row = {"cublas": round(flops / ms(lambda: a @ w.t()) / 1e9, 1), "chosen": str(TM.default_config(n, k, torch.bfloat16))}
+        row = {"cublas": round(flops / ms(lambda: a @ w.t()) / 1e9, 1),
+               "chosen": str(TM.default_config(n, k, torch.bfloat16))}
         for cfg in MM_CANDIDATES:
             label = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
             row[label] = round(flops / ms(lambda: TM.bmm(a[None], w.t()[None], config=cfg)) / 1e9, 1)
@@ -238,7 +242,8 @@ def tiles() -> dict:
     for name, (bsz, length, (hq, hkv, d), causal) in cases.items():
         q, kk, vv = rnd(bsz, hq, length, d), rnd(bsz, hkv, length, d), rnd(bsz, hkv, length, d)
         seg = [torch.arange(bsz, dtype=torch.int32, device="cuda"), torch.zeros(bsz, dtype=torch.int32, device="cuda"),
-               torch.full((bsz,), length, dtype=torch.int32, device="cuda"), torch.zeros(bsz, dtype=torch.int32, device="cuda"),
+               torch.full((bsz,), length, dtype=torch.int32,
+                          device="cuda"), torch.zeros(bsz, dtype=torch.int32, device="cuda"),
                torch.full((bsz,), length, dtype=torch.int32, device="cuda")]
         flops = 4 * bsz * hq * length * length * d / (2 if causal else 1)
         rep_k, rep_v = kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1)
@@ -247,7 +252,8 @@ def tiles() -> dict:
         row = {"sdpa (one call, no mask)": round(flops / ms(sdpa) / 1e9, 1), "chosen": str(chosen)}
         for bm, bn, warps, stages in ATTN_CANDIDATES:
             cfg = replace(chosen, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
-            fn = lambda: TA.segment_attention(q, kk, vv, seg, causal=causal, scale=d**-0.5, max_q=length, config=cfg)  # noqa: E731
+            fn = lambda: TA.segment_attention(q, kk, vv, seg, causal=causal, scale=d**-0.5,  # noqa: E731
+                                              max_q=length, config=cfg)
             row[f"{bm}x{bn} w{warps} s{stages}"] = round(flops / ms(fn) / 1e9, 1)
         out["attention"][name] = row
     out["unit"] = "TFLOP/s"
@@ -283,7 +289,8 @@ def overhead(model, processor, reps: int) -> dict:
         ctx = batch_invariant() if mode == "batch_invariant" else contextlib.nullcontext()
         with ctx, torch.no_grad():
             outs[mode] = full()
-            res[mode] = {"full": timed(full, reps), "language_model": timed(language, reps), "vision_tower": timed(vision, reps),
+            res[mode] = {"full": timed(full, reps), "language_model": timed(language, reps),
+                         "vision_tower": timed(vision, reps),
                          "full_peak_extra_gib": peak_extra_gib(full)}
     for part in ("full", "language_model", "vision_tower"):
         res[f"overhead_{part}"] = round(res["batch_invariant"][part]["ms"] / res["default"][part]["ms"] - 1, 4)
@@ -295,8 +302,10 @@ def overhead(model, processor, reps: int) -> dict:
 def group(model, processor, reps: int, n_images: int, g: int = 8) -> dict:
     prompt = sample(n_images, 7 + n_images)
     batch = make_batch(processor, [prompt] * g, responses(g, 2 + n_images), group_ids=["group"] * g)
-    res = {"shape": {"group_size": g, "images": n_images, "visual_tokens": int(batch.image_grid_thw.prod(-1).sum()) // 4,
-                     "prompt_tokens": int(batch.prompt_lengths[0]), "response_tokens": Setup.response, "layout": "right-padded"}}
+    res = {"shape": {"group_size": g, "images": n_images,
+                     "visual_tokens": int(batch.image_grid_thw.prod(-1).sum()) // 4,
+                     "prompt_tokens": int(batch.prompt_lengths[0]), "response_tokens": Setup.response,
+                     "layout": "right-padded"}}
 
     def full():
         return batch_logprobs(model, batch, layout="right")
@@ -318,7 +327,8 @@ def group(model, processor, reps: int, n_images: int, g: int = 8) -> dict:
     with batch_invariant(), torch.no_grad():
         a, b = full(), cached()
         res["batch_invariant"] = {"full": timed(full, reps), "cached": timed(cached, reps),
-                                  "full_peak_extra_gib": peak_extra_gib(full), "cached_peak_extra_gib": peak_extra_gib(cached),
+                                  "full_peak_extra_gib": peak_extra_gib(full),
+                                  "cached_peak_extra_gib": peak_extra_gib(cached),
                                   "bitwise_equal": bool(torch.equal(a, b)), "max_abs_diff": float((a - b).abs().max()),
                                   "full_host_issue_ms": host_ms(full), "cached_host_issue_ms": host_ms(cached),
                                   "cached_part_vision_cache_ms": timed(lambda: VisionCache(model)(batch), reps)["ms"]}

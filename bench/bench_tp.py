@@ -43,7 +43,8 @@ DRY = {"n": 48, "hidden": 24, "vocab": 250}
 def _parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8], help="group sizes (those above the world are left out)")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="group sizes (those above the world are left out)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", type=int, default=16384, help="scored rows N")
     ap.add_argument("--reps", type=int, default=5)
@@ -222,7 +223,8 @@ def _sent_per_token(run, c, group, P) -> dict:
     sent = []
     for rows in (n // 2, n):
         half = dict(c, index=c["index"][:rows], targets=c["targets"][:rows], up=c["up"][:rows],
-                    up_entropy=c["up_entropy"][:rows], old=c["old"][:rows], adv=c["adv"][:rows], sample=c["sample"][:rows])
+                    up_entropy=c["up_entropy"][:rows], old=c["old"][:rows], adv=c["adv"][:rows],
+                    sample=c["sample"][:rows])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             run(half)
         sent.append(sum(vp.profiled_sent_bytes(prof.events(), P).values()))

@@ -31,7 +31,11 @@ import numpy as np
 import torch
 
 from rlk_mm.integrations.easyr1 import (
-    average_loss, compute_grpo_outcome_advantage, compute_kl, compute_policy_loss, runtime_env_hook,
+    average_loss,
+    compute_grpo_outcome_advantage,
+    compute_kl,
+    compute_policy_loss,
+    runtime_env_hook,
 )
 
 

@@ -29,10 +29,11 @@ except ImportError:  # a source checkout without ray: the tests' stand-in absorb
     __import__("ray_stand_in").install()
 
 import verl  # noqa: E402,F401  (loads the rlk_mm entry point when rlk-mm is installed)
-import rlk_mm.integrations.verl  # noqa: E402,F401  (registers explicitly, e.g. from a source checkout)
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+
+import rlk_mm.integrations.verl  # noqa: E402,F401  (registers explicitly, e.g. from a source checkout)
 
 
 def main() -> None:
@@ -61,11 +62,13 @@ def main() -> None:
     loss, metrics = loss_fn(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
                             response_mask=response_mask.bool(), loss_agg_mode=config.loss_agg_mode, config=config)
     (grad,) = torch.autograd.grad(loss, log_prob)
-    ref_loss, ref_metrics = core_algos.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask.bool(),
-                                                                  config.loss_agg_mode, config)
+    ref_loss, ref_metrics = core_algos.compute_policy_loss_vanilla(
+        old_log_prob, log_prob, advantages, response_mask.bool(), config.loss_agg_mode, config)
     (ref_grad,) = torch.autograd.grad(ref_loss, log_prob)
-    print(f"loss {loss.item():.6f} (verl vanilla {ref_loss.item():.6f}), max |grad diff| {(grad - ref_grad).abs().max().item():.2e}")
-    print("metrics", {k: round(v, 6) for k, v in metrics.items()}, "verl", {k: round(v, 6) for k, v in ref_metrics.items()})
+    print(f"loss {loss.item():.6f} (verl vanilla {ref_loss.item():.6f}), "
+          f"max |grad diff| {(grad - ref_grad).abs().max().item():.2e}")
+    print("metrics", {k: round(v, 6) for k, v in metrics.items()}, "verl",
+          {k: round(v, 6) for k, v in ref_metrics.items()})
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .schema import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchFileError", "CoordinateSystem", "Modality", "PaddingSide", "RLBatch", "SchemaError", "Span", "SpanTable", "UnsupportedModalityError",
+    "BatchFileError", "CoordinateSystem", "Modality", "PaddingSide", "RLBatch", "SchemaError", "Span", "SpanTable",
+    "UnsupportedModalityError",
     "models", "ops", "processor_fingerprint", "__version__",
 ]

@@ -53,7 +53,8 @@ def main(parser: argparse.ArgumentParser, argv=None) -> int:
             traceback.print_exc()
         message = " ".join(str(e).split())
         if code == INTERNAL:
-            message = f"internal error: {type(e).__name__}: {message}" + ("" if debug else " (run with --debug for the traceback)")
+            hint = "" if debug else " (run with --debug for the traceback)"
+            message = f"internal error: {type(e).__name__}: {message}{hint}"
         print(f"{prog}: {message}", file=sys.stderr)
         return code
 
@@ -143,6 +144,6 @@ def image_file(text: str) -> str:
     so the file written is the path given."""
     text = output_file(text)
     if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
-        raise argparse.ArgumentTypeError(f"{text}: give a file name ending in {', '.join(IMAGE_SUFFIXES)} (the picture's "
-                                         "format)")
+        raise argparse.ArgumentTypeError(f"{text}: give a file name ending in {', '.join(IMAGE_SUFFIXES)} "
+                                         "(the picture's format)")
     return text

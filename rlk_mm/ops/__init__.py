@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from ._backend import BackendUnavailableError  # noqa: F401
     from .invariant.mode import batch_invariant  # noqa: F401
+    from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
     from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
     from .loss import agg_loss, kl_penalty, policy_loss  # noqa: F401
@@ -24,7 +25,6 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .options import AggMode, Backend, Estimator, KLType, PaddingSide, RatioMode, RewardPlacement  # noqa: F401
     from .packed_batch import PackedBatch, pack, unpack  # noqa: F401
     from .padded import pack_padded, unpack_to_padded  # noqa: F401
-    from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
     from .rewards import SpanReward, group_advantages, overlong_penalty, scatter_rewards  # noqa: F401
     from .sampling import SampleResult, group_seeds, sample, sample_from_hidden  # noqa: F401
 

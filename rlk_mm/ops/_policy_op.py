@@ -172,7 +172,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_partials):
     log_probs, entropy, *tensors = ctx.saved_tensors
-    grad_logp, grad_ent = policy_loss_partials_backward(grad_partials, log_probs, entropy, tensors, ctx.floats, ctx.ints)
+    grad_logp, grad_ent = policy_loss_partials_backward(grad_partials, log_probs, entropy, tensors, ctx.floats,
+                                                        ctx.ints)
     return grad_logp, (grad_ent if entropy is not None else None), _no_grads(tensors), None, None
 
 
@@ -228,10 +229,12 @@ class CheckedPolicy:
         scale_now = self.scale(mask_sum)
         pg, kl, ent = (sums[row] * scale_now for row in (Partial.PG_LOSS, Partial.KL_LOSS, Partial.ENTROPY_LOSS))
         clipfrac, clipfrac_lower, ppo_kl = (
-            sums[row].detach() / (mask_sum + MEAN_EPS) for row in (Partial.PG_CLIPFRAC, Partial.PG_CLIPFRAC_LOWER, Partial.PPO_KL)
+            sums[row].detach() / (mask_sum + MEAN_EPS)
+            for row in (Partial.PG_CLIPFRAC, Partial.PG_CLIPFRAC_LOWER, Partial.PPO_KL)
         )
         loss = pg
-        metrics = {"pg_loss": pg.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
+        metrics = {"pg_loss": pg.detach(), "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower,
+                   "ppo_kl": ppo_kl}
         if self.with_kl:
             loss = loss + self.kl_coef * kl
             metrics["kl_loss"] = kl.detach()

@@ -65,12 +65,14 @@ def _token_terms(
             r = torch.exp(klc)
             kld = r - klc - 1.0
             kl = torch.clamp(kld, -K3_VALUE_LIMIT, K3_VALUE_LIMIT)
-            keep = (-x >= -K3_EXPONENT_LIMIT) & (-x <= K3_EXPONENT_LIMIT) & (kld >= -K3_VALUE_LIMIT) & (kld <= K3_VALUE_LIMIT)
+            keep = ((-x >= -K3_EXPONENT_LIMIT) & (-x <= K3_EXPONENT_LIMIT)
+                    & (kld >= -K3_VALUE_LIMIT) & (kld <= K3_VALUE_LIMIT))
             dkl = torch.where(keep, 1.0 - r, 0.0)
         if kl_straight_through:
             dkl = x
     kl_old = -tok_lr if seq_log_ratio is not None else -lr
-    return dict(m=m, valid=valid, w=w, pg=pg, dpg=dpg, kl=kl, dkl=dkl, clipped=(pg2 > pg1) & valid, lower=lower & valid, kl_old=kl_old)
+    return dict(m=m, valid=valid, w=w, pg=pg, dpg=dpg, kl=kl, dkl=dkl, clipped=(pg2 > pg1) & valid, lower=lower & valid,
+                kl_old=kl_old)
 
 
 def _block_sums(values: Tensor, blocks: int) -> Tensor:
@@ -123,7 +125,8 @@ def partials_backward(
         grad_logp = grad_logp.to(args["log_probs"].dtype)
     if args["entropy"] is None:
         return grad_logp, grad_kl, grad_logp.new_empty(0, dtype=args["log_probs"].dtype)
-    grad_ent = torch.where(t["valid"], t["w"] * grad_partials[Partial.ENTROPY_LOSS][block], zero).to(args["entropy"].dtype)
+    grad_ent = torch.where(t["valid"], t["w"] * grad_partials[Partial.ENTROPY_LOSS][block],
+                           zero).to(args["entropy"].dtype)
     return grad_logp, grad_kl, grad_ent
 
 

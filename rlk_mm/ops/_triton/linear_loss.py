@@ -28,8 +28,16 @@ import triton
 import triton.language as tl
 
 from .lm_head import (
-    Exchange, LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel,
-    ieee, partial_columns,
+    Exchange,
+    LogprobConfig,
+    Operands,
+    accumulate_mm,
+    bias_arg,
+    combine_kernel,
+    default_config,
+    forward_tiles_kernel,
+    ieee,
+    partial_columns,
 )
 
 Tensor = torch.Tensor

@@ -34,8 +34,17 @@ import triton.language as tl
 
 from ._common import grouped_tile_ids, persistent_programs
 from .lm_head import (
-    Exchange, LogprobConfig, Operands, accumulate_mm, bias_arg, combine_kernel, default_config, forward_tiles_kernel,
-    ieee, logits_tile, partial_columns,
+    Exchange,
+    LogprobConfig,
+    Operands,
+    accumulate_mm,
+    bias_arg,
+    combine_kernel,
+    default_config,
+    forward_tiles_kernel,
+    ieee,
+    logits_tile,
+    partial_columns,
 )
 
 Tensor = torch.Tensor

@@ -72,5 +72,6 @@ def gather_rows(src: Tensor, index: Tensor, fill: Tensor, *, config: GatherConfi
     s, o, f = (t.view(torch.uint8) for t in (src, out, fill)) if as_bytes else (src, out, fill)
     cfg = config or default_config(F, src.device)
     grid = (triton.cdiv(n_out, cfg.block_r), triton.cdiv(F, cfg.block_f))
-    _gather_rows_kernel[grid](s, index, o, f, n_out, F, BLOCK_R=cfg.block_r, BLOCK_F=cfg.block_f, num_warps=cfg.num_warps)
+    _gather_rows_kernel[grid](s, index, o, f, n_out, F, BLOCK_R=cfg.block_r, BLOCK_F=cfg.block_f,
+                              num_warps=cfg.num_warps)
     return out
