@@ -164,13 +164,13 @@ def verl_case(processor, tiny_model):
         rows = sum(counts[item : item + n])
         mm.append({"pixel_values": out["pixel_values"][row : row + rows], "image_grid_thw": out["image_grid_thw"][item : item + n]})
         row, item = row + rows, item + n
-    reference = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["u0", "u0", "u1"])
+    reference = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["u0", "u1", "u2"])
     return dict(processor=processor, input_ids=input_ids, attention=attention, position_ids=position_ids, resp=resp, resp_mask=resp_mask, mm=mm, reference=reference, text_pos=text_pos)
 
 
 def test_from_verl_matches_processor_path(verl_case):
     c = verl_case
-    batch = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"], responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"], group_ids=["u0", "u0", "u1"])
+    batch = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"], responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"], group_ids=["u0", "u1", "u2"])
     assert check_layout_parity(batch, c["reference"]).ok
     # the same tensors with 1-D (B, L) positions: drift found in the first image
     one_d = RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"], responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"])

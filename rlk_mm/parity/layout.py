@@ -6,9 +6,12 @@ all tokens: token ids, valid-token counts, media placeholder spans, M-RoPE posit
 fingerprint. Padding is stripped when a batch is built, so the same content left- or
 right-padded compares equal. Every log-prob comparison must pass it first.
 
-The first mismatch carries a diagnosis when media items differ: the item, both sides'
-placeholder counts, grids and recorded resize settings, and the likely cause (the rollout
-resized with other settings; placeholders expanded twice).
+The first mismatch carries a diagnosis where the cause can be told from the two batches: a
+differing media item (both sides' placeholder counts, grids and recorded resize settings, and
+the cause: other processor settings, another input image, other pixel values, placeholders
+expanded twice), a text difference under other processors (the chat template or tokenizer),
+or 1-D positions where M-RoPE was expected. Otherwise it is None: the cause is unknown, and no
+guess is made.
 """
 
 from __future__ import annotations
@@ -233,7 +236,7 @@ def check_layout_parity(rollout: RLBatch, training: RLBatch, *, tokenizer=None) 
             m.span = _span_at(tb, m.sample, m.position) or _span_at(ra, m.sample, m.position)
     first = next((m for m in found if m.sample is not None), None)
     if first is not None:
-        first.diagnosis = _diagnose(ra, tb, first.sample, rollout.processor_fingerprint != training.processor_fingerprint)
+        first.diagnosis = _diagnose(ra, tb, first, rollout.processor_fingerprint != training.processor_fingerprint)
     if first is not None and first.position is not None:
         first.context_rollout = _context(ra, first.sample, first.position, decode)
         first.context_training = _context(tb, first.sample, first.position, decode)
@@ -279,6 +282,7 @@ class _Item:
     end: int
     grid: list[int]
     key: str
+    index: int  # the batch's media index
 
     def describe(self) -> str:
         settings = key_settings(self.key)
@@ -295,7 +299,8 @@ def _items(batch: RLBatch, b: int) -> list[_Item]:
         n = seen.setdefault(s.modality, 0)
         seen[s.modality] += 1
         out.append(_Item(f"{Modality(s.modality).label} #{n}", int(s.modality), s.start, s.end,
-                         batch.media_grid_thw[s.media_index].tolist(), batch.media_cache_keys[s.media_index]))
+                         batch.media_grid_thw[s.media_index].tolist(), batch.media_cache_keys[s.media_index],
+                         int(s.media_index)))
     return out
 
 
@@ -310,11 +315,69 @@ def _runs(items: list[_Item]) -> list[list[_Item]]:
     return runs
 
 
-def _diagnose(ra: RLBatch, tb: RLBatch, b: int, fingerprints_differ: bool) -> Optional[str]:
-    """The first media item of sample ``b`` that differs, and the likely cause; None when
-    the media agree (the mismatch is elsewhere)."""
+def _diagnose(ra: RLBatch, tb: RLBatch, first: Mismatch, fingerprints_differ: bool) -> Optional[str]:
+    """The likely cause of the first mismatch (``first``) of sample ``first.sample``, told from
+    the two batches alone; None when it cannot be told (no cause is guessed)."""
+    b = first.sample
     if b >= ra.num_samples or b >= tb.num_samples:
         return None
+    media = _media_cause(ra, tb, b, fingerprints_differ)
+    if media is not None:
+        return media
+    if fingerprints_differ and first.field == "input_ids" and first.position is not None:
+        return (f"sample {b}, position {first.position}: a text token differs and the processor fingerprints differ: "
+                "most likely the processors' chat templates or tokenizers differ (or the prompts' text does)")
+    if first.field.startswith("position_ids") and _one_d_media_positions(ra, b) and not _one_d_media_positions(tb, b):
+        return (f"sample {b}: the rollout's positions are 1-D (t = h = w, one step per token) on its media tokens where "
+                "the training batch has M-RoPE positions: the rollout computed positions without mm_token_type_ids / "
+                "image_grid_thw")
+    return None
+
+
+def _media_cause(ra: RLBatch, tb: RLBatch, b: int, fingerprints_differ: bool) -> Optional[str]:
+    """The first media item of sample ``b`` whose difference has a cause to name; None when the
+    media agree, or differ only in keys explained by other processor fingerprints."""
+    pixels_a, pixels_b = ra.media_pixel_rows(), tb.media_pixel_rows()
+    for rr, rt in zip(_runs(_items(ra, b)), _runs(_items(tb, b))):
+        for side, many, one in (("rollout", rr, rt), ("training", rt, rr)):
+            if len(one) == 1 and len(many) > 1 and all(i.grid == one[0].grid for i in many):
+                times = "twice" if len(many) == 2 else f"{len(many)} times"
+                return (f"sample {b}, {one[0].label}: {side} {many[-1].end - many[0].start} placeholder tokens where its grid "
+                        f"{'×'.join(map(str, one[0].grid))} implies {one[0].end - one[0].start}: placeholders expanded {times}")
+        for ir, it in zip(rr, rt):
+            if ir.grid == it.grid and ir.key == it.key:
+                continue
+            head = f"sample {b}, {it.label}: rollout {ir.describe()} vs training {it.describe()}"
+            sr, st = key_settings(ir.key), key_settings(it.key)
+            settings_differ = sr is not None and st is not None and sr != st
+            if ir.grid != it.grid:
+                if fingerprints_differ:
+                    return f"{head}: the rollout's processor has other settings (the processor fingerprints differ)"
+                if settings_differ:
+                    return f"{head}: the rollout resized with other settings (the recorded resize settings differ)"
+                return (f"{head}: the processor fingerprints are equal: the input image differs (another size, or "
+                        "re-encoded before the processor), or per-call resize arguments differ")
+            if settings_differ:
+                return f"{head}: the rollout resized with other settings (the recorded resize settings differ)"
+            pa, pb = pixels_a[ir.index], pixels_b[it.index]
+            if pa is None or pb is None:
+                if fingerprints_differ:
+                    return None  # the fingerprint is part of the key: other pixels cannot be told from it
+                return f"{head}: other cache keys for one grid; a batch keeps no pixel rows to tell whether the pixels differ"
+            if pa.shape == pb.shape and torch.equal(pa, pb):
+                if fingerprints_differ:
+                    continue  # identical pixels: the keys differ through the fingerprint only
+                return f"{head}: identical pixel rows under other cache keys: the keys were given differently"
+            return f"{head}: same grid, other pixel values: another image, or other resampling or normalization"
+    return None
+
+
+def _one_d_media_positions(batch: RLBatch, b: int) -> bool:
+    """Sample ``b`` has media tokens and 1-D positions: t = h = w on every token, one step per token."""
+    if not any(s.media_index >= 0 for s in batch.modality_spans_of(b)):
+        return False
+    pos = batch.sample_positions(b)
+    return bool((pos[0] == pos[1]).all() and (pos[1] == pos[2]).all() and (torch.diff(pos[0]) == 1).all())
     for rr, rt in zip(_runs(_items(ra, b)), _runs(_items(tb, b))):
         for side, many, one in (("rollout", rr, rt), ("training", rt, rr)):
             if len(one) == 1 and len(many) > 1 and all(i.grid == one[0].grid for i in many):
