@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from rlk_mm import BatchFileError, RLBatch, SchemaError
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text
@@ -160,3 +160,17 @@ def test_a_file_whose_pixels_changed_is_refused(processor, two_prompts, tmp_path
     _rewrite(path, edit_meta=lambda meta: meta.update(media_digests="[1"))
     with pytest.raises(BatchFileError, match=r"media_digests is damaged"):
         RLBatch.load(path)
+
+
+def test_a_transposed_group_of_three_is_not_guessed(processor, tiny_model):
+    """A GRPO group of 3 identical image prompts: (B, 3, L) positions have the shape of (3, B, L);
+    read that way its text tokens look fine, but its image tokens get t = h = w (issue 31, D-09)."""
+    samples = synthetic_image_text(1, seed=8, max_images=1, sizes=[(56, 56)]) * 3
+    out = processor_inputs(processor, samples, padding_side="left")
+    pos, _ = tiny_model.model.get_rope_index(out["input_ids"], out["mm_token_type_ids"], out["image_grid_thw"],
+                                             attention_mask=out["attention_mask"])
+    ok = RLBatch.from_qwen_vl(out, processor=processor, position_ids=pos)  # (3, B, L), as transformers returns it
+    assert torch.equal(ok.position_ids, RLBatch.from_qwen_vl(out, processor=processor).position_ids)
+    with pytest.raises(SchemaError,
+                       match=r"media tokens all have t = h = w, which M-RoPE never gives: .*\.transpose\(0, 1\)"):
+        RLBatch.from_qwen_vl(out, processor=processor, position_ids=pos.transpose(0, 1).contiguous())

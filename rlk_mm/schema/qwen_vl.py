@@ -25,7 +25,7 @@ from ._inputs import (
     unpad,
 )
 from .checks import INTEGER_DTYPES, bool_arg, tensor_arg
-from .spans import SchemaError
+from .spans import SchemaError, spans_from_mask
 from .turns import ChatMarkers, assistant_turn_mask
 
 __all__ = ["fields_from_qwen_vl", "fields_from_token_lists", "turn_loss_masks"]
@@ -172,9 +172,20 @@ def turn_loss_masks(name: str, prompts: Sequence[Tensor], resp: Sequence[Optiona
 
 def _check_not_transposed(positions: list[Tensor], prompts: list[Tensor], info: LayoutInfo) -> None:
     """With 3 samples, (3, B, L) and (B, 3, L) have one shape: read as the documented
-    (3, B, L), text tokens must have equal t, h and w, as in every real position layout."""
+    (3, B, L), text tokens must have equal t, h and w, as in every real position layout, and
+    media tokens must not all have them equal (M-RoPE gives a media item of several tokens
+    several h or w values; a transposed group of identical samples gives t = h = w)."""
     for b, (pos, prompt) in enumerate(zip(positions, prompts)):
-        text = (prompt != info.image_token_id) & (prompt != info.video_token_id)
+        media = (prompt == info.image_token_id) | (prompt == info.video_token_id)
+        flat = (pos[0] == pos[1]) & (pos[1] == pos[2])
+        several = any(run.end - run.start > 1 for run in spans_from_mask(media))  # an item of more than one token
+        if several and bool(flat[media].all()):
+            raise SchemaError(
+                f"position_ids: shape (3, 3, L) with 3 samples is read as (3, B, L), but then sample {b}'s "
+                f"{int(media.sum())} media tokens all have t = h = w, which M-RoPE never gives: if you passed (B, 3, L), "
+                "pass position_ids.transpose(0, 1); 1-D positions go as a (B, L) tensor"
+            )
+        text = ~media
         unequal = text & ((pos[0] != pos[1]) | (pos[1] != pos[2]))
         if bool(unequal.any()):
             p = int(torch.nonzero(unequal)[0])
