@@ -43,15 +43,13 @@ Bytes each rank sends per scored token (``comm_bytes_per_token``): forward
 bf16, even shards), with entropy: P = 2, 7,132 B forward and 14,336 B backward; P = 4, 10,704
 B and 21,504 B: about 12·V/128 B per row over the group, never a vocabulary-sized row
 (``bench/bench_tp.py`` and ``tests/test_vocab_parallel.py`` check it against the profiler).
-``sample_from_hidden``: plain temperature gathers each rank's best noise block per row
-(144 B) and the partials; top-k, top-p and min-p need whole rows: they gather the fp32 logits.
-
-``DTensor`` heads: a ``Shard(0)`` weight on a 1-D mesh runs on its local shard over the
-mesh's group (its gradient lands as the ``Shard(0)`` gradient); ``gather_weight=True``
-all-gathers the head instead, for data-parallel ranks scoring *different* rows, and
-reduce-scatters its gradient, averaged over the mesh as FSDP2 averages. Under
-``torch.compile`` the vocabulary-parallel call is a graph break (collectives with host-side
-checks); the compiled graph sees a DTensor head's ``to_local()`` or its redistribution.
+``sample_from_hidden``: plain temperature gathers each rank's best noise block per row (144 B)
+and the partials; top-k, top-p and min-p gather the fp32 logits. DTensor heads: a ``Shard(0)``
+weight on a 1-D mesh runs on its local shard over the mesh's group (its gradient lands as the
+``Shard(0)`` gradient); ``gather_weight=True`` all-gathers the head instead, for data-parallel
+ranks scoring *different* rows, and reduce-scatters its gradient, averaged over the mesh as FSDP2
+averages. Under ``torch.compile`` the call is a graph break; the compiled graph sees a DTensor
+head's ``to_local()`` or its redistribution.
 """
 
 from __future__ import annotations
@@ -71,6 +69,8 @@ from ._backend import use_triton
 from ._head_inputs import VOCAB_ALIGN, TargetError, check_head, check_ranges, contiguous_rows, local_head
 from ._torch import logprob as _ref
 from ._torch import sampling as _sampling
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the latter deprecated in 2.13
 
 __all__ = [
     "agree", "comm_bytes_per_token", "debug_checks", "Exchange", "local_head", "loss_grads", "partial_columns",
@@ -157,7 +157,7 @@ class Exchange:
         send[: k * widest * m].view(k, widest, m)[:, :own] = parts
         send[k * widest * m :] = tgt_logit
         got = parts.new_empty(self.world * send.numel())  # flat: gloo chunks the output like the input
-        dist.all_gather_into_tensor(got, send, group=self.shard.group)
+        _all_gather(got, send, group=self.shard.group)
         got = got.view(self.world, -1)
         blocks = got[:, : k * widest * m].view(self.world, k, widest, m)
         every = torch.cat([blocks[r, :, : counts[r]] for r in range(self.world)], dim=1)
@@ -171,7 +171,7 @@ class Exchange:
         pack[:, 0], pack[:, 1] = score.contiguous().view(torch.int64), block
         pack[:, 2:] = z.contiguous().view(torch.int64)
         got = pack.new_empty(self.world * pack.numel())
-        dist.all_gather_into_tensor(got, pack.flatten(), group=self.shard.group)
+        _all_gather(got, pack.flatten(), group=self.shard.group)
         got = got.view((self.world,) + tuple(pack.shape))
         return (got[:, :, 0].contiguous().view(torch.float64).flatten(), got[:, :, 1].to(torch.int32).contiguous(),
                 got[:, :, 2:].contiguous().view(torch.float32).flatten())
@@ -182,7 +182,7 @@ class Exchange:
         send = zt.new_empty((max(sizes),) + tuple(zt.shape[1:]))
         send[: zt.shape[0]] = zt
         got = send.new_empty(self.world * send.numel())
-        dist.all_gather_into_tensor(got, send.flatten(), group=self.shard.group)
+        _all_gather(got, send.flatten(), group=self.shard.group)
         got = got.view((self.world,) + tuple(send.shape))
         return torch.cat([got[r, : sizes[r]] for r in range(self.world)]).movedim(0, dim).contiguous()
 
@@ -219,7 +219,7 @@ def agree(hidden: Tensor, weight: Tensor, rows: Tensor, targets: Optional[Tensor
         meta[_FIELDS.index("start")] = vocab_start_index
     meta[0] = int(error is not None)
     gathered = torch.empty(world * len(_FIELDS), dtype=torch.int64, device=hidden.device)
-    dist.all_gather_into_tensor(gathered, meta, group=group)
+    _all_gather(gathered, meta, group=group)
     table = [dict(zip(_FIELDS, r)) for r in gathered.view(world, -1).tolist()]
     if error is not None:
         raise error
@@ -339,7 +339,7 @@ def _masked_target(bias: Tensor, targets: Tensor, shard: VocabShard) -> None:
     masked = owned & (bias[local.clamp(min=0)] == -math.inf) if shard.size else torch.zeros_like(owned)
     first = torch.where(masked, torch.arange(targets.numel(), device=targets.device), targets.numel()).amin()
     firsts = torch.empty(shard.world, dtype=torch.int64, device=targets.device)
-    dist.all_gather_into_tensor(firsts, first.reshape(1), group=shard.group)
+    _all_gather(firsts, first.reshape(1), group=shard.group)
     at = int(firsts.amin())
     if at < targets.numel():
         token = int(targets[at])
@@ -363,7 +363,7 @@ def sum_rows(parts: Tensor, shard: VocabShard) -> Tensor:
     for r in range(1, P):
         acc += received[r]
     out = torch.empty_like(cols)
-    dist.all_gather_into_tensor(out, acc, group=shard.group)
+    _all_gather(out, acc, group=shard.group)
     return out[:H].T.contiguous()
 
 
