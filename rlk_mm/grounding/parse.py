@@ -230,6 +230,15 @@ def _image_of(batch: RLBatch, b: int, image: Optional[int]) -> int:
     return items[image]
 
 
+def _check_aspect(b: int, original: tuple[int, int], resized: tuple[int, int], factor: int) -> None:
+    """The resized image keeps the original's aspect up to the resize's rounding to ``factor``
+    (each side within ``factor`` of one common scale): a swapped or foreign size is refused."""
+    (ow, oh), (rw, rh) = original, resized
+    if abs(rh - oh * rw / ow) > factor * (1 + oh / ow) + 1e-9:
+        raise SchemaError(f"sample {b}: original_size {ow}x{oh} cannot have been resized to the image's {rw}x{rh} (another "
+                          "aspect ratio): pass the (width, height) of the image the processor resized")
+
+
 def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", image: Optional[int] = None,
                     original_size=None) -> Grounding:
     """Boxes and points in sample ``sample``'s loss spans (its responses), as ``convention`` writes them.
@@ -237,7 +246,9 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
     ``processor``: the batch's processor (its tokenizer decodes the tokens; its image
     processor's ``patch_size`` gives the resized size from ``image_grid_thw``). ``image``: which
     of the sample's images the coordinates refer to (default: its only image).
-    ``original_size``: that image's (width, height) in pixels (default: ``batch.screen_size``).
+    ``original_size``: that image's (width, height) in pixels (default: ``batch.screen_size``,
+    which is the size of the sample's last image: for another image pass its size). A size
+    whose aspect the resized image does not keep is refused.
     Each region's span covers the tokens holding its coordinates' characters; malformed or
     out-of-range output becomes a ``ParseFailure`` over the tokens it covers."""
     batch = batch_arg("batch", batch)
@@ -255,8 +266,13 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
         if batch.screen_size is None:
             raise SchemaError(f"sample {b}: the original image size is unknown: pass original_size=(width, height) or build "
                               "the batch with screen_size")
+        images = torch.nonzero((batch.media_sample == b) & (batch.media_modality == int(Modality.IMAGE))).flatten().tolist()
+        if item != images[-1]:
+            raise SchemaError(f"sample {b}: screen_size is the size of its last image (#{len(images) - 1}), not of image "
+                              f"#{images.index(item)}: pass original_size=(width, height) of that image")
         original_size = batch.screen_size[b].tolist()
     original = size_arg("original_size", original_size)
+    _check_aspect(b, original, resized, int(patch) * batch.spatial_merge_size)
     tokens = batch.sample_tokens(b).tolist()
     regions, failures = [], []
     for loss in batch.loss_spans_of(b):
