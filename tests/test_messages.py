@@ -248,3 +248,21 @@ def test_video_layout_reads_the_batch_temporal_positions(processor, tps):
     rows = [int(batch.position_ids[0, lo]) for lo, _ in layout.frame_ranges(0)]
     assert layout.temporal_positions(0).tolist() == rows
     assert layout.temporal_positions(0, tps).tolist() == rows  # the model's formula agrees with the batch
+
+
+@settings(max_examples=40, deadline=None)
+@given(width=st.integers(28, 700), height=st.integers(28, 700), low=st.sampled_from([3136, 6272, 12544]),
+       high=st.sampled_from([12544, 50176]))
+def test_video_frame_size_is_smart_resize_of_the_frame(processor, width, height, low, high):
+    """Property (issue 31, D-15): a frame list's size is qwen-vl-utils' own smart_resize of the
+    original frame size under the item's limits (the documented claim), over its argument space."""
+    vp = vision_process()
+    frames = [Image.new("RGB", (width, height))] * 2
+    try:
+        want = vp.smart_resize(height, width, factor=28, min_pixels=low, max_pixels=high)
+    except ValueError:
+        return  # an aspect ratio qwen-vl-utils refuses
+    batch = RLBatch.from_messages([_conv({"type": "video", "video": frames, "min_pixels": low, "max_pixels": high})],
+                                  processor=processor)
+    _, h, w = batch.video_grid_thw[0].tolist()
+    assert (h * 14, w * 14) == want

@@ -3,7 +3,9 @@
 Conversations in the Qwen-VL message format name their media inline, with per-item
 resize settings. Each item is decoded here (so that an error names the conversation and
 the item) and resized by ``qwen_vl_utils`` (its ``fetch_image`` for images; its
-``smart_resize`` picks a video's frame size, and PIL resizes the frames), the chat template is
+``smart_resize`` of the original frame size picks a video's frame size, and PIL resizes the
+frames once; qwen-vl-utils' ``fetch_video`` resizes a frame list twice and may pick another
+size), the chat template is
 applied, the processor is called with exactly those sizes (no second resize), and the
 processor output goes through ``fields_from_qwen_vl``. Every item's settings are
 recorded in its cache key (``media.settings_key``).
@@ -179,7 +181,10 @@ def _fetch_image(vp, where: str, part: dict, limits: tuple[int, int], patch: int
 
 
 def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: int, temporal: int):
-    """A frame list resized as qwen-vl-utils' ``fetch_video`` sizes it: (frames, settings)."""
+    """A frame list resized once, to qwen-vl-utils' ``smart_resize`` of the original frame size
+    under the item's limits: (frames, settings). qwen-vl-utils' own ``fetch_video`` resizes a
+    frame list twice (``fetch_image`` at twice the factor, then ``smart_resize``), so its
+    size can differ; rlk_mm does not claim that size."""
     _check_keys(where, part, VIDEO_KEYS)
     video = part.get("video")
     if isinstance(video, (str, Path)):
