@@ -15,7 +15,8 @@ def codec():
 
 
 @pytest.mark.parametrize("clips, error, match", [
-    (torch.randn(1, 100), ValueError, r"clips has 100 samples per clip, not a multiple of the frame \(8\): trim or pad .* 96 or 104"),
+    (torch.randn(1, 100), ValueError,
+     r"clips has 100 samples per clip, not a multiple of the frame \(8\): trim or pad .* 96 or 104"),
     (torch.randn(128), ValueError, r"clips must be 2-D"),
     (torch.zeros(1, 16, dtype=torch.int64), TypeError, r"clips must be float64/float32/float16/bfloat16"),
     ([[0.0] * 16], TypeError, r"clips must be a torch.Tensor"),
@@ -26,7 +27,8 @@ def test_encoder_refuses_bad_clips(codec, clips, error, match):
 
 
 @pytest.mark.parametrize("latents, error, match", [
-    (torch.randn(1, 2, 3), ValueError, r"latents has shape \(1, 2, 3\); its last dimension must be the codebooks' width 4"),
+    (torch.randn(1, 2, 3), ValueError,
+     r"latents has shape \(1, 2, 3\); its last dimension must be the codebooks' width 4"),
     (torch.tensor(1.0), ValueError, r"last dimension must be"),
     (torch.zeros(1, 2, 4, dtype=torch.int64), TypeError, r"latents must be"),
 ])

@@ -68,7 +68,8 @@ def test_equality_keeps_bools_apart(action, target, score):
 
 
 @pytest.mark.parametrize("box, match", [
-    (["0", "0", "10", "10"], r"targets\[0\]\['bbox_2d'\] is \['0', '0', '10', '10'\]; a target box is four real numbers"),
+    (["0", "0", "10", "10"],
+     r"targets\[0\]\['bbox_2d'\] is \['0', '0', '10', '10'\]; a target box is four real numbers"),
     (None, r"targets\[0\]\['bbox_2d'\] is None"),
     ([0, 0, 10], r"four real numbers"),
     ([True, 0, 10, 10], r"four real numbers"),

@@ -4,7 +4,6 @@ and on single changes of one batch."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text
@@ -20,10 +19,12 @@ def diagnosis(case):
 
 
 @pytest.mark.parametrize("case, says, never", [
-    ("chat_template_whitespace", r"a text token differs and the processor fingerprints differ: .* chat templates or tokenizers",
+    ("chat_template_whitespace",
+     r"a text token differs and the processor fingerprints differ: .* chat templates or tokenizers",
      "pixel values"),
     ("reprocessed_image", r"fingerprints are equal: the input image differs", "other processor settings"),
-    ("different_max_pixels", r"the rollout's processor has other settings \(the processor fingerprints differ\)", "input image"),
+    ("different_max_pixels", r"the rollout's processor has other settings \(the processor fingerprints differ\)",
+     "input image"),
     ("missing_mm_token_type_ids", r"rollout's positions are 1-D .* without mm_token_type_ids", "pixel"),
 ])
 def test_traces_get_their_real_cause(case, says, never):

@@ -378,20 +378,3 @@ def _one_d_media_positions(batch: RLBatch, b: int) -> bool:
         return False
     pos = batch.sample_positions(b)
     return bool((pos[0] == pos[1]).all() and (pos[1] == pos[2]).all() and (torch.diff(pos[0]) == 1).all())
-    for rr, rt in zip(_runs(_items(ra, b)), _runs(_items(tb, b))):
-        for side, many, one in (("rollout", rr, rt), ("training", rt, rr)):
-            if len(one) == 1 and len(many) > 1 and all(i.grid == one[0].grid for i in many):
-                times = "twice" if len(many) == 2 else f"{len(many)} times"
-                return (f"sample {b}, {one[0].label}: {side} {many[-1].end - many[0].start} placeholder tokens where its grid "
-                        f"{'×'.join(map(str, one[0].grid))} implies {one[0].end - one[0].start}: placeholders expanded {times}")
-        for ir, it in zip(rr, rt):
-            if ir.grid == it.grid and ir.key == it.key:
-                continue
-            head = f"sample {b}, {it.label}: rollout {ir.describe()} vs training {it.describe()}"
-            sr, st = key_settings(ir.key), key_settings(it.key)
-            if ir.grid != it.grid or (sr is not None and st is not None and sr != st):
-                cause = ("the rollout's processor has other settings (the processor fingerprints differ)" if fingerprints_differ
-                         else "the rollout resized with other processor settings")
-                return f"{head}: {cause}"
-            return f"{head}: same grid, other pixel values: another image, or other resampling or normalization"
-    return None

@@ -16,7 +16,7 @@ Row orders of one video of grid (t, h, w) and merge size m:
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
