@@ -11,7 +11,7 @@ import torch
 from rlk_mm import smoke
 from rlk_mm.fixtures import processor_inputs
 from rlk_mm.fixtures.palette import ANSWER_COLOURS
-from rlk_mm.smoke.tasks.point import point_reward, point_task, resized_size
+from rlk_mm.smoke.tasks.point import OUTCOMES, point_diagnostics, point_outcome, point_reward, point_task, resized_size
 from rlk_mm.smoke.tasks import TASKS
 
 GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
@@ -48,7 +48,8 @@ def test_reward_reads_the_convention_and_never_clamps():
     # resized pixels, is a hit; the same numbers written as if the screen were not resized miss somewhere
     w, h = s.meta["size"]
     rows, cols = s.meta["mask"].nonzero()
-    resized_hits = [point_reward('{"point_2d": [%.3f, %.3f]}' % ((c + 0.5) * rw / w, (r + 0.5) * rh / h), s) for r, c in zip(rows, cols)]
+    resized_hits = [point_reward('{"point_2d": [%.3f, %.3f]}' % ((c + 0.5) * rw / w, (r + 0.5) * rh / h), s)
+                    for r, c in zip(rows, cols)]
     unconverted = [point_reward('{"point_2d": [%.3f, %.3f]}' % (c + 0.5, r + 0.5), s) for r, c in zip(rows, cols)]
     assert all(v == 1.0 for v in resized_hits) and min(unconverted) == 0.0
     # Qwen3-VL: 0-1000 coordinates
@@ -69,13 +70,71 @@ def test_the_shuffled_control_rewards_a_random_shape():
     same = sum(s.meta["rewarded"] == s.meta["colour"] for s in samples)
     assert 5 < same < 40  # about a third: the rewarded shape is independent of the one asked for
     other = next(s for s in samples if s.meta["rewarded"] != s.meta["colour"])
-    assert point_reward(point_task().answer_text(other.answer), other) == 0.0  # clicking the named shape is not rewarded
+    # clicking the named shape is not rewarded
+    assert point_reward(point_task().answer_text(other.answer), other) == 0.0
     assert {"point", "point-shuffled"} <= set(TASKS) and TASKS["point"](None).name == "point"
 
 
+def test_each_shape_fills_most_of_its_third_and_the_thirds_are_token_columns(processor):
+    samples = point_task().batch(random.Random(3), 24, "t")
+    grids = processor_inputs(processor, samples, padding_side="left")["image_grid_thw"]
+    assert {tuple(g) for g in grids.tolist()} == {(1, 6, 6)}  # 84 x 84 resized: 3 x 3 tokens after the 2 x 2 merge
+    for s in samples:
+        width = s.meta["size"][0]
+        for colour in s.meta["masks"]:
+            cols = s.meta["masks"][colour].any(0).nonzero()[0]
+            edges = [round(k * width / 3) for k in range(4)]
+            third = [k for k in range(3) if edges[k] <= cols.min() and cols.max() < edges[k + 1]]
+            assert len(third) == 1 and cols.size >= 0.7 * width / 3, (s.id, colour)
+    # in the answer's pixels a third is one x range on every screen: the centres' tens digit names the third
+    assert {s.answer.split(", ")[0][0] for s in samples} <= set("14567")
+
+
+def test_outcomes_say_where_each_answer_lands():
+    task = point_task()
+    s = task.batch(random.Random(4), 1, "t")[0]
+    x, y = (int(v) for v in s.answer.split(", "))
+    other = next(c for c in s.meta["masks"] if c != s.meta["rewarded"])
+    rows, cols = s.meta["masks"][other].nonzero()
+    rw, rh = s.meta["resized"]
+    w, h = s.meta["size"]
+    ox, oy = (cols[0] + 0.5) * rw / w, (rows[0] + 0.5) * rh / h
+    background = (~(sum(s.meta["masks"].values()).astype(bool))).nonzero()
+    bx, by = (background[1][0] + 0.5) * rw / w, (background[0][0] + 0.5) * rh / h
+    cases = {'{"point_2d": [%d, %d]}' % (x, y): "hit", '{"point_2d": [%.2f, %.2f]}' % (ox, oy): "other shape",
+             '{"point_2d": [%.2f, %.2f]}' % (bx, by): "background", '{"point_2d": [%d, 85]}' % x: "out of range",
+             '{"point_2d": [%d]}' % x: "malformed", '{"bbox_2d": [1, 2, 3, 4]}': "box", "red": "no point"}
+    assert sorted(cases.values()) == sorted(OUTCOMES)
+    for text, outcome in cases.items():
+        assert point_outcome(text, s) == outcome, text
+        assert point_reward(text, s) == float(outcome == "hit")
+    texts = list(cases)
+    rewards = [point_reward(t, s) for t in texts]
+    assert task.diagnostics(texts, rewards) == point_diagnostics(texts, rewards) == dict(
+        parsable=4 / 7, failures={"malformed": 1, "box": 1, "no point": 1}, parsable_reward=0.25)
+    assert task.diagnostics([], []) == dict(parsable=None, failures={"malformed": 0, "box": 0, "no point": 0},
+                                            parsable_reward=None)
+    with pytest.raises(ValueError, match="2 texts for 1 rewards"):
+        point_diagnostics(texts[:2], rewards[:1])
+
+
+def test_the_video_control_rewards_a_random_direction():
+    from rlk_mm.smoke.tasks.video import DIRECTIONS, direction_reward, video_direction_task
+
+    task, control = video_direction_task(), TASKS["video-direction-shuffled"](None)
+    assert control.name == "video-direction-shuffled" and task.name == "video-direction"
+    assert all(s.meta["rewarded"] == s.answer for s in task.batch(random.Random(5), 20, "t"))
+    samples = control.batch(random.Random(5), 80, "t")
+    same = sum(s.meta["rewarded"] == s.answer for s in samples)
+    assert 5 < same < 45 and {s.meta["rewarded"] for s in samples} == set(DIRECTIONS)
+    s = samples[0]
+    assert direction_reward(" %s." % s.meta["rewarded"].upper(), s) == 1.0
+    assert direction_reward(next(d for d in DIRECTIONS if d != s.meta["rewarded"]), s) == 0.0
+
+
 def test_point_smoke_gates_pass_on_cpu(tmp_path):
-    args = smoke.parse_args(["--task", "point", "--steps", "1", "--prompts", "2", "--samples", "2", "--warmup-steps", "1",
-                             "--quiet", "--out", str(tmp_path)])
+    args = smoke.parse_args(["--task", "point", "--steps", "1", "--prompts", "2", "--samples", "2",
+                             "--warmup-steps", "1", "--quiet", "--out", str(tmp_path)])
     code = smoke.run_smoke(args)
     report = json.loads((tmp_path / "smoke_report.json").read_text())
     assert code == 0, report.get("learning")

@@ -13,6 +13,8 @@ one the prompt names, so only a position prior can be learned.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
@@ -25,13 +27,15 @@ from ...schema import CoordinateSystem, convert_points
 from .base import Task, draw_shape, numbered_draw
 
 __all__ = [
-    "JSON_CONVENTIONS", "POINT_TASKS", "PROMPT", "PROMPT_1000", "SCREEN_SIZES", "draw_screen", "point_reward", "point_sample",
-    "point_task", "resized_size",
+    "JSON_CONVENTIONS", "OUTCOMES", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES",
+    "answer_syntax", "draw_screen", "point_diagnostics", "point_outcome", "point_reward", "point_sample", "point_task",
+    "resized_size",
 ]
 
-SCREEN_SIZES = ((120, 90), (100, 100), (90, 120), (126, 84))
-"""(width, height): 9 to 15 image tokens; none a multiple of 28 on both sides, so the processor
-resizes them (the answer's pixels are not the screen's)."""
+SCREEN_SIZES = ((90, 80), (96, 72), (80, 96), (72, 90))
+"""(width, height): none a multiple of 28, so the processor resizes each (the answer's pixels are
+not the screen's), all to 84 x 84: 3 x 3 image tokens, one token column per strip, so a strip's
+x range in the answer's pixels is the same on every screen."""
 PATCH_FACTOR = 28  # Qwen2(.5)-VL: patch 14 x merge 2
 PROMPT = 'Click the {colour} shape. Answer with {{"point_2d": [x, y]}}.'
 PROMPT_1000 = 'Click the {colour} shape. Answer with {{"point_2d": [x, y]}}, x and y from 0 to 1000.'
@@ -45,18 +49,19 @@ def resized_size(size: tuple[int, int]) -> tuple[int, int]:
 
 
 def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image, dict[str, np.ndarray]]:
-    """A light screen with three large shapes of distinct colours, one per vertical strip; each
+    """A light screen with three large shapes of distinct colours, one per vertical third; each
     colour's pixel mask ([height, width] bool)."""
     width, height = size
     background = tuple(rng.randrange(225, 256) for _ in range(3))
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
-    strip = width // 3
+    edges = [round(i * width / 3) for i in range(4)]  # the thirds: one image-token column each once resized
     colours = rng.sample(list(ANSWER_COLOURS), 3)
     for i, colour in enumerate(colours):
-        w = rng.randrange(int(0.7 * strip), strip - 1)  # large shapes: a point in the right strip mostly hits
-        h = rng.randrange(height // 2, int(0.85 * height))
-        x = i * strip + rng.randrange(1, strip - w)
+        strip = edges[i + 1] - edges[i]
+        w = rng.randrange(int(0.75 * strip), strip - 1)  # large shapes: a point in the right strip mostly hits
+        h = rng.randrange(int(0.55 * height), int(0.85 * height))
+        x = edges[i] + rng.randrange(1, strip - w)
         y = rng.randrange(1, height - h - 1)
         draw_shape(draw, rng, (x, y, x + w - 1, y + h - 1), ANSWER_COLOURS[colour])
     pixels = np.asarray(image, dtype=np.int16)
@@ -78,30 +83,78 @@ def point_sample(rng: random.Random, sample_id: str, convention: Convention, shu
     rewarded = rng.choice(sorted(masks)) if shuffled else colour
     system = CONVENTION_SYSTEM[convention]
     resized = resized_size(size)
-    centre = convert_points(torch.tensor(_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE, system,
+    centre = convert_points(torch.tensor(_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE,
+                            system,
                             original_size=size, resized_size=resized)
     text = (PROMPT_1000 if system is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     answer = ", ".join(str(int(round(v))) for v in centre.tolist())
-    meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=masks[rewarded], size=size, resized=resized)
+    meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=masks[rewarded], masks=masks,
+                size=size, resized=resized)
     return Sample(sample_id, messages, images=[image], answer=answer, meta=meta)
+
+
+OUTCOMES = ("hit", "other shape", "background", "out of range", "malformed", "box", "no point")
+"""What an answer's first box-or-point is: a point in the rewarded shape, in another shape, on
+the background or outside the image; a malformed ``point_2d``; a box; nothing (the first
+three are parsable answers, the rest parse failures)."""
+
+
+def answer_syntax(text: str, convention="qwen2_5_vl") -> tuple[str, tuple]:
+    """The answer's first box-or-point by syntax alone: ("point", values), ("malformed", ()),
+    ("box", ()) or ("no point", ())."""
+    found = find_regions(text.encode(), convention)
+    if not found:
+        return "no point", ()
+    if found[0].reason:
+        return "malformed", ()
+    return ("point", found[0].values) if found[0].kind == "point" else ("box", ())
+
+
+def point_outcome(text: str, sample: Sample) -> str:
+    """Which of ``OUTCOMES`` the answer is (its first box-or-point, in the sample's convention)."""
+    meta = sample.meta
+    convention = Convention(meta["convention"])
+    system = CONVENTION_SYSTEM[convention]
+    kind, values = answer_syntax(text, convention)
+    if kind != "point":
+        return kind
+    if check_values("point", values, system, meta["resized"]):
+        return "out of range"
+    x, y = convert_points(torch.tensor(values, dtype=torch.float64), system, CoordinateSystem.ABSOLUTE,
+                          original_size=meta["size"], resized_size=meta["resized"]).tolist()
+    width, height = meta["size"]
+    col, row = min(int(x), width - 1), min(int(y), height - 1)  # x = width is the image's right edge: its last pixel
+    if meta["mask"][row, col]:
+        return "hit"
+    return "other shape" if any(m[row, col] for m in meta["masks"].values()) else "background"
 
 
 def point_reward(text: str, sample: Sample) -> float:
     """1 when the answer's first box-or-point is a point inside the rewarded shape, else 0."""
-    meta = sample.meta
-    convention = Convention(meta["convention"])
-    system = CONVENTION_SYSTEM[convention]
-    found = find_regions(text.encode(), convention)
-    if not found or found[0].kind != "point" or found[0].reason:
-        return 0.0
-    if check_values("point", found[0].values, system, meta["resized"]):
-        return 0.0
-    x, y = convert_points(torch.tensor(found[0].values, dtype=torch.float64), system, CoordinateSystem.ABSOLUTE,
-                          original_size=meta["size"], resized_size=meta["resized"]).tolist()
-    width, height = meta["size"]
-    col, row = min(int(x), width - 1), min(int(y), height - 1)  # x = width is the image's right edge: its last pixel
-    return float(meta["mask"][row, col])
+    return float(point_outcome(text, sample) == "hit")
+
+
+def point_diagnostics(texts: list[str], rewards: list[float], convention="qwen2_5_vl") -> dict:
+    """A step's answers by syntax: the share with a point (``parsable``), the parse failures by
+    kind, and the mean reward of the answers with a point (None when none has one)."""
+    if len(texts) != len(rewards):
+        raise ValueError(f"{len(texts)} texts for {len(rewards)} rewards: one reward per answer")
+    kinds = [answer_syntax(t, convention)[0] for t in texts]
+    scored = [r for k, r in zip(kinds, rewards) if k == "point"]
+    return dict(parsable=len(scored) / len(texts) if texts else None,
+                failures={k: kinds.count(k) for k in ("malformed", "box", "no point")},
+                parsable_reward=sum(scored) / len(scored) if scored else None)
+
+
+@dataclass
+class PointTask(Task):
+    """The point task: a ``Task`` in a named convention, with per-step diagnostics of its answers."""
+
+    convention: Convention = Convention.QWEN2_5_VL
+
+    def diagnostics(self, texts: list[str], rewards: list[float]) -> dict:
+        return point_diagnostics(texts, rewards, self.convention)
 
 
 def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
@@ -109,12 +162,14 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
     ``qwen3_vl``); ``shuffled``: the shuffled-target control."""
     convention = Convention.parse(convention, "convention")
     if convention not in JSON_CONVENTIONS:
-        raise ValueError(f"convention={convention.value}: the point task answers in JSON (qwen2_5_vl, ui_tars_1_5, qwen3_vl); "
+        raise ValueError(f"convention={convention.value}: the point task answers in JSON "
+                         "(qwen2_5_vl, ui_tars_1_5, qwen3_vl); "
                          "the rollout decodes with skip_special_tokens, which would drop Qwen2-VL's <|box_start|> tags")
     name = "point-shuffled" if shuffled else "point"
     draw = numbered_draw(name, lambda rng, sample_id: point_sample(rng, sample_id, convention, shuffled))
     # '{"point_2d": [x, y]}' is 13-15 tokens, and EOS
-    return Task(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18)
+    return PointTask(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18,
+                     convention=convention)
 
 
 POINT_TASKS = {
