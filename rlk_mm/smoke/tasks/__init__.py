@@ -3,7 +3,7 @@
 ``base``: `Task` (prompts, reward, warm-up answer and response length of a task) and the
 helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`, else the
 package's 3-problem sample),
-``video`` (video-direction) and ``point`` (grounding: point and its shuffled control).
+``video`` (video-direction and its shuffled control) and ``point`` (grounding: point and its shuffled control).
 A new task registers in `TASKS`.
 """
 
@@ -17,7 +17,7 @@ from .base import Task, draw_shape, numbered_draw
 from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
 from .geo3k import geo3k_reward, geo3k_task
 from .point import POINT_TASKS, point_reward, point_task
-from .video import DIRECTIONS, VIDEO_FRAMES, direction_clip, direction_sample, video_direction_task
+from .video import DIRECTIONS, VIDEO_FRAMES, VIDEO_TASKS, direction_clip, direction_sample, video_direction_task
 
 __all__ = [
     "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
@@ -35,7 +35,7 @@ def _colour(data: Optional[Path], tuning: Any = None) -> Task:
 TASKS: dict[str, Callable[[Optional[Path], Any], Task]] = {
     "colour": _colour,
     "geo3k": lambda data, tuning=None: geo3k_task(GEO3K_SAMPLE_DIR if data is None else data),
-    "video-direction": lambda data, tuning=None: video_direction_task(),
+    **VIDEO_TASKS,
     **POINT_TASKS,
 }
 """`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`; None: the

@@ -1,5 +1,7 @@
 """The video-direction task (`--task video-direction`): a short clip of one square moving
-left, right, up or down; "Which way does the shape move?", reward 1 for the right word."""
+left, right, up or down; "Which way does the shape move?", reward 1 for the right word.
+``video-direction-shuffled`` is its control: the same clips, but the rewarded word is drawn at
+random, independent of the motion, so only a prior over the words can be learned."""
 
 from __future__ import annotations
 
@@ -10,11 +12,10 @@ from PIL import Image, ImageDraw
 from ...fixtures import Sample
 from ...fixtures.palette import ANSWER_COLOURS
 from .base import Task, numbered_draw
-from .colour import colour_reward
 
 __all__ = [
-    "DIRECTIONS", "VIDEO_FRAMES", "VIDEO_FRAME_SIZE", "VIDEO_PROMPT", "VIDEO_SHAPE_SIDE", "direction_clip", "direction_sample",
-    "video_direction_task",
+    "DIRECTIONS", "VIDEO_FRAMES", "VIDEO_FRAME_SIZE", "VIDEO_PROMPT", "VIDEO_SHAPE_SIDE", "VIDEO_TASKS",
+    "direction_clip", "direction_reward", "direction_sample", "video_direction_task",
 ]
 
 DIRECTIONS = ("left", "right", "up", "down")
@@ -47,14 +48,31 @@ def direction_clip(rng: random.Random, direction: str) -> list[Image.Image]:
     return frames
 
 
-def direction_sample(rng: random.Random, sample_id: str) -> Sample:
-    """One prompt of the video-direction task: a clip and the question; the answer is the direction."""
+def direction_sample(rng: random.Random, sample_id: str, shuffled: bool = False) -> Sample:
+    """One prompt of the video-direction task: a clip and the question; the answer is the
+    direction, ``meta["rewarded"]`` the rewarded word (a random one when ``shuffled``)."""
     direction = rng.choice(DIRECTIONS)
     content = [{"type": "video"}, {"type": "text", "text": VIDEO_PROMPT}]
-    return Sample(sample_id, [{"role": "user", "content": content}], videos=[direction_clip(rng, direction)], answer=direction)
+    clip = direction_clip(rng, direction)
+    rewarded = rng.choice(DIRECTIONS) if shuffled else direction
+    return Sample(sample_id, [{"role": "user", "content": content}], videos=[clip], answer=direction,
+                  meta={"rewarded": rewarded})
 
 
-def video_direction_task() -> Task:
-    draw = numbered_draw("video", direction_sample)
-    # the colour reward compares the stripped, lower-cased word with the answer: the same rule fits a direction
-    return Task("video-direction", draw, colour_reward, lambda label: label, max_new_tokens=2)
+def direction_reward(text: str, sample: Sample) -> float:
+    """1 when the answer, stripped of spaces, case and a final full stop, is the rewarded direction word."""
+    return float(text.strip().rstrip(".").strip().lower() == sample.meta["rewarded"])
+
+
+def video_direction_task(*, shuffled: bool = False) -> Task:
+    """The video-direction task; ``shuffled``: its control (the rewarded word drawn at random)."""
+    name = "video-direction-shuffled" if shuffled else "video-direction"
+    draw = numbered_draw(name, lambda rng, sample_id: direction_sample(rng, sample_id, shuffled))
+    return Task(name, draw, direction_reward, lambda label: label, max_new_tokens=2)
+
+
+VIDEO_TASKS = {
+    "video-direction": lambda data, tuning=None: video_direction_task(),
+    "video-direction-shuffled": lambda data, tuning=None: video_direction_task(shuffled=True),
+}
+"""The `--task` entries of this module (in `tasks.TASKS`)."""
