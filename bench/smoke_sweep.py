@@ -1,18 +1,24 @@
 """Run several `rlk-mm smoke` configurations at once and summarize their reward curves.
 
-How the smoke test's defaults were chosen: CUDA runs go one after another (parallel
-runs on one GPU thrash), CPU runs go side by side with a few threads each. Each run is a
+How the smoke test's defaults were chosen: CUDA runs go one after another on one GPU
+(parallel runs on one GPU thrash), or, with `--gpus N --per-gpu K`, K at a time on each of
+N GPUs (small runs leave a GPU mostly idle); CPU runs go side by side with a few threads each. Each run is a
 subprocess that calls `rlk_mm.smoke.run_smoke(args, tuning=SmokeTuning(...), on_step=...)`:
 its options are command-line words, its other settings a `SmokeTuning` (no module global
 is changed), and every finished GRPO step is appended to DIR/NAME.steps.jsonl as it ends,
 so a run cut off by `--deadline` still reports its curve.
 
-    python -m bench.smoke_sweep CONFIGS.json --out DIR [--cpu-workers 6] [--threads 2] [--deadline 540]
+    python -m bench.smoke_sweep CONFIGS.json --out DIR [--cpu-workers 6] [--threads 2] [--deadline 540] \
+        [--gpus 4 --per-gpu 6]
 
 CONFIGS.json: a list of {"name": str, "device": "cuda" | "cpu", "args": [smoke options],
 "tuning": {SmokeTuning field: value}}; earlier configs' "set" ({"LR_FLOOR": 0.3}: the module
 constants a field replaces) is read as "tuning". Writes DIR/sweep.json, DIR/NAME.log (the
 run's output), DIR/NAME.steps.jsonl and DIR/NAME/ (the run's report and pictures).
+
+A config may also name its "variant" (the settings it tries), its "role" ("task" or "control")
+and the task's "chance" reward, and give a "bar" (colour: the last-10-step reward every seed must
+reach); then DIR/margins.json says per variant whether it learns (`margins`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlk_mm.smoke import SmokeTuning
+
+__all__ = ["MARGIN", "RUNNER", "main", "margins", "read_steps", "run_one", "summarize", "tuning_of"]
 
 #: the subprocess: ``python -c RUNNER TUNING_JSON STEPS_JSONL smoke-options...``
 RUNNER = """
@@ -60,7 +68,44 @@ def summarize(name: str, steps: list[dict], report: dict | None, seconds: float,
         best_10=round(max(window), 3) if window else None, first_step_10_at_0_8=reached,
         by_50=[round(sum(rewards[i : i + 50]) / len(rewards[i : i + 50]), 3) for i in range(0, len(rewards), 50)],
         gates_failed=report is not None and not all(g["ok"] for g in report.get("gates", [])),
+        curve=[round(r, 4) for r in rewards],
     )
+
+
+MARGIN = 0.3
+"""Learning: over the seeds, the task's mean last-10-step reward beats its control's and chance by this much."""
+
+
+def margins(results: list[dict], configs: list[dict]) -> dict:
+    """Per variant: the seeds' last-10-step rewards of the task (and of its control), their means,
+    the margins over the control and over chance, whether every gate passed, and whether the
+    variant learns: both margins >= `MARGIN` (or, with a "bar", every seed's reward >= the bar)."""
+    by_name = {r["name"]: r for r in results}
+    out: dict = {}
+    for cfg in configs:
+        if "variant" not in cfg:
+            continue
+        v = out.setdefault(cfg["variant"], dict(chance=cfg.get("chance"), bar=cfg.get("bar"), task=[], control=[],
+                                                gates_ok=True, finished=True, seconds=0.0))
+        r = by_name.get(cfg["name"])
+        if r is None or r["final_10"] is None:
+            v["finished"] = False
+            continue
+        v[cfg.get("role", "task")].append(r["final_10"])
+        v["gates_ok"] &= not r["gates_failed"] and bool(r["steps"])
+        v["finished"] &= r["exit_code"] != "killed at the deadline"
+        v["seconds"] = max(v["seconds"], r["seconds"])
+    for v in out.values():
+        mean = {k: round(sum(v[k]) / len(v[k]), 3) if v[k] else None for k in ("task", "control")}
+        v.update(mean_task=mean["task"], mean_control=mean["control"])
+        if v["bar"] is not None:
+            v["learns"] = bool(v["task"]) and min(v["task"]) >= v["bar"] and v["gates_ok"]
+            continue
+        v["over_control"] = None if None in mean.values() else round(mean["task"] - mean["control"], 3)
+        v["over_chance"] = None if mean["task"] is None or v["chance"] is None else round(mean["task"] - v["chance"], 3)
+        v["learns"] = (v["over_control"] is not None and v["over_chance"] is not None and v["gates_ok"]
+                       and v["over_control"] >= MARGIN and v["over_chance"] >= MARGIN)
+    return out
 
 
 def read_steps(path: Path) -> list[dict]:
@@ -74,8 +119,11 @@ def read_steps(path: Path) -> list[dict]:
     return steps
 
 
-def run_one(cfg: dict, out: Path, threads: int, deadline: float) -> dict:
+def run_one(cfg: dict, out: Path, threads: int, deadline: float, gpu: int | None = None) -> dict:
+    """Run one config as a subprocess (on GPU ``gpu`` when given) until it ends or ``deadline``; its summary."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}  # run_smoke tunes malloc itself
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     run_dir, steps_path = out / cfg["name"], out / f"{cfg['name']}.steps.jsonl"
     argv = ["--device", cfg.get("device", "cpu"), "--out", str(run_dir), *cfg.get("args", [])]
     steps_path.unlink(missing_ok=True)
@@ -96,14 +144,19 @@ def run_one(cfg: dict, out: Path, threads: int, deadline: float) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("configs")
     p.add_argument("--out", required=True)
     p.add_argument("--cpu-workers", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--deadline", type=float, default=540, help="seconds from now after which runs are killed")
-    a = p.parse_args()
+    p.add_argument("--gpus", type=int, default=0,
+                   help="spread the CUDA runs over this many GPUs (default: one, in turn)")
+    p.add_argument("--per-gpu", type=int, default=1, help="CUDA runs at once on each GPU (with --gpus)")
+    a = p.parse_args(argv)
+    if a.gpus < 0 or a.per_gpu < 1 or a.cpu_workers < 1 or a.threads < 1:
+        raise SystemExit("--gpus must be >= 0, --per-gpu, --cpu-workers and --threads >= 1")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = json.loads(Path(a.configs).read_text())
@@ -120,12 +173,24 @@ def main() -> None:
 
     cuda = [c for c in configs if c.get("device") == "cuda"]
     cpu = [c for c in configs if c.get("device", "cpu") == "cpu"]
-    gpu_thread = threading.Thread(target=lambda: [record(run_one(c, out, 4, deadline)) for c in cuda])
+
+    def run_cuda():
+        if not a.gpus:
+            for c in cuda:
+                record(run_one(c, out, 4, deadline))
+            return
+        with ThreadPoolExecutor(a.gpus * a.per_gpu) as gpu_pool:  # run i on GPU i % gpus, one CPU thread each
+            list(gpu_pool.map(lambda ic: record(run_one(ic[1], out, 1, deadline, gpu=ic[0] % a.gpus)),
+                              enumerate(cuda)))
+
+    gpu_thread = threading.Thread(target=run_cuda)
     gpu_thread.start()
     with ThreadPoolExecutor(a.cpu_workers) as pool:
         for r in pool.map(lambda c: run_one(c, out, a.threads, deadline), cpu):
             record(r)
     gpu_thread.join()
+    if any("variant" in c for c in configs):
+        (out / "margins.json").write_text(json.dumps(margins(results, configs), indent=1))
 
 
 if __name__ == "__main__":
