@@ -23,6 +23,7 @@ any forward (``check_inputs``: one host sync, for the token-id range). Non-finit
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from typing import Optional
@@ -40,7 +41,8 @@ from ..schema.checks import DeviceChecks, first_true, int_arg, temperature_arg, 
 from .vision_cache import VisionCache, check_model, check_pixels
 
 __all__ = [
-    "VisionCache", "batch_logprobs", "check_inputs", "check_model", "fill_media", "forward_hidden", "group_hidden",
+    "VisionCache", "batch_logprobs", "cache_keyword", "check_inputs", "check_model", "fill_media", "forward_hidden",
+    "group_hidden",
     "group_logprobs", "layout_inputs", "padding_arg", "prompt_lengths",
 ]
 
@@ -328,6 +330,12 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
                                 targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
 
 
+def cache_keyword(module) -> str:
+    """The keyword a transformers language model takes its KV cache by (``cache`` since
+    transformers 5.2x, ``past_key_values`` before: the old name warns where both exist)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> torch.Tensor:
     """The hidden states ``[n, H]`` that score the batch's loss tokens (loss-span order),
     computed as ``group_logprobs`` does: one prompt prefill per group, responses against its KV.
@@ -365,7 +373,7 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
         p = _shared_prompt(batch, members, prompt, cu)
         first = cu[members[0]]
         out = lm(inputs_embeds=embeds[None, first : first + p], position_ids=pos[:, None, first : first + p], use_cache=True)
-        prompt_hidden, kv = out.last_hidden_state[0], out.past_key_values
+        prompt_hidden, kv = out.last_hidden_state[0], getattr(out, cache_keyword(lm))
         lengths = torch.tensor([cu[b + 1] - cu[b] - p for b in members])
         width = int(lengths.max())
         rank = torch.full((batch.num_samples,), -1, dtype=torch.long)
@@ -385,8 +393,8 @@ def group_hidden(model, batch, *, vision_cache: VisionCache | None = None) -> to
             resp_pos[:, slot.to(dev)] = pos[:, src.to(dev)]
             mask = torch.cat([torch.ones((len(members), p), dtype=torch.int64), live.long()], 1).to(dev)
             resp_hidden = lm(inputs_embeds=resp.view(len(members), width, width_h), attention_mask=mask,
-                             position_ids=resp_pos.view(3, len(members), width), past_key_values=kv,
-                             use_cache=True).last_hidden_state
+                             position_ids=resp_pos.view(3, len(members), width), use_cache=True,
+                             **{cache_keyword(lm): kv}).last_hidden_state
             later = sel[~in_prompt]
             at = rank[token_sample[later]] * width + t[~in_prompt] - p
             hidden[later.to(dev)] = resp_hidden.reshape(-1, width_h)[at.to(dev)]

@@ -17,7 +17,6 @@ times is prefilled once and its cache repeated, and a row that draws a media pla
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from ..schema.checks import (
     temperature_arg,
     tensor_arg,
 )
-from .qwen2_5_vl import check_inputs, fill_media, prompt_lengths
+from .qwen2_5_vl import cache_keyword, check_inputs, fill_media, prompt_lengths
 from .vision_cache import VisionCache, check_model
 
 __all__ = ["cache_keyword", "decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
@@ -100,12 +99,6 @@ class OnPolicyRollout:
         fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=self.batch.device)
         self.batch = RLBatch(**fields)
         return self.batch
-
-
-def cache_keyword(module) -> str:
-    """The keyword a transformers language model takes its KV cache by (``cache`` since
-    transformers 5.2x, ``past_key_values`` before)."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 # --------------------------------------------------------------------------- arguments
