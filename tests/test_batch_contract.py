@@ -174,3 +174,11 @@ def test_a_transposed_group_of_three_is_not_guessed(processor, tiny_model):
     with pytest.raises(SchemaError,
                        match=r"media tokens all have t = h = w, which M-RoPE never gives: .*\.transpose\(0, 1\)"):
         RLBatch.from_qwen_vl(out, processor=processor, position_ids=pos.transpose(0, 1).contiguous())
+
+
+def test_a_prompts_only_batch_is_all_prompt(processor, two_prompts):
+    """Without responses (a rollout's prompt batch) the whole sample is the prompt."""
+    out, _ = two_prompts
+    assert RLBatch.from_qwen_vl(out, processor=processor, group_ids=["a", "b", "a", "b"]).group_ids == list("abab")
+    with pytest.raises(SchemaError, match=r"sample 1 is in group 'a' with sample 0"):
+        RLBatch.from_qwen_vl(out, processor=processor, group_ids=["a", "a", "b", "b"])

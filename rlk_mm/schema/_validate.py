@@ -53,7 +53,7 @@ def check(batch) -> None:
     _check_per_sample(batch, checks, lengths)
     _check_media(batch, checks)
     token_modality, token_media = _check_modality_spans(batch, checks, lengths)
-    _check_groups(batch, checks, token_media)
+    _check_groups(batch, checks, token_media, lengths)
     _check_placeholders(batch, checks, token_modality)
     _check_loss_spans(batch, checks, lengths, token_modality)
     _check_grounding(batch, checks, lengths)
@@ -325,19 +325,25 @@ def _check_modality_spans(batch, checks: DeviceChecks, lengths: Tensor) -> tuple
     return ms.modality[span_of_token], ms.media_index.long()[span_of_token]
 
 
-def _check_groups(batch, checks: DeviceChecks, token_media: Tensor) -> None:
+def _check_groups(batch, checks: DeviceChecks, token_media: Tensor, lengths: Tensor) -> None:
     """Samples that share a group id answer one prompt: equal prompt lengths, and equal prompt
-    tokens, positions and media (cache keys) at every prompt position. Group ids and keys
-    are compared on the host; the tokens in the one sync. Episode batches (``action_spans``)
-    are checked per episode by ``from_trajectories`` (a step's window is not its episode's prompt)."""
-    if batch.group_ids is None or batch.prompt_lengths is None or batch.action_spans is not None:
+    tokens, positions and media (cache keys) at every prompt position. A batch of prompts only
+    (no prompt_lengths, no loss spans) is all prompt. Group ids and keys are compared on the
+    host; the tokens in the one sync. Episode batches (``action_spans``) are checked per episode
+    by ``from_trajectories`` (a step's window is not its episode's prompt)."""
+    if batch.group_ids is None or batch.action_spans is not None:
+        return
+    prompt = batch.prompt_lengths
+    if prompt is None and batch.loss_spans.num_spans == 0:
+        prompt = lengths
+    if prompt is None:
         return
     first: dict[str, int] = {}
     leader = [first.setdefault(g, b) for b, g in enumerate(batch.group_ids)]
     if len(first) == len(leader):
         return
     device, B, T = batch.input_ids.device, batch.num_samples, batch.num_tokens
-    prompt, cu = batch.prompt_lengths, batch.cu_seqlens.long()
+    cu = batch.cu_seqlens.long()
     lead = _to_device(leader, device)
     other_length = prompt != prompt[lead]
     key_first: dict[str, int] = {}
