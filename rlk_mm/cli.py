@@ -49,7 +49,8 @@ def _processor(model_path):
     try:
         return qwen_vl_processor(model_path)
     except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a folder it cannot read)
-        raise UsageError(f"--model-path {model_path}: cannot load a Qwen-VL processor there ({type(e).__name__}: {e})") from e
+        raise UsageError(f"--model-path {model_path}: cannot load a Qwen-VL processor there "
+                         f"({type(e).__name__}: {e})") from e
 
 
 def _decoder(model_path, batches):
@@ -62,9 +63,11 @@ def _decoder(model_path, batches):
     ids = {"image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
            "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>")}
     if any(getattr(b, name) not in (None, want) for b in batches for name, want in ids.items()):
-        return None, "context shown as token ids: the batches' image/video token ids are not the bundled Qwen tokenizer's; " \
+        return None, "context shown as token ids: the batches' image/video token ids are not the bundled Qwen " \
+                     "tokenizer's; " \
                      "--model-path DIR decodes with your model's"
-    return tokenizer, "context decoded with the bundled offline Qwen tokenizer; --model-path DIR decodes with your model's"
+    return tokenizer, ("context decoded with the bundled offline Qwen tokenizer; "
+                       "--model-path DIR decodes with your model's")
 
 
 def _bar(args, total: int, label: str) -> Progress:
@@ -92,11 +95,14 @@ def _add_invariance_parser(sub) -> None:
     from .parity.invariance import CASES
 
     p = sub.add_parser("invariance", help=HELP["invariance"])
-    p.add_argument("--model-path", type=command.folder, help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
-    p.add_argument("--samples", type=command.int_at_least(2), default=4, help="number of synthetic image-text samples (>= 2)")
+    p.add_argument("--model-path", type=command.folder,
+                   help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
+    p.add_argument("--samples", type=command.int_at_least(2), default=4,
+                   help="number of synthetic image-text samples (>= 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", nargs="+", choices=list(CASES), help="cases to run (default: all)")
-    p.add_argument("--backend", choices=["torch", "triton"], help="kernels inside batch_invariant() (default: Triton on CUDA, torch on CPU)")
+    p.add_argument("--backend", choices=["torch", "triton"],
+                   help="kernels inside batch_invariant() (default: Triton on CUDA, torch on CPU)")
     p.add_argument("--score", choices=["logprob", "hidden"], default="logprob")
     p.add_argument("--response-length", type=command.int_at_least(1), default=8)
     p.add_argument("--group-size", type=command.int_at_least(1), default=4)
@@ -139,7 +145,8 @@ def _sweep(args, bar: Progress):
         try:
             model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model_path, attn_implementation="sdpa")
         except Exception as e:  # noqa: BLE001 (transformers raises many kinds for a folder it cannot read)
-            raise UsageError(f"--model-path {args.model_path}: cannot load a Qwen2.5-VL model there ({type(e).__name__}: {e})") from e
+            raise UsageError(f"--model-path {args.model_path}: cannot load a Qwen2.5-VL model there "
+                             f"({type(e).__name__}: {e})") from e
     else:
         model = fixtures.tiny_qwen2_5_vl(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .schema.batch import batch_arg
 from .schema import Modality, RLBatch
+from .schema.batch import batch_arg
 from .schema.checks import int_arg, sequence_arg
 
 __all__ = ["COLOURS", "draw_layout", "LOSS_COLOUR"]
@@ -44,7 +44,8 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
     for row, b in enumerate(samples):
         y = len(samples) - 1 - row
         for s in batch.modality_spans_of(b):
-            ax.broken_barh([(s.start, len(s))], (y + 0.35, 0.5), facecolors=COLOURS[s.modality], edgecolor="white", linewidth=0.3)
+            ax.broken_barh([(s.start, len(s))], (y + 0.35, 0.5), facecolors=COLOURS[s.modality], edgecolor="white",
+                           linewidth=0.3)
         for s in batch.loss_spans_of(b):
             ax.broken_barh([(s.start, len(s))], (y + 0.05, 0.25), facecolors=LOSS_COLOUR)
     ax.set_yticks([len(samples) - 1 - r + 0.5 for r in range(len(samples))])
@@ -59,7 +60,8 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
     handles = [Patch(color=COLOURS[m], label=m.label) for m in (Modality.TEXT, Modality.IMAGE, Modality.VIDEO)]
     handles.append(Patch(color=LOSS_COLOUR, label="loss (scored targets)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
-    ax.set_title(title or f"layout: {batch.num_samples} samples, fingerprint {batch.processor_fingerprint[:12]}", fontsize=10)
+    ax.set_title(title or f"layout: {batch.num_samples} samples, fingerprint {batch.processor_fingerprint[:12]}",
+                 fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
