@@ -1,5 +1,5 @@
 """The GRPO smoke test (`rlk-mm smoke`), shortened for CI: its gates pass on the real
-pipeline (tiny Qwen2.5-VL, real processor, `generate`, rlk_mm ops), each `--break` mode
+pipeline (tiny Qwen2.5-VL, real processor, `generate_on_policy`, rlk_mm ops), each `--break` mode
 makes it fail where it should, Geo3K runs, and its parts (data, rewards, sampler, the
 shared vision encoding) do what they claim."""
 
@@ -49,6 +49,40 @@ def test_short_smoke_passes_gates_and_trains(tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000
 
 
+TIMINGS = {"tokens_per_s", "rollout_s", "batch_s", "reference_s", "forward_s", "backward_s", "seconds"}
+
+
+def test_every_step_is_on_policy_bitwise_and_a_run_is_reproducible(tmp_path):
+    """Under the invariant kernels every step's rollout log-probs equal the training's
+    (max |Δ| 0, no token differs), and the same seed gives the same per-step records."""
+    quick = ("--steps", "2", "--warmup-steps", "2")
+    runs = [_run(tmp_path / name, *quick) for name in ("a", "b")]
+    records = [[{k: v for k, v in s.items() if k not in TIMINGS} for s in report["steps"]] for _, report, _ in runs]
+    assert records[0] == records[1] and len(records[0]) == 2
+    for step in records[0]:
+        assert step["max_abs_delta"] == 0.0 and step["tokens_differing"] == 0, step
+        assert {"reward_mean", "response_tokens", "adv_std", "kl"} <= set(step)
+    assert runs[0][1]["gates"][1]["data"]["bitwise"] is True
+
+
+def test_default_kernels_are_the_control_and_its_series_is_drawn(tmp_path):
+    _, invariant, _ = _run(tmp_path / "inv", "--steps", "1", "--warmup-steps", "0")
+    control_report = tmp_path / "inv" / "smoke_report.json"
+    _, report, gates = _run(tmp_path / "ctl", "--steps", "1", "--warmup-steps", "0", "--kernels", "default",
+                            "--control", str(control_report))
+    assert gates["(b) log-prob consistency"] and "bitwise" not in report["gates"][1]["data"]
+    assert report["config"]["kernels"] == "default" and len(report["steps"]) == 1
+    assert (tmp_path / "ctl" / "smoke_curves.png").stat().st_size > 10_000
+
+
+def test_a_bad_control_report_is_refused_at_parse_time(tmp_path):
+    bad = tmp_path / "r.json"
+    bad.write_text("{}")
+    for path in (str(bad), str(tmp_path / "missing.json")):
+        with pytest.raises(SystemExit):
+            smoke.parse_args(["--control", path])
+
+
 @pytest.mark.parametrize(
     "mode, failing",
     [
@@ -90,7 +124,21 @@ def test_default_smoke_learns_on_the_gpu(tmp_path):
     print(f"default smoke on {report['device']}: {report['learning']['detail']} in {report['timings']['total_s']:.0f} s")
     assert all(g["ok"] for g in report["gates"]), report["gates"]
     assert len(report["steps"]) == args.steps
+    assert all(s["max_abs_delta"] == 0.0 and s["tokens_differing"] == 0 for s in report["steps"])
     assert report["learning"]["ok"] and code == 0, report["learning"]
+
+
+@pytest.mark.gpu
+def test_point_task_stays_on_policy_after_warm_up_on_the_gpu(tmp_path):
+    """The setting whose default-kernel rollout drifted past the contract: 200 steps after 100
+    warm-up steps, every step bitwise (max |Δ| 0, no token differs)."""
+    args = smoke.parse_args(["--device", "cuda", "--task", "point", "--steps", "200", "--warmup-steps", "100",
+                             "--quiet", "--out", str(tmp_path)])
+    smoke.run_smoke(args)
+    report = json.loads((tmp_path / "smoke_report.json").read_text())
+    assert all(g["ok"] for g in report["gates"]), report["gates"]
+    assert len(report["steps"]) == 200
+    assert all(s["max_abs_delta"] == 0.0 and s["tokens_differing"] == 0 for s in report["steps"])
 
 
 # ----------------------------------------------------------------------------- parts
@@ -212,7 +260,8 @@ def test_tasks_are_one_package_and_the_old_modules_warn():
     from rlk_mm.smoke import tasks
     from rlk_mm.smoke.tasks import base, point
 
-    assert set(tasks.TASKS) == {"colour", "geo3k", "video-direction", "point", "point-shuffled"}
+    assert set(tasks.TASKS) == {"colour", "geo3k", "video-direction", "video-direction-shuffled", "point",
+                                "point-shuffled"}
     assert smoke.COLOURS is ANSWER_COLOURS and list(ANSWER_COLOURS) == ["red", "green", "blue", "yellow"]
     assert all(SHAPE_COLOURS[name] == rgb for name, rgb in ANSWER_COLOURS.items())  # one palette
     for old, new, name in (("task", base, "Task"), ("point_task", point, "point_reward")):

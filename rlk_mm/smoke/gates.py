@@ -40,7 +40,10 @@ def gate_layout(policy: Policy, rb: RLBatch, tb: RLBatch) -> Gate:
     return Gate("(a) layout parity", False, f"{len(report.mismatches)} mismatches; first: {first.describe()}", report.to_dict())
 
 
-def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBatch, dtype, tokenizer) -> Gate:
+def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBatch, dtype, tokenizer, *,
+                  bitwise: bool = False) -> Gate:
+    """Rollout vs training log-probs: ``torch.equal`` when ``bitwise`` (the invariant kernels),
+    else within the numerical contract (the default-kernels control)."""
     name = "(b) log-prob consistency"
     try:
         cmp = compare_logprobs(rollout_lp, training_lp, rb, tb, dtype=dtype, tokenizer=tokenizer)
@@ -48,6 +51,10 @@ def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBa
         return Gate(name, False, f"refused: the layouts differ ({error.report.first.field})")
     except ValueError as error:
         return Gate(name, False, str(error))
+    if bitwise:
+        same = torch.equal(rollout_lp, training_lp)
+        detail = f"{cmp.num_tokens} tokens, max |Δ| {cmp.max_abs:.2e} ({'bitwise equal' if same else 'NOT bitwise equal'})"
+        return Gate(name, same, detail, {**cmp.to_dict(), "bitwise": same})
     detail = f"{cmp.num_tokens} tokens, max |Δ| {cmp.max_abs:.2e} (contract {cmp.tolerance:g})"
     if not cmp.ok:
         f = cmp.first_beyond

@@ -5,6 +5,8 @@ command-line words, for the report)."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from .. import command
 from ..command import UsageError
@@ -12,13 +14,24 @@ from ..schema.checks import MIN_TEMPERATURE
 from .tasks import DATA_TASKS, TASKS
 
 __all__ = [
-    "add_arguments", "BREAKS", "check_args", "IMAGE_SWAP_MIN_PROMPTS", "parse_args", "parser", "task_name",
+    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "parse_args", "parser", "task_name",
     "to_argv",
 ]
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
 IMAGE_SWAP_MIN_PROMPTS = 5
 """With 5 or more prompts, the 4 first-image sizes force two same-size images in different groups."""
+
+
+def control_report(text: str) -> str:
+    """An argparse type: an existing smoke_report.json with per-step records (``--control``)."""
+    try:
+        steps = json.loads(Path(text).read_text()).get("steps")
+    except (OSError, ValueError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"{text}: not a readable smoke_report.json ({e})") from None
+    if not isinstance(steps, list) or not steps:
+        raise argparse.ArgumentTypeError(f"{text}: no per-step records (a smoke_report.json of a run with steps)")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
     p.add_argument("--warmup-steps", type=count(0), default=40, help="supervised warm-up steps with shuffled labels (default 40)")
     p.add_argument("--warmup-lr", type=positive, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
+    p.add_argument("--kernels", default="invariant", choices=("invariant", "default"),
+                   help="kernels of rollout and training: invariant (batch_invariant(): rollout log-probs equal the "
+                        "training log-probs bitwise, gate (b) is torch.equal) or default (the control: a tolerance)")
+    p.add_argument("--control", type=control_report,
+                   help="a smoke_report.json of a --kernels default run: its rollout-vs-training series is drawn "
+                        "next to this run's")
     p.add_argument("--quiet", action="store_true", help="print nothing (the report is still written)")
     command.add_debug_flag(p)
 

@@ -53,7 +53,9 @@ def progress_row(m: dict, steps: int) -> str:
     )
 
 
-def draw_curves(steps: list[dict], path: Path, task: str, args) -> None:
+def draw_curves(steps: list[dict], path: Path, task: str, args, control: list[dict] | None = None) -> None:
+    """Reward, KL and the rollout-vs-training max |Δ| over the steps (next to ``control``'s,
+    the steps of a ``--kernels default`` run, when given)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,7 +64,7 @@ def draw_curves(steps: list[dict], path: Path, task: str, args) -> None:
     x = [s["step"] for s in steps]
     mean = np.array([s["reward_mean"] for s in steps])
     std = np.array([s["reward_std"] for s in steps])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.4))
     ax1.fill_between(x, mean - std, mean + std, alpha=0.2, color="#2c7fb8", linewidth=0)
     ax1.plot(x, mean, color="#2c7fb8", linewidth=1, label="mean reward")
     if len(x) >= LEARNING_WINDOW:
@@ -79,6 +81,17 @@ def draw_curves(steps: list[dict], path: Path, task: str, args) -> None:
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("k3 KL to the warm-up policy")
     ax2.set_title("KL", fontsize=10)
+    series = [(steps, f"{getattr(args, 'kernels', 'invariant')} kernels", "#1b9e77")]
+    if control:
+        series.append((control, "default kernels (control)", "#d95f02"))
+    for rows, label, colour in series:
+        ax3.plot([s["step"] for s in rows], [s.get("max_abs_delta", float("nan")) for s in rows], color=colour,
+                 linewidth=1.2, marker=".", markersize=3, label=label)
+    ax3.set_yscale("symlog", linthresh=1e-8)
+    ax3.set_xlabel("GRPO step")
+    ax3.set_ylabel("max |rollout - training| log-prob")
+    ax3.set_title("rollout vs training (0 = bitwise)", fontsize=10)
+    ax3.legend(fontsize=8)
     fig.suptitle(f"rlk-mm smoke ({task}, seed {args.seed}" + (f", --break {args.break_mode}" if args.break_mode else "") + ")", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

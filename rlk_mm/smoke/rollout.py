@@ -1,4 +1,4 @@
-"""The rollout: G answers per prompt from the model's own `generate`, with each token's
+"""The rollout: G answers per prompt from ``generate_on_policy``, with each token's
 log-prob and the positions it was fed, and the two batches the gates compare (the
 rollout's record and the trainer's, with the `loss-shift` bug)."""
 
@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..fixtures import Sample, processor_inputs
+from ..models.rollout import generate_on_policy
 from ..ops.sampling import group_seeds, sample
 from ..schema import RLBatch, SpanTable
 from .policy import Policy
@@ -34,20 +35,6 @@ class SeededSampler:
         drawn = sample(scores, temperature=self.temperature, seeds=self.seeds, step=len(self.logprobs))
         self.logprobs.append(drawn.log_probs)
         return scores.fill_(-math.inf).scatter_(1, drawn.tokens[:, None], 0.0)
-
-
-class _PositionRecorder:
-    """Records the M-RoPE positions `generate` feeds the language model at every step."""
-
-    def __init__(self, language_model):
-        self.steps: list[Tensor] = []
-        self.handle = language_model.register_forward_pre_hook(self, with_kwargs=True)
-
-    def __call__(self, module, args, kwargs):
-        pos = kwargs.get("position_ids")
-        if pos is None:
-            raise RuntimeError("generate did not pass position_ids to the language model; cannot record the rollout's positions")
-        self.steps.append(pos[-3:].detach().cpu())  # [4, B, n] (text row first) or [3, B, n]
 
 
 @dataclass
@@ -89,67 +76,37 @@ def _take_rows(inputs: dict, samples: list[Sample], rows: list[int]) -> dict:
     return out
 
 
-@torch.no_grad()
-def rollout(policy: Policy, task: Task, prompts: list[Sample], G: int, *, temperature: float, generator, step: int) -> Rollout:
-    """G answers per prompt with the model's own `generate` (KV cache, temperature sampling)."""
-    from transformers import GenerationConfig, LogitsProcessorList
-
+def rollout(policy: Policy, task: Task, prompts: list[Sample], G: int, *, temperature: float, generator, step: int,
+            kernels: str = "invariant") -> Rollout:
+    """G answers per prompt from ``generate_on_policy`` (KV cache; under ``batch_invariant()``
+    unless ``kernels="default"``), each token's log-prob and the positions it was fed."""
     start = time.perf_counter()
-    model, tok = policy.model, policy.tokenizer
-    rows = [s for s in prompts for _ in range(G)]
-    groups = [f"{step}:{s.id}" for s in rows]
-    inputs = _take_rows(processor_inputs(policy.processor, prompts, padding_side="left"), prompts, [b for b in range(len(prompts)) for _ in range(G)])
+    groups = [f"{step}:{s.id}" for s in prompts]
+    inputs = processor_inputs(policy.processor, prompts, padding_side="left")
     # one stream per answer: the run's generator gives the step's seed, group_seeds one per group member
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-    sampler = SeededSampler(temperature, group_seeds(seed, groups, step).to(policy.device))
-    recorder = _PositionRecorder(model.model.language_model)
-    config = GenerationConfig(
-        do_sample=False, max_new_tokens=task.max_new_tokens, eos_token_id=policy.eos_ids, pad_token_id=policy.pad_id,
-        use_cache=True,
-    )
-    try:
-        out = model.generate(
-            **{k: v.to(policy.device) for k, v in inputs.items()},
-            generation_config=config,
-            logits_processor=LogitsProcessorList([sampler]),
-        )
-    finally:
-        recorder.handle.remove()
-    P = inputs["input_ids"].shape[1]
-    sequences = out[:, P:].cpu() if not hasattr(out, "sequences") else out.sequences[:, P:].cpu()
-    logps = torch.stack(sampler.logprobs, 1).cpu()  # [rows, steps]
-    fed = torch.cat(recorder.steps, dim=-1)  # [3, rows, P + steps fed]
-    eos = torch.tensor(policy.eos_ids)
-    media = torch.tensor([model.config.image_token_id, model.config.video_token_id])
-    keep, data = [], []
-    for r in range(len(rows)):
-        seq = sequences[r]
-        stop = torch.nonzero(torch.isin(seq, eos)).flatten()
-        n = int(stop[0]) + 1 if stop.numel() else seq.numel()
-        response = seq[:n]
-        if bool(torch.isin(response, media).any()):
-            continue  # a generated media placeholder cannot be scored: reject the answer (RLBatch would refuse it)
-        mask = inputs["attention_mask"][r].bool()
-        prompt = inputs["input_ids"][r][mask]
-        # positions as fed: the prompt at prefill, response token k at decode step k + 1; generate
-        # never feeds its last token, whose position continues the text (previous + 1, as M-RoPE does)
-        fed_pos = torch.cat([fed[:, r, :P][:, mask], fed[:, r, P : P + n - 1]], dim=1)
-        pos = torch.cat([fed_pos, fed_pos[:, -1:] + 1], dim=1)
-        text = tok.decode(response, skip_special_tokens=True)
-        keep.append(r)
-        data.append((prompt, response, logps[r, :n].float(), pos, text, task.reward(text, rows[r])))
-    kept_rows = [rows[r] for r in keep]
+    seeds = group_seeds(seed, [g for g in groups for _ in range(G)], step)
+    out = generate_on_policy(policy.model, inputs, processor=policy.processor, max_new_tokens=task.max_new_tokens,
+                             samples_per_prompt=G, temperature=temperature, seeds=seeds, stop_token_ids=policy.eos_ids,
+                             group_ids=groups, kernels=kernels)
+    rows = [r // G for r in out.rows]
+    kept = [prompts[b] for b in rows]
+    texts = out.texts(policy.tokenizer)
+    batch = out.batch
+    cu = batch.cu_seqlens.long().tolist() if batch is not None else [0]
+    prompt_ids = [batch.input_ids[cu[i] : cu[i + 1] - len(r)].cpu() for i, r in enumerate(out.responses)]
+    positions = [batch.position_ids[:, cu[i] : cu[i + 1]].cpu() for i in range(len(out.responses))]
     return Rollout(
-        samples=kept_rows,
-        group_ids=[groups[r] for r in keep],
-        inputs=_take_rows(inputs, rows, keep),
-        prompt_ids=[d[0] for d in data],
-        responses=[d[1] for d in data],
-        logprobs=[d[2] for d in data],
-        positions=[d[3] for d in data],
-        texts=[d[4] for d in data],
-        rewards=[d[5] for d in data],
-        rejected=len(rows) - len(keep),
+        samples=kept,
+        group_ids=[groups[b] for b in rows],
+        inputs=_take_rows(inputs, prompts, rows),
+        prompt_ids=prompt_ids,
+        responses=out.responses,
+        logprobs=out.log_probs,
+        positions=positions,
+        texts=texts,
+        rewards=[task.reward(t, s) for t, s in zip(texts, kept)],
+        rejected=len(out.rejected),
         seconds=time.perf_counter() - start,
     )
 

@@ -3,6 +3,7 @@ check and the report; the learning-rate schedule and the malloc tuning it uses."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import json
@@ -15,7 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..ops import group_advantages, linear_policy_loss, scatter_rewards
+from ..ops import batch_invariant, group_advantages, linear_policy_loss, scatter_rewards
+from ..ops.invariant.mode import stock_kernels
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
@@ -115,15 +117,22 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         forward); the call's metrics and log-probs are kept on the function."""
 
         def fn(hidden: Tensor, head: Tensor, batch: RLBatch) -> Tensor:
-            out = linear_policy_loss(
-                hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
-                advantages=adv.to(device), ref_log_probs=ref_lp.to(device), kl_type="low_var_kl",
-                kl_coef=args.kl_coef, loss_agg_mode="token-mean",
-            )
+            with stock_kernels():  # the LM head's own fixed order, as the rollout's draws have it
+                out = linear_policy_loss(
+                    hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
+                    advantages=adv.to(device), ref_log_probs=ref_lp.to(device), kl_type="low_var_kl",
+                    kl_coef=args.kl_coef, loss_agg_mode="token-mean",
+                )
             fn.metrics, fn.log_probs = out.metrics, out.log_probs
             return out.loss
 
         return fn
+
+    invariant = args.kernels == "invariant"
+
+    def kernels():
+        """The training forward's kernels: those the rollout decoded with."""
+        return batch_invariant() if invariant else contextlib.nullcontext()
 
     steps_out: list[dict] = []
     report["steps"] = steps_out
@@ -133,7 +142,7 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         ro = rollout(policy, task, task.batch(rng_train, args.prompts, "train"), args.samples,
-                     temperature=args.temperature, generator=generator, step=step)
+                     temperature=args.temperature, generator=generator, step=step, kernels=args.kernels)
         tb = training_batch(policy, ro, loss_shift=args.break_mode == "loss-shift")
         old = torch.cat(ro.logprobs)
         swap = swap_pair(tb) if args.break_mode == "image-swap" else None
@@ -143,23 +152,24 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
                 "use more --prompts (with 5 or more, the 4 first-image sizes force a pair)"
             )
         t1 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), kernels():
             ref_lp = policy_logprobs(policy, reference, tb, args.temperature).cpu()
         adv, scores = _grpo_advantages(tb, negate=args.break_mode == "adv-sign")
         loss_fn = loss_fn_for(tb, old, adv, ref_lp)
         t2 = time.perf_counter()
-        hidden = hidden_states(policy.model, tb, swap_images=swap)
-        loss = loss_fn(hidden, policy.head, tb)
+        with kernels():
+            hidden = hidden_states(policy.model, tb, swap_images=swap)
+            loss = loss_fn(hidden, policy.head, tb)
         logp = loss_fn.log_probs
         t3 = time.perf_counter()
         if step == 1:
             t_gates = time.perf_counter()
             rb = rollout_batch(policy, ro)
-            with torch.no_grad():
+            with torch.no_grad(), kernels():
                 train_lp = policy_logprobs(policy, policy.model, tb, args.temperature, swap=swap)
             gates = [
                 gate_layout(policy, rb, tb),
-                gate_logprobs(old, train_lp.cpu(), rb, tb, dtype, policy.tokenizer),
+                gate_logprobs(old, train_lp.cpu(), rb, tb, dtype, policy.tokenizer, bitwise=invariant),
                 gate_masking(policy, ro, tb, hidden, loss_fn, args.seed),
                 gate_ratio(logp, old, dtype),
             ]
@@ -190,17 +200,22 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
             report["first_update_direction"] = update_direction(tb, logp.cpu(), after)
         m = loss_fn.metrics
         r = torch.tensor(ro.rewards)
+        delta = (logp.detach().cpu() - old).abs()  # rollout vs training, before the update (same policy)
         seconds = time.perf_counter() - t0
         metrics = dict(
             step=step, reward_mean=float(r.mean()), reward_std=float(r.std()) if r.numel() > 1 else 0.0,
             loss=float(loss.detach()), pg_loss=float(m["pg_loss"]), kl=float(m["kl_loss"]) if "kl_loss" in m else 0.0,
             clip_frac=float(m["pg_clipfrac"]), ppo_kl=float(m["ppo_kl"]),
-            max_ratio_dev=float((logp.cpu() - old).exp().sub(1).abs().max()),
+            max_ratio_dev=float((logp.detach().cpu() - old).exp().sub(1).abs().max()),
+            max_abs_delta=float(delta.max()) if delta.numel() else 0.0,
+            tokens_differing=int((logp.detach().cpu() != old).sum()),
+            adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
             response_tokens=float(sum(x.numel() for x in ro.responses) / max(len(ro.responses), 1)),
             rejected=ro.rejected, tokens=tb.num_tokens, tokens_per_s=tb.num_tokens / seconds,
             rollout_s=ro.seconds, batch_s=t1 - t0 - ro.seconds, reference_s=t2 - t1, forward_s=t3 - t2,
             backward_s=t4 - t3b, seconds=seconds,
         )
+        metrics.update({f"task_{k}": v for k, v in task.diagnostics(ro.texts, ro.rewards).items()})
         steps_out.append(metrics)
         log(progress_row(metrics, args.steps))
         if on_step is not None:
@@ -213,7 +228,8 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         log("learning: " + learning["detail"])
         if not learning["ok"]:
             exit_code = 1
-        draw_curves(steps_out, out_dir / "smoke_curves.png", task.name, args)
+        control = json.loads(Path(args.control).read_text())["steps"] if args.control else None
+        draw_curves(steps_out, out_dir / "smoke_curves.png", task.name, args, control)
     timings["total_s"] = time.perf_counter() - t_start
     report["exit_code"] = exit_code
     (out_dir / "smoke_report.json").write_text(json.dumps(report, indent=2, default=str))

@@ -32,6 +32,11 @@ class Task:
             require_supported_messages(s.messages, f"smoke task {self.name!r}, prompt {s.id!r}")
         return prompts
 
+    def diagnostics(self, texts: list[str], rewards: list[float]) -> dict:
+        """Task-specific numbers for one step's answers (``texts``, ``rewards``), recorded per
+        step in the smoke report; none by default."""
+        return {}
+
 
 def numbered_draw(prefix: str, make: Callable[[random.Random, str], Sample]):
     """A task's ``draw``: ``n`` prompts from ``make(rng, id)``, ids ``{prefix}-{stream}-{k}``
