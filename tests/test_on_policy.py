@@ -173,3 +173,41 @@ def test_property_any_seed_group_and_stop_is_on_policy(tiny_model, processor, im
         assert torch.equal(a[: len(b)], b)  # a stop only cuts a row short
     got = _training(tiny_model, rollout.batch, None)
     assert torch.equal(got, rollout.flat_log_probs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rollout_and_decode_are_the_training_forward(processor, dtype):
+    """On CUDA with the Triton kernels: rollout log-probs equal the training log-probs and the
+    KV-cache decode equals the one-pass forward, bitwise, in every layout; the default
+    kernels' control runs (its drift is measured, not bounded, here)."""
+    from rlk_mm.models import forward_hidden
+    from rlk_mm.models.rollout import decode_hidden
+
+    model = fixtures.tiny_qwen2_5_vl(seed=0, hidden_size=256, num_heads=4, num_kv_heads=2).eval().to("cuda", dtype)
+    samples = fixtures.synthetic_image_text(3, seed=1, max_images=2) + fixtures.synthetic_video_text(1, seed=2)
+    inputs = fixtures.processor_inputs(processor, samples)
+    rollout = _stopping(model, inputs, processor, backend=None, max_new_tokens=8, samples_per_prompt=3)
+    _assert_on_policy(model, rollout, backend=None)
+    with torch.no_grad(), batch_invariant():
+        decoded = decode_hidden(model, rollout.batch)
+        for padding in PADDINGS:
+            assert torch.equal(decoded, forward_hidden(model, rollout.batch, padding=padding)), padding
+    control = _rollout(model, inputs, processor, backend=None, kernels="default", max_new_tokens=8)
+    with torch.no_grad():
+        training = batch_logprobs(model, control.batch)
+    assert training.shape == control.flat_log_probs.shape and torch.isfinite(training).all()  # drift is allowed
+
+
+@pytest.mark.slow
+def test_the_benchmark_dry_run_writes_its_json(tmp_path):
+    from bench import bench_on_policy
+
+    data = bench_on_policy.main(["--dry-run", "--out", str(tmp_path)])
+    written = (tmp_path / "on_policy.json").read_text()
+    assert '"headline"' in written and data["setup"]["dry_run"]
+    result = data["results"]["tiny"]
+    for kernels in ("default", "invariant"):
+        step = result[kernels]["rl_step"]
+        assert all(step[k] > 0 for k in ("rollout_ms", "old_logprob_ms", "train_ms", "forward_ms"))
+    assert {"metric", "ours", "peer", "unit"} == set(data["headline"][0])

@@ -1,0 +1,213 @@
+"""What exactly on-policy rollouts cost: ``generate_on_policy`` and a GRPO training step under
+``batch_invariant()`` against the default kernels, in one process, on random-weight models
+of the Qwen2.5-VL-3B and -7B dimensions (bf16, ``--layers`` decoder layers and
+``--vision-depth`` vision blocks of the real width; nothing downloaded).
+
+Per model and kernels:
+
+* ``prefill``: one no-grad forward over the 8 image prompts, tokens/s;
+* ``decode``: ms per decode step at batch 1/16/64 (one prompt, its cache repeated), the
+  slope between two rollout lengths (the prefill cancels);
+* ``rl_step``: a rollout of G = 8 answers to each of 8 image prompts (``--new-tokens``, no
+  stop token, so every row runs the full length), then the old-log-prob recompute (a
+  no-grad forward, which a framework can skip when the rollout's log-probs are the
+  training's) and the training forward + backward (``batch_logprobs``, packed); the
+  backward's own time too.
+
+The tax: invariant over default, with the old-log-prob forward counted in both (``tax``) and
+with it skipped under the invariant kernels (``tax_skipping_old_logprob``). ``--profile``
+adds the top CUDA ops of one invariant training step. Medians of CUDA-event timings
+after a warm-up round. Writes ``on_policy.json`` (a top-level ``headline`` list for the
+README table) to ``--out`` (default ``$OUT`` or ``.``).
+
+    python -m bench.bench_on_policy --out $OUT                       # both models, about 3-4 min on one H100
+    python -m bench.bench_on_policy --models 3b --reps 2 --out $OUT  # quicker
+    python -m bench.bench_on_policy --dry-run --out /tmp/op          # CPU, tiny model and shapes (every path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from rlk_mm import fixtures
+from rlk_mm.models import batch_logprobs, generate_on_policy
+from rlk_mm.ops import batch_invariant
+
+from .common import DEFAULT_OUT, command_line, load_config, time_ms, write_result
+
+BASE = load_config("qwen2_5_vl_3b")
+#: the text towers of the two models (vision towers are the same, output width = hidden)
+TEXT = {
+    "3b": BASE["text_config"],
+    "7b": {**BASE["text_config"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4},
+}
+TIED = {"3b": True, "7b": False}
+#: vLLM's and SGLang's published batch-invariant throughput cost (the peers of the tax)
+PEER_TAX = "vLLM 22-31%, SGLang ~34% (throughput)"
+
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--models", nargs="+", default=["3b", "7b"], choices=list(TEXT))
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    ap.add_argument("--vision-depth", type=int, default=4, help="vision blocks (default 4, the last full attention)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8, help="answers per prompt, G")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--image-side", type=int, default=448, help="image side in pixels (448: 256 visual tokens)")
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="the top CUDA ops of one invariant training step")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny fixture model, tiny shapes")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.models, args.prompts, args.samples, args.new_tokens = ["tiny"], 1, 2, 3
+        args.decode_batches, args.reps, args.image_side, args.profile = [2], 1, 56, False
+    return args
+
+
+def build_model(name: str, layers: int, vision_depth: int, device: str):
+    """A random-weight bf16 Qwen2.5-VL of ``name``'s dimensions (``tiny``: the test fixture, fp32)."""
+    if name == "tiny":
+        return fixtures.tiny_qwen2_5_vl(seed=0).eval().to(device)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    special = {"bos_token_id": fixtures.ENDOFTEXT_TOKEN_ID, "eos_token_id": fixtures.IM_END_TOKEN_ID,
+               "pad_token_id": fixtures.ENDOFTEXT_TOKEN_ID}
+    text = {**TEXT[name], "num_hidden_layers": layers, **special}
+    vision = {**BASE["vision_config"], "depth": vision_depth, "fullatt_block_indexes": [vision_depth - 1],
+              "out_hidden_size": text["hidden_size"]}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=fixtures.IMAGE_TOKEN_ID,
+                              video_token_id=fixtures.VIDEO_TOKEN_ID,
+                              vision_start_token_id=fixtures.VISION_START_TOKEN_ID,
+                              vision_end_token_id=fixtures.VISION_END_TOKEN_ID, tie_word_embeddings=TIED[name])
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval()
+
+
+def _kernels(name: str):
+    return batch_invariant() if name == "invariant" else contextlib.nullcontext()
+
+
+def _measure(model, processor, args, device: str) -> dict:
+    size = (args.image_side, args.image_side)
+    prompts = fixtures.processor_inputs(processor, fixtures.synthetic_image_text(args.prompts, seed=0, max_images=1,
+                                                                                 sizes=[size]))
+    one = fixtures.processor_inputs(processor, fixtures.synthetic_image_text(1, seed=1, max_images=1, sizes=[size]))
+    warmup = 0 if args.dry_run else 1
+    timed = lambda fn: time_ms(fn, args.reps, warmup=warmup, device=device)["ms"]  # noqa: E731
+    out: dict = {}
+    for kernels in ("default", "invariant"):
+        rollout = lambda p=prompts, g=args.samples, n=args.new_tokens: generate_on_policy(  # noqa: E731
+            model, p, processor=processor, max_new_tokens=n, samples_per_prompt=g, seed=0, stop_token_ids=[],
+            kernels=kernels)
+        ro = rollout()
+        batch = ro.batch
+        adv = torch.randn(batch.loss_token_index()[0].numel(), device=device)
+        prompt_batch = generate_on_policy(model, prompts, processor=processor, max_new_tokens=1, seed=0,
+                                          stop_token_ids=[], kernels=kernels).batch
+
+        def prefill():
+            with torch.no_grad(), _kernels(kernels):
+                batch_logprobs(model, prompt_batch)
+
+        def old_logprobs():
+            with torch.no_grad(), _kernels(kernels):
+                batch_logprobs(model, batch)
+
+        def forward():
+            with _kernels(kernels):
+                return -(batch_logprobs(model, batch) * adv).mean()
+
+        def train():
+            model.zero_grad(set_to_none=True)
+            forward().backward()
+
+        decode = {}
+        short, long_ = max(2, args.new_tokens // 8), args.new_tokens
+        for b in args.decode_batches:
+            t_short = timed(lambda b=b: rollout(one, b, short))
+            t_long = timed(lambda b=b: rollout(one, b, long_))
+            decode[str(b)] = round((t_long - t_short) / (long_ - short), 4)
+        prefill_ms = timed(prefill)
+        step = {"rollout_ms": timed(rollout), "old_logprob_ms": timed(old_logprobs), "train_ms": timed(train),
+                "forward_ms": timed(forward)}
+        step["backward_ms"] = round(step["train_ms"] - step["forward_ms"], 4)
+        out[kernels] = {
+            "prefill_tokens_per_s": round(prompt_batch.num_tokens / prefill_ms * 1e3, 1), "prefill_ms": prefill_ms,
+            "decode_ms_per_step": decode, "rl_step": step, "scored_tokens": batch.loss_token_index()[0].numel(),
+            "tokens": batch.num_tokens,
+        }
+        if kernels == "invariant" and args.profile:
+            out["profile"] = _profile(train)
+    d, i = out["default"]["rl_step"], out["invariant"]["rl_step"]
+    base = d["rollout_ms"] + d["old_logprob_ms"] + d["train_ms"]
+    out["tax"] = round((i["rollout_ms"] + i["old_logprob_ms"] + i["train_ms"]) / base - 1, 4)
+    out["tax_skipping_old_logprob"] = round((i["rollout_ms"] + i["train_ms"]) / base - 1, 4)
+    out["backward_ratio"] = round(i["backward_ms"] / max(d["backward_ms"], 1e-9), 4)
+    return out
+
+
+def _profile(train) -> list[dict]:
+    """The top 15 ops of one training step by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:15]
+    return [{"op": e.key, "device_ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in rows]
+
+
+def _headline(results: dict, args) -> list[dict]:
+    rows = []
+    for name, r in results.items():
+        label = f"Qwen2.5-VL-{name.upper()} dims, {args.layers} layers"
+        rows.append({"metric": f"RL step tax, old-log-prob forward skipped ({label})",
+                     "ours": round(100 * r["tax_skipping_old_logprob"], 1), "peer": PEER_TAX, "unit": "%"})
+        rows.append({"metric": f"RL step tax, nothing skipped ({label})", "ours": round(100 * r["tax"], 1),
+                     "peer": PEER_TAX, "unit": "%"})
+        for b, ms in r["invariant"]["decode_ms_per_step"].items():
+            rows.append({"metric": f"decode step at batch {b}, invariant vs default ({label})", "ours": ms,
+                         "peer": r["default"]["decode_ms_per_step"][b], "unit": "ms"})
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    device = "cpu" if args.dry_run else "cuda"
+    processor = fixtures.qwen_vl_processor()
+    results = {}
+    for name in args.models:
+        model = build_model(name, args.layers, args.vision_depth, device)
+        results[name] = _measure(model, processor, args, device)
+        print(f"{name}: tax {results[name]['tax']:.3f}, skipping the old-log-prob forward "
+              f"{results[name]['tax_skipping_old_logprob']:.3f}", flush=True)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    data = {
+        "command": command_line(), "headline": _headline(results, args), "results": results,
+        "setup": {"layers": args.layers, "vision_depth": args.vision_depth, "prompts": args.prompts,
+                  "samples_per_prompt": args.samples, "new_tokens": args.new_tokens, "image_side": args.image_side,
+                  "dtype": "float32" if args.dry_run else "bfloat16", "dry_run": args.dry_run, "reps": args.reps},
+    }
+    write_result(args.out, "on_policy.json", data)
+    return data
+
+
+if __name__ == "__main__":
+    main()
