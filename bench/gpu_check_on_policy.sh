@@ -9,7 +9,7 @@ OUT=${OUT:-.}
 timeout ${TEST_TIMEOUT:-240} python -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_on_policy.py tests/test_batch_invariant.py > "$OUT/on_policy_gpu_tests.log" 2>&1
 echo "gpu tests: exit $? ($(tail -1 "$OUT/on_policy_gpu_tests.log"))"
-timeout ${BENCH_TIMEOUT:-300} python -m bench.bench_on_policy --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench_on_policy.log" 2>&1
+timeout ${BENCH_TIMEOUT:-540} python -m bench.bench_on_policy --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench_on_policy.log" 2>&1
 echo "bench_on_policy: exit $?"
 if [ "${SMOKE:-0}" = 1 ]; then
   timeout ${SMOKE_TIMEOUT:-1500} python -m pytest -q -m gpu -p no:cacheprovider tests/test_smoke.py -k "gpu" -s \
