@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from PIL import Image
 
 from rlk_mm import RLBatch, SchemaError
@@ -250,6 +250,7 @@ def test_video_layout_reads_the_batch_temporal_positions(processor, tps):
     assert layout.temporal_positions(0, tps).tolist() == rows  # the model's formula agrees with the batch
 
 
+@example(width=28, height=463, low=3136, high=12544)  # a short side floored to 0
 @settings(max_examples=40, deadline=None)
 @given(width=st.integers(28, 700), height=st.integers(28, 700), low=st.sampled_from([3136, 6272, 12544]),
        high=st.sampled_from([12544, 50176]))
@@ -262,7 +263,11 @@ def test_video_frame_size_is_smart_resize_of_the_frame(processor, width, height,
         want = vp.smart_resize(height, width, factor=28, min_pixels=low, max_pixels=high)
     except ValueError:
         return  # an aspect ratio qwen-vl-utils refuses
-    batch = RLBatch.from_messages([_conv({"type": "video", "video": frames, "min_pixels": low, "max_pixels": high})],
-                                  processor=processor)
+    conv = [_conv({"type": "video", "video": frames, "min_pixels": low, "max_pixels": high})]
+    if min(want) == 0:  # smart_resize floors a narrow frame's short side to 0: refused, naming the item
+        with pytest.raises(ValueError, match=r"conversation 0, video #0: qwen-vl-utils sized .* a side below one patch"):
+            RLBatch.from_messages(conv, processor=processor)
+        return
+    batch = RLBatch.from_messages(conv, processor=processor)
     _, h, w = batch.video_grid_thw[0].tolist()
     assert (h * 14, w * 14) == want

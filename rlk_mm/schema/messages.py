@@ -224,6 +224,9 @@ def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: in
             height, width = vp.smart_resize(frames[0].height, frames[0].width, factor=factor, min_pixels=low, max_pixels=high)
     except (ValueError, AssertionError) as error:
         raise ValueError(f"{where}: qwen-vl-utils could not resize it: {error}") from None
+    if height < factor or width < factor:  # smart_resize floors a narrow frame's short side to 0 under max_pixels
+        raise ValueError(f"{where}: qwen-vl-utils sized its {frames[0].width}×{frames[0].height} frames to {width}×{height}, "
+                         "a side below one patch: raise max_pixels or give less narrow frames")
     from PIL import Image
 
     resized = [frames[i].resize((width, height), Image.BICUBIC) for i in indices]
