@@ -317,7 +317,18 @@ def fields_from_messages(
     tokens and its ``<|im_end|>``, as a response is scored) besides the appended
     ``responses``; for a finished conversation pass ``add_generation_prompt=False``. The other
     arguments are ``from_qwen_vl``'s. Each item's cache key ends with its settings
-    (``media.key_settings`` reads them). Errors name the conversation and the item."""
+    (``media.key_settings`` reads them). Errors name the conversation and the item.
+
+    Raises
+    ------
+    TypeError
+        ``processor`` is not a Qwen-VL processor; a message's role is not a str, its content
+        neither a str nor a list of parts, or a text part has no str ``text``.
+    SchemaError
+        A text holds a chat marker the template writes itself (a forged turn or media item), or
+        an image or frame has a zero side or an aspect ratio above 200.
+    ValueError, FileNotFoundError
+        A media item that cannot be read or resized, or bad resize settings (naming the item)."""
     processor = vl_processor_arg(processor)
     conversations = _conversation_list(conversations, chat_markers(processor))
     if not isinstance(add_generation_prompt, bool):

@@ -197,7 +197,17 @@ def fields_from_trajectories(trajectories: Sequence[Trajectory], *, processor, h
     Qwen-VL processor (its chat template, tokenizer and image processor). Sets action
     spans (= loss spans), ``turn_rewards`` (the step rewards), ``group_ids`` (each episode's
     ``group_id``, else its id), ``screen_size`` (each sample's last screenshot) and one
-    media id per screenshot, ``<episode id>/step<t>``."""
+    media id per screenshot, ``<episode id>/step<t>``.
+
+    Raises
+    ------
+    TypeError
+        ``processor`` is not a Qwen-VL processor, or an episode, step or field has the wrong type.
+    SchemaError
+        Naming the episode, step and field: two episodes with one id; episodes of one group with
+        another task or first screenshot; a task, action or observation holding a chat marker
+        (``<|im_start|>``, ``<|image_pad|>``, ...); a screenshot of a zero side or an aspect ratio
+        above 200; an empty action, a non-finite reward; an action whose tokens straddle its turn."""
     processor = vl_processor_arg(processor)
     trajectories = _check_trajectories(trajectories, chat_markers(processor))
     if history is not None:
