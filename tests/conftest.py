@@ -16,7 +16,8 @@ Shared fixtures: ``processor`` (the real Qwen-VL processor) and ``tiny_model`` (
 Qwen2.5-VL, seed 0, eval mode; read it, never change it: ``own_tiny_model`` is a module's own
 for tests that do), ``backend`` (each test once per forced ``RLK_MM_BACKEND``; it wraps
 ``helpers.use_backend``, which hypothesis tests call directly), ``requires_verl`` (skips
-only where verl is not installed) and ``one_thread``. A test marked ``gpu`` fails at setup
+only where verl is not installed), ``one_thread`` and ``input_context`` (the shared inputs of
+the input tables in ``context_cases``). A test marked ``gpu`` fails at setup
 with a clear message where CUDA is absent (``pytest_runtest_setup``): never a silent skip.
 """
 
@@ -81,7 +82,8 @@ def _model_state(model) -> dict:
         "tensors": {k: (v.device, v.dtype) for k, v in model.state_dict().items()},
         "requires_grad": [p.requires_grad for p in model.parameters()],
         "grads": [n for n, p in model.named_parameters() if p.grad is not None],
-        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()),
+        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                     for m in model.modules()),
     }
 
 
@@ -120,7 +122,8 @@ def pytest_runtest_teardown(item):
             model.eval().zero_grad(set_to_none=True)
     result = yield  # the fixtures' own teardown
     if changed:
-        pytest.fail(f"{item.nodeid} changed the shared tiny_model ({', '.join(changed)}): use own_tiny_model there", pytrace=False)
+        pytest.fail(f"{item.nodeid} changed the shared tiny_model ({', '.join(changed)}): use own_tiny_model there",
+                    pytrace=False)
     return result
 
 
@@ -130,6 +133,14 @@ def own_tiny_model():
     from rlk_mm.fixtures import tiny_qwen2_5_vl
 
     return tiny_qwen2_5_vl(seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def input_context(processor, tiny_model, own_tiny_model, tmp_path_factory):
+    """The real inputs of the input tables that take a context (``context_cases.make_context``)."""
+    from context_cases import make_context
+
+    return make_context(processor, tiny_model, own_tiny_model, tmp_path_factory.mktemp("inputs"))
 
 
 @pytest.fixture(params=BACKENDS)

@@ -87,7 +87,8 @@ def imports_in(name: str, source: str) -> tuple[Import, ...]:
             continue
         for target in targets:
             if target == PACKAGE or target.startswith(PACKAGE + "."):
-                assert target in modules(), f"{modules()[name]}:{node.lineno} imports {target}, which is not a module of rlk_mm"
+                assert target in modules(), (f"{modules()[name]}:{node.lineno} imports {target}, "
+                                             "which is not a module of rlk_mm")
                 found.append(Import(target, node.lineno))
     return tuple(found)
 
@@ -128,7 +129,8 @@ def offending(sources: tuple[str, ...], allowed) -> list[str]:
     bad = []
     for name in modules():
         if under(name, *sources):
-            bad += [f"{modules()[name].relative_to(ROOT)}:{i.line} imports {i.target}" for i in imports_of(name) if not allowed(i.target)]
+            bad += [f"{modules()[name].relative_to(ROOT)}:{i.line} imports {i.target}"
+                    for i in imports_of(name) if not allowed(i.target)]
     return bad
 
 
@@ -199,7 +201,8 @@ def test_reader_resolves_relative_nested_and_type_checking_imports():
     assert "rlk_mm.ops.loss" in ops and "rlk_mm.ops.invariant.mode" in ops  # both under TYPE_CHECKING
     assert "rlk_mm.models.qwen2_5_vl" not in ops  # importlib.import_module strings do not count
     assert "rlk_mm.schema" in {i.target for i in imports_of("rlk_mm.ops._backend")}  # from ..schema import Choice
-    assert {"rlk_mm.models", "rlk_mm.ops", "rlk_mm.schema"} <= {i.target for i in imports_of("rlk_mm")}  # from . import models, ops
+    assert {"rlk_mm.models", "rlk_mm.ops",
+            "rlk_mm.schema"} <= {i.target for i in imports_of("rlk_mm")}  # from . import models, ops
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
     assert path_between({"a": {"b"}, "b": {"c"}, "c": set()}, "a", lambda m: m == "c") == ["a", "b", "c"]
@@ -217,7 +220,8 @@ def test_private_import_reader():
         "def f():\n    from ..ops.loss import _checked_policy as c\n"
     )
     got = sorted((p.target, p.name, p.line) for p in private_imports_in("rlk_mm.schema.coordinates", source))
-    assert got == [("rlk_mm", "_backend", 3), ("rlk_mm.ops.loss", "_checked_policy", 7), ("rlk_mm.schema.spans", "_spans", 2)]
+    assert got == [("rlk_mm", "_backend", 3), ("rlk_mm.ops.loss", "_checked_policy", 7),
+                   ("rlk_mm.schema.spans", "_spans", 2)]
 
 
 # ------------------------------------------------------------------------------ the rules
@@ -262,7 +266,8 @@ RAY_STAND_IN_NAME = re.compile(r"ray.*(stand|stub|fake|shim|mock)|(stand|stub|fa
 
 
 def _is_sys_modules(node: ast.AST) -> bool:
-    return isinstance(node, ast.Attribute) and node.attr == "modules" and isinstance(node.value, ast.Name) and node.value.id == "sys"
+    return (isinstance(node, ast.Attribute) and node.attr == "modules"
+            and isinstance(node.value, ast.Name) and node.value.id == "sys")
 
 
 def _names_ray(node: ast.AST) -> bool:
@@ -273,7 +278,10 @@ def ray_stand_ins(path: Path) -> list[str]:
     """Where ``path`` puts a module named ray (or ray.*) into sys.modules."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
         for t in targets:
             if isinstance(t, ast.Subscript) and _is_sys_modules(t.value) and _names_ray(t.slice):
                 found.append(f"line {node.lineno}: sys.modules[...] = ...")
@@ -297,8 +305,6 @@ def test_no_ray_stand_in_in_the_package():
     assert not installs, f"the package must not install a module named ray: {installs}"
 
 
-@pytest.mark.xfail(strict=False, reason="rlk_mm.ops still imports private names across its modules (_logprob_args, "
-                   "_triton's shared LM-head tiles, _backend); the ops side of issue 29 gives them public names")
 def test_no_private_names_imported_across_modules():
     """A name with a leading underscore is its module's own: a helper two modules share gets a
     public name in a module named for its concept."""
@@ -320,7 +326,8 @@ def test_nothing_imports_a_deprecated_module_path():
 
 
 #: the packages whose every public module (no ``_`` in its path) declares ``__all__``
-ALL_DECLARED = ("rlk_mm.schema", "rlk_mm.models", "rlk_mm.parity", "rlk_mm.grounding", "rlk_mm.smoke", "rlk_mm.fixtures",
+ALL_DECLARED = ("rlk_mm.schema", "rlk_mm.models", "rlk_mm.parity", "rlk_mm.grounding", "rlk_mm.smoke",
+                "rlk_mm.fixtures",
                 "rlk_mm.cli", "rlk_mm.command", "rlk_mm.viz")
 #: modules run as scripts, or not yet converted (the ops engineer's part of issue 29)
 ALL_EXEMPT = ("rlk_mm.smoke.__main__", "rlk_mm.schema.checks")
@@ -328,7 +335,8 @@ ALL_EXEMPT = ("rlk_mm.smoke.__main__", "rlk_mm.schema.checks")
 
 def declares_all(path: Path) -> bool:
     return any(isinstance(node, (ast.Assign, ast.AnnAssign))
-               and any(isinstance(t, ast.Name) and t.id == "__all__" for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+               and any(isinstance(t, ast.Name) and t.id == "__all__"
+                       for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
                for node in ast.parse(path.read_text()).body)
 
 
