@@ -28,8 +28,8 @@ from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
 from rlk_mm.schema import SchemaError
 
 __all__ = [
-    "BACKENDS", "GPU_NEEDED", "PACKAGE_DIR", "VERL_MISSING", "close", "count_syncs", "raised_by_rlk_mm", "skip_module_without_verl",
-    "use_backend", "verl_installed",
+    "BACKENDS", "GPU_NEEDED", "PACKAGE_DIR", "VERL_MISSING", "close", "count_syncs", "raised_by_rlk_mm",
+    "skip_module_without_verl", "use_backend", "verl_installed",
 ]
 
 #: the backends ``RLK_MM_BACKEND`` can force

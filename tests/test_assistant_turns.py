@@ -67,7 +67,8 @@ def test_it_equals_the_hand_made_assistant_mask(processor):
     texts = [processor.apply_chat_template(c, tokenize=False, add_generation_prompt=False) for c in CHATS]
     out = processor(text=texts, images=[IMAGE, IMAGE], padding=True, padding_side="left", return_tensors="pt")
     by_turns = RLBatch.from_qwen_vl(out, processor=processor, assistant_turns=True)
-    by_mask = RLBatch.from_qwen_vl(out, processor=processor, assistant_mask=hand_made_mask(out["input_ids"], processor.tokenizer))
+    by_mask = RLBatch.from_qwen_vl(out, processor=processor,
+                                   assistant_mask=hand_made_mask(out["input_ids"], processor.tokenizer))
     assert by_turns == by_mask
     assert by_turns.loss_spans == batch.loss_spans and torch.equal(by_turns.input_ids, batch.input_ids)
 
@@ -81,7 +82,8 @@ def test_earlier_turns_and_the_new_response(processor):
     only_response = RLBatch.from_messages([history], processor=processor, responses=[response])
     assert scored_text(processor, only_response, 0) == ["Yes.<|im_end|>"]
     assert batch.loss_spans_of(0)[-1] == only_response.loss_spans_of(0)[0]
-    assert batch.prompt_lengths.tolist() == [batch.loss_spans_of(0)[0].start]  # the prompt ends at the first scored turn
+    # the prompt ends at the first scored turn
+    assert batch.prompt_lengths.tolist() == [batch.loss_spans_of(0)[0].start]
 
 
 def test_from_token_lists(processor):
@@ -98,9 +100,11 @@ def test_from_token_lists(processor):
 def test_turn_spans_of_token_ids(processor):
     markers = ChatMarkers.of(processor)
     tok = processor.tokenizer
-    ids = torch.tensor(tok.encode(processor.apply_chat_template(CHATS[0][2:], tokenize=False, add_generation_prompt=True)))
+    ids = torch.tensor(tok.encode(processor.apply_chat_template(CHATS[0][2:], tokenize=False,
+                                                                add_generation_prompt=True)))
     spans = assistant_turn_spans(ids, markers, name="ids", sample=0)
-    assert [tok.decode(ids[s.start : s.end].tolist()) for s in spans] == SCORED[0]  # the generation prompt holds no turn
+    # the generation prompt holds no turn
+    assert [tok.decode(ids[s.start : s.end].tolist()) for s in spans] == SCORED[0]
     other_role = torch.tensor(tok.encode("<|im_start|>assistant_tool\nhi<|im_end|>\n"))
     assert assistant_turn_spans(other_role, markers, name="ids", sample=0) == []
 
@@ -113,10 +117,14 @@ def test_bad_use_is_refused(processor):
     with pytest.raises(TypeError, match="assistant_turns must be True or False"):
         RLBatch.from_messages(CHATS, processor=processor, assistant_turns="yes")
     cut = processor.tokenizer.encode(texts[1])[:-3]  # the last turn loses its <|im_end|>
-    with pytest.raises(SchemaError, match=r"prompt_token_ids: sample 0, the assistant turn at position \d+ has no <\|im_end\|>"):
+    with pytest.raises(SchemaError,
+                       match=r"prompt_token_ids: sample 0, the assistant turn at position \d+ has no <\|im_end\|>"):
         RLBatch.from_token_lists([cut], processor=processor, image_grid_thw=out["image_grid_thw"][1:],
-                                 pixel_values=out["pixel_values"][out["pixel_values"].shape[0] // 2 :], assistant_turns=True)
+                                 pixel_values=out["pixel_values"][out["pixel_values"].shape[0] // 2 :],
+                                 assistant_turns=True)
     with_image = [[{"role": "user", "content": "Draw it."},
-                   {"role": "assistant", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "Here."}]}]]
-    with pytest.raises(SchemaError, match=r"input_ids: sample 0, position \d+ is a media placeholder inside an assistant turn"):
+                   {"role": "assistant",
+                    "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "Here."}]}]]
+    with pytest.raises(SchemaError,
+                       match=r"input_ids: sample 0, position \d+ is a media placeholder inside an assistant turn"):
         RLBatch.from_messages(with_image, processor=processor, add_generation_prompt=False, assistant_turns=True)

@@ -26,7 +26,8 @@ FRAME = 32
 
 @functools.lru_cache(maxsize=1)
 def codec():
-    return tiny_codec(frame=FRAME, hidden=64, dim=8, stages=3, codebook_size=32, calibration_clips=8, calibration_samples=2048)
+    return tiny_codec(frame=FRAME, hidden=64, dim=8, stages=3, codebook_size=32, calibration_clips=8,
+                      calibration_samples=2048)
 
 
 class SplitKEncoder(torch.nn.Module):
@@ -85,7 +86,8 @@ def test_the_harness_counts_the_flips_of_a_batch_dependent_encoder():
 
 
 def test_each_mode_encodes_every_clip_alone_and_all_together_under_its_kernels():
-    """The calls the harness makes: per mode, N single clips then the batch, with batch_invariant() active only in its mode."""
+    """The calls the harness makes: per mode, N single clips then the batch, with batch_invariant()
+    active only in its mode."""
     from rlk_mm.ops.invariant._dispatch import STATE
 
     encoder, quantizer = codec()
@@ -156,11 +158,15 @@ BAD = [
     ("clips 1-D", lambda e, q: (e, q, GOOD[0]), ValueError, "clips must be 2-D"),
     ("one clip", lambda e, q: (e, q, GOOD[:1]), ValueError, r"N >= 2 clips .* got \(1, 64\)"),
     ("inf sample", lambda e, q: (e, q, NAN_CLIPS), ValueError, "clips: clip 1, sample 5 is inf"),
-    ("encoder rows", lambda e, q: (_bad_encoder_shape, q, GOOD), ValueError, r"encoder output \(clip 0 alone\) has 2 rows for 1 clips"),
+    ("encoder rows", lambda e, q: (_bad_encoder_shape, q, GOOD), ValueError,
+     r"encoder output \(clip 0 alone\) has 2 rows for 1 clips"),
     ("encoder nan", lambda e, q: (_nan_encoder, q, GOOD), ValueError, r"encoder output \(clip 0 alone\) is not finite"),
-    ("frames differ", lambda e, q: (_frames_by_batch, _zero_codes, GOOD), ValueError, "same number of frames alone and in a batch"),
-    ("float codes", lambda e, q: (e, _float_codes, GOOD), TypeError, r"quantizer output \(clip 0 alone\) must be int64"),
-    ("code shape", lambda e, q: (e, _wrong_code_shape, GOOD), ValueError, r"quantizer output \(clip 0 alone\) has shape"),
+    ("frames differ", lambda e, q: (_frames_by_batch, _zero_codes, GOOD), ValueError,
+     "same number of frames alone and in a batch"),
+    ("float codes", lambda e, q: (e, _float_codes, GOOD), TypeError,
+     r"quantizer output \(clip 0 alone\) must be int64"),
+    ("code shape", lambda e, q: (e, _wrong_code_shape, GOOD), ValueError,
+     r"quantizer output \(clip 0 alone\) has shape"),
 ]
 
 

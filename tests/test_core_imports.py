@@ -48,10 +48,12 @@ print(json.dumps(report))
 def test_the_core_imports_without_transformers_pillow_or_qwen_vl_utils():
     modules = (*CORE, CONTROL)
     result = subprocess.run(
-        [sys.executable, "-c", PROBE.format(blocked=BLOCKED, modules=modules)], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c",
+         PROBE.format(blocked=BLOCKED, modules=modules)], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     tried = {m: r for m, r in report.items() if m != CONTROL and (r["attempts"] or r["error"])}
     assert not tried, f"with {BLOCKED} blocked, these core modules tried to import them or failed: {tried}"
-    assert report[CONTROL]["attempts"] and report[CONTROL]["error"], f"the probe saw no attempt by {CONTROL}: {report[CONTROL]}"
+    assert report[CONTROL]["attempts"] and report[CONTROL]["error"], (
+        f"the probe saw no attempt by {CONTROL}: {report[CONTROL]}")

@@ -85,7 +85,8 @@ def test_gspo_gradient_flows_through_the_sequence_mean():
     assert not torch.allclose(grads["gspo"], grads["gspo_token"])
     # with one advantage per sequence the two gradients agree (GSPO paper, eq. 11 vs 13)
     seq_adv = adv[:, :1].expand_as(adv)
-    same = [torch.autograd.grad(easyr1.compute_policy_loss(old, logp, seq_adv, mask, loss_type=t)[0], logp)[0] for t in ("gspo", "gspo_token")]
+    same = [torch.autograd.grad(easyr1.compute_policy_loss(old, logp, seq_adv, mask, loss_type=t)[0], logp)[0]
+            for t in ("gspo", "gspo_token")]
     close(same[0], same[1])
 
 
@@ -122,7 +123,8 @@ def test_outcome_advantages(name):
     close(adv, torch.tensor(expected, dtype=torch.float32)[:, None] * mask)
     assert returns is adv
     with pytest.raises(ValueError, match=r"group 'solo' \(sample 3\) has a single response"):
-        fn(token_level_rewards=rewards, response_mask=mask, index=np.array([*index[:3], "solo", *index[4:]], dtype=object))
+        fn(token_level_rewards=rewards, response_mask=mask,
+           index=np.array([*index[:3], "solo", *index[4:]], dtype=object))
 
 
 def test_unsupported_loss_types_are_refused():
@@ -203,7 +205,8 @@ def stand_in(tmp_path_factory) -> Path:
 
 def run_with_stand_in(root: Path, code: str) -> dict:
     """``code`` in a fresh interpreter where ``verl`` is the stand-in; it sets ``result``."""
-    script = f"import sys\nsys.path.insert(0, {str(root)!r})\n{textwrap.dedent(code)}\nimport json\nprint(json.dumps(result))"
+    script = (f"import sys\nsys.path.insert(0, {str(root)!r})\n{textwrap.dedent(code)}\n"
+              "import json\nprint(json.dumps(result))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return {"result": json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
@@ -227,14 +230,16 @@ def calls():
         "dp_actor.compute_policy_loss default": kind(dp_actor.compute_policy_loss(**loss, loss_type="default")[0]),
         "dp_actor.compute_policy_loss sapo": kind(dp_actor.compute_policy_loss(**loss, loss_type="sapo")),
         "dp_actor.compute_policy_loss cispo": kind(dp_actor.compute_policy_loss(**loss, loss_type="cispo")),
-        "dp_actor.compute_kl low_var_kl": kind(dp_actor.compute_kl(log_probs=logp, ref_log_probs=old, kl_penalty="low_var_kl")),
+        "dp_actor.compute_kl low_var_kl": kind(dp_actor.compute_kl(log_probs=logp, ref_log_probs=old,
+                                                                   kl_penalty="low_var_kl")),
         "dp_actor.compute_kl full": kind(dp_actor.compute_kl(log_probs=logp, ref_log_probs=old, kl_penalty="full")),
         "dp_actor.average_loss": kind(dp_actor.average_loss(logp, mask, mode="seq")),
         "dp_actor.average_loss eps": kind(dp_actor.average_loss(logp, mask, "seq", 1e-6)),
         "ray_trainer.compute_kl kl": kind(ray_trainer.compute_kl(old, logp, kl_penalty="kl")),
         "ray_trainer.compute_kl full": kind(ray_trainer.compute_kl(old, logp, kl_penalty="full")),
-        "grpo": kind(ray_trainer.compute_advantage_return("grpo", token_level_rewards=rewards, response_mask=torch.ones(4, 3),
-                                                           index=index, gamma=1.0, lam=1.0)[0]),
+        "grpo": kind(ray_trainer.compute_advantage_return("grpo", token_level_rewards=rewards,
+                                                           response_mask=torch.ones(4, 3), index=index, gamma=1.0,
+                                                           lam=1.0)[0]),
         "gae": kind(ray_trainer.compute_advantage_return("gae")),
     }
 """
@@ -258,7 +263,8 @@ def test_patch_reaches_every_copy_and_falls_back(stand_in, order):
         second = PATCHED_CALLS
     else:
         first, second = PATCHED_CALLS, "replaced = easyr1.patch()"
-    out = run_with_stand_in(stand_in, f"{first}\n{second}\nresult = {{'calls': calls(), 'again': calls(), 'replaced': replaced}}")
+    out = run_with_stand_in(stand_in,
+                            f"{first}\n{second}\nresult = {{'calls': calls(), 'again': calls(), 'replaced': replaced}}")
     assert out["result"]["calls"] == EXPECTED_CALLS
     assert out["result"]["again"] == EXPECTED_CALLS
     said = [line for line in out["stderr"].splitlines() if "runs EasyR1's own function" in line]
@@ -267,7 +273,8 @@ def test_patch_reaches_every_copy_and_falls_back(stand_in, order):
     replaced = out["result"]["replaced"]
     assert "verl.trainer.core_algos.compute_kl" in replaced
     if order.startswith("import"):
-        assert {"verl.trainer.ray_trainer.compute_kl", "verl.workers.actor.dp_actor.compute_policy_loss"} <= set(replaced)
+        assert {"verl.trainer.ray_trainer.compute_kl",
+                "verl.workers.actor.dp_actor.compute_policy_loss"} <= set(replaced)
 
 
 def test_patch_is_idempotent(stand_in):
@@ -302,10 +309,12 @@ def test_matches_easyr1_source(tmp_path):
     source = os.environ.get("RLK_MM_EASYR1_SRC")
     if not source:
         pytest.skip("EasyR1's source is not here (CI cannot fetch it): set RLK_MM_EASYR1_SRC to an EasyR1 checkout to "
-                    "compare with its own functions; the tests above compare with references written from its semantics")
+                    "compare with its own functions; the tests above compare with references written from its "
+                    "semantics")
     script = Path(__file__).parent / "frameworks" / "easyr1_equivalence.py"
     report_path = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, str(script), source, "--json", str(report_path)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), source, "--json", str(report_path)], capture_output=True,
+                          text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -313,7 +322,8 @@ def test_matches_easyr1_source(tmp_path):
     for module, names in STAND_IN_IMPORTS.items():  # the stand-in binds as EasyR1 does
         swapped = set(easyr1.SUPPORTED) | {"compute_advantage_return"}
         assert sorted(set(report["core_algos_importers"][module]) & swapped) == names, module
-    assert not {m for m, names in report["core_algos_importers"].items() if set(names) & set(easyr1.SUPPORTED)} - set(STAND_IN_IMPORTS)
+    importers = report["core_algos_importers"]
+    assert not {m for m, names in importers.items() if set(names) & set(easyr1.SUPPORTED)} - set(STAND_IN_IMPORTS)
 
 
 # ----------------------------------------------------------------------------- the fused micro-batch loss
@@ -351,14 +361,16 @@ def easyr1_micro_batch(processor, tiny_model):
     counts = out["image_grid_thw"].prod(-1).tolist()
     for n in (len(s.images) for s in samples):
         rows = sum(counts[item: item + n])
-        mm.append({"pixel_values": out["pixel_values"][row: row + rows], "image_grid_thw": out["image_grid_thw"][item: item + n]})
+        mm.append({"pixel_values": out["pixel_values"][row: row + rows],
+                   "image_grid_thw": out["image_grid_thw"][item: item + n]})
         row, item = row + rows, item + n
     g = torch.Generator().manual_seed(3)
     logp = -11.9 + 0.5 * torch.randn(3, R, generator=g)  # the random model gives about -log(V) = -11.9
     advantages = torch.randn(3, R, generator=g)
     logp[0, 0], advantages[0, 0] = -14.0, -1.0  # ratio ~ e^2 > clip_ratio_dual with A < 0: the dual clip
     logp[1, 0], advantages[1, 0] = -13.0, 1.0  # ratio ~ e^1 > 1 + clip_ratio_high with A > 0
-    return dict(input_ids=input_ids, attention_mask=attention, position_ids=torch.cat([text_pos[:, None], mrope.transpose(0, 1)], 1),
+    return dict(input_ids=input_ids, attention_mask=attention,
+                position_ids=torch.cat([text_pos[:, None], mrope.transpose(0, 1)], 1),
                 responses=resp, response_mask=resp_mask, multi_modal_inputs=mm, advantages=advantages,
                 old_log_probs=logp, ref_log_probs=logp + torch.randn(3, R, generator=g))
 
@@ -487,17 +499,24 @@ def _edit(mb, name):
 
 @pytest.mark.parametrize("padding_free", [True, False])
 @pytest.mark.parametrize("name, message", [
-    ("responses disagree with input_ids", r"micro_batch\['responses'\]: sample 0, response position 0 is \d+ but micro_batch\['input_ids'\] holds"),
-    ("response_mask scores padding", r"micro_batch\['response_mask'\]: sample 0, response position \d+ is set but micro_batch\['attention_mask'\] is 0"),
+    ("responses disagree with input_ids",
+     r"micro_batch\['responses'\]: sample 0, response position 0 is \d+ but micro_batch\['input_ids'\] holds"),
+    ("response_mask scores padding",
+     r"micro_batch\['response_mask'\]: sample 0, response position \d+ is set "
+     r"but micro_batch\['attention_mask'\] is 0"),
     ("response_mask holds 2", r"micro_batch\['response_mask'\]: sample 0, position 0 is 2; expected 0 or 1"),
-    ("1-D positions for image prompts", r"micro_batch\['position_ids'\]: sample 0, position \d+ .*1-D positions \(B, L\) are for text-only rows"),
+    ("1-D positions for image prompts",
+     r"micro_batch\['position_ids'\]: sample 0, position \d+ .*1-D positions \(B, L\) are for text-only rows"),
     ("positions channels last", r"micro_batch\['position_ids'\]: position_ids must have shape"),
     ("positions [3, 4, 5]", r"micro_batch\['position_ids'\]: position_ids must have shape"),
     ("positions shifted by one", r"micro_batch\['position_ids'\]: sample 0, position \d+ .* but the model computes"),
     ("positions of another sample", r"micro_batch\['position_ids'\]: sample 0"),
-    ("no multi_modal_inputs", r"sample 0: micro_batch\['input_ids'\] holds 1 image placeholder run\(s\) but micro_batch\['multi_modal_inputs'\]"),
+    ("no multi_modal_inputs",
+     r"sample 0: micro_batch\['input_ids'\] holds 1 image placeholder run\(s\) "
+     r"but micro_batch\['multi_modal_inputs'\]"),
     ("multi_modal_inputs of other samples", r"micro_batch\['multi_modal_inputs'\]"),
-    ("responses longer than input_ids", r"micro_batch\['responses'\] has \d+ columns but micro_batch\['input_ids'\] only"),
+    ("responses longer than input_ids",
+     r"micro_batch\['responses'\] has \d+ columns but micro_batch\['input_ids'\] only"),
     ("attention_mask with a hole", r"micro_batch\['attention_mask'\]: sample 2 has holes"),
     ("input_ids outside the vocabulary", r"micro_batch\['input_ids'\]: sample 1, position \d+ is 1000000"),
 ])

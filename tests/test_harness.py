@@ -25,7 +25,8 @@ CONFTEST = Path(__file__).with_name("conftest.py")
 @pytest.fixture
 def conftest_plugin(request):
     """This directory's conftest.py, as the plugin pytest loaded."""
-    (plugin,) = [p for p in request.config.pluginmanager.get_plugins() if Path(getattr(p, "__file__", "") or "/") == CONFTEST]
+    (plugin,
+     ) = [p for p in request.config.pluginmanager.get_plugins() if Path(getattr(p, "__file__", "") or "/") == CONFTEST]
     return plugin
 
 
@@ -154,5 +155,6 @@ def test_changing_the_shared_tiny_model_is_an_error(inner):
     """)
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines([
-        "*test_inner.py::test_changes_the_shared_one changed the shared tiny_model (training, *lm_head.weight*): use own_tiny_model there*",
+        "*test_inner.py::test_changes_the_shared_one changed the shared tiny_model (training, *lm_head.weight*): use "
+        "own_tiny_model there*",
     ])

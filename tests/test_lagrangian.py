@@ -41,7 +41,8 @@ def test_a_cost_never_enters_the_reward_column():
     with pytest.raises(ValueError, match="share memory"):  # overlapping views
         lagrangian_advantages(scores[:8], scores[4:12], GROUPS, lam)
     with pytest.raises(ValueError, match="share memory"):
-        lagrangian_advantages(scores[::2], scores[::2].clone().set_(scores.untyped_storage(), 0, (8,), (2,)), GROUPS, lam)
+        lagrangian_advantages(scores[::2], scores[::2].clone().set_(scores.untyped_storage(), 0, (8,), (2,)), GROUPS,
+                              lam)
 
 
 def test_disjoint_views_of_one_tensor_are_accepted():
@@ -162,14 +163,16 @@ def test_nan_cost_is_loud_not_silent():
     (lambda: Lagrangian(budget=1.0).step(torch.zeros(2, 2)), ValueError, "episode_costs must be 1-D"),
     (lambda: Lagrangian(budget=1.0).step(torch.zeros(2, dtype=torch.long)), TypeError, "episode_costs must be float"),
     (lambda: Lagrangian(budget=1.0).step([1.0]), TypeError, "episode_costs must be a torch.Tensor"),
-    (lambda: Lagrangian(budget=1.0, device="meta").step(torch.zeros(2)), ValueError, "episode_costs is on cpu; expected meta"),
+    (lambda: Lagrangian(budget=1.0, device="meta").step(torch.zeros(2)), ValueError,
+     "episode_costs is on cpu; expected meta"),
     (lambda: Lagrangian(budget=1.0, device="gpu"), ValueError, r"device='gpu' is not a torch device"),
     (lambda: Lagrangian(budget=1.0, device=3.5), ValueError, r"device=3\.5 is not a torch device"),
     (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(4), GROUPS[:3], torch.tensor(1.0)), ValueError,
      r"costs must have shape \[3\]"),
     (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(3), GROUPS[:3], torch.tensor([1.0])), ValueError,
      r"lam must have shape \[\]"),
-    (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(3), GROUPS[:3], 1.0), TypeError, "lam must be a torch.Tensor"),
+    (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(3), GROUPS[:3], 1.0), TypeError,
+     "lam must be a torch.Tensor"),
     (lambda: lagrangian_advantages(torch.zeros(3), torch.zeros(3), GROUPS[:2], torch.tensor(1.0)), ValueError,
      r"group_ids must be an integer tensor of shape \(3,\)"),
 ])

@@ -52,7 +52,8 @@ def make_case(dtype=torch.float32, seed=0, bias=False):
 
 def run_fused(c, requires=(True, True, True), **knobs):
     """linear_policy_loss and its gradients (None where not required)."""
-    leaves = [None if t is None else t.clone().requires_grad_(r) for t, r in zip((c["hidden"], c["weight"], c["bias"]), requires)]
+    leaves = [None if t is None else t.clone().requires_grad_(r)
+              for t, r in zip((c["hidden"], c["weight"], c["bias"]), requires)]
     out = linear_policy_loss(
         leaves[0], leaves[1], index=c["index"], targets=c["targets"], bias=leaves[2],
         old_log_probs=c["old_log_probs"], advantages=c["advantages"], mask=c["mask"],
@@ -74,7 +75,8 @@ def run_composed(c, temperature=1.0, **knobs):
     return loss, metrics, logp.detach(), ent.detach(), [None if t is None else t.grad for t in leaves]
 
 
-def run_oracle(c, temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, ratio="token", rollout_is_weights=None, ref_log_probs=None,
+def run_oracle(c, temperature=1.0, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, ratio="token",
+               rollout_is_weights=None, ref_log_probs=None,
                kl_type="low_var_kl", kl_coef=0.0, entropy_coeff=0.0, loss_agg_mode="token-mean", **agg_kw):
     """fp64 full logits, the padded-layout reference losses, autograd."""
     leaves = [None if t is None else t.double().requires_grad_() for t in (c["hidden"], c["weight"], c["bias"])]
@@ -213,7 +215,8 @@ def test_frozen_inputs_skip_their_product(backend, requires, monkeypatch):
     out, grads = run_fused(c, requires=requires, entropy_coeff=0.1)
     assert asked == [requires]
     expected = run_oracle(c, entropy_coeff=0.1)
-    check_against(out, grads, expected[:4] + ([e if r else None for e, r in zip(expected[4], requires)],), torch.float32)
+    check_against(out, grads, expected[:4] + ([e if r else None for e, r in zip(expected[4], requires)],),
+                  torch.float32)
 
 
 def test_no_grad_gives_the_loss_only(backend):
@@ -287,7 +290,8 @@ def test_log_probs_bitwise_invariant_to_batch_composition_and_order(backend, sma
     n = B * R
 
     def fused(rows):
-        sub = dict(c, index=c["index"][rows], targets=c["targets"][rows], sample_index=torch.zeros(len(rows), dtype=torch.long),
+        sub = dict(c, index=c["index"][rows], targets=c["targets"][rows],
+                   sample_index=torch.zeros(len(rows), dtype=torch.long),
                    old_log_probs=c["old_log_probs"][rows], advantages=c["advantages"][rows], mask=c["mask"][rows])
         out = linear_policy_loss(sub["hidden"], sub["weight"], index=sub["index"], targets=sub["targets"],
                                  old_log_probs=sub["old_log_probs"], advantages=sub["advantages"],
@@ -330,7 +334,8 @@ def test_batch_path_packed_and_padded(backend):
     old, adv = -torch.rand(6, generator=g) * 5, torch.randn(6, generator=g)
     rows, tgts = batch.loss_token_index()
     expected = linear_policy_loss(h, w, index=rows, targets=tgts, old_log_probs=old, advantages=adv,
-                                  sample_index=batch.loss_token_sample(), num_samples=2, loss_agg_mode="seq-mean-token-mean")
+                                  sample_index=batch.loss_token_sample(), num_samples=2,
+                                  loss_agg_mode="seq-mean-token-mean")
     packed = linear_policy_loss(h, w, batch, old_log_probs=old, advantages=adv, loss_agg_mode="seq-mean-token-mean")
     right, left = torch.zeros(2, 8, H), torch.zeros(2, 8, H)
     right[0, :7], right[1, :5] = h[:7], h[7:]
@@ -370,13 +375,16 @@ _C = make_case()
 _NAN_ADV = _C["advantages"].clone()
 _NAN_ADV[R * 2] = math.nan  # sample 2, position 0: scored
 _BAD = [
-    ({"old_log_probs": _C["old_log_probs"][:-1]}, ValueError, r"old_log_probs has shape \(35,\) but 36 tokens are scored"),
+    ({"old_log_probs": _C["old_log_probs"][:-1]}, ValueError,
+     r"old_log_probs has shape \(35,\) but 36 tokens are scored"),
     ({"old_log_probs": _C["old_log_probs"].tolist()}, TypeError, "old_log_probs must be a torch.Tensor"),
     ({"advantages": _NAN_ADV}, ValueError, r"advantages\[18\] \(sample 2\)"),
     ({"advantages": _C["advantages"][:5]}, ValueError, "advantages"),
-    ({"targets": _C["targets"].clone().index_fill_(0, torch.tensor([3]), V)}, ValueError, r"targets\[3\] = 160 is out of range"),
+    ({"targets": _C["targets"].clone().index_fill_(0, torch.tensor([3]), V)}, ValueError,
+     r"targets\[3\] = 160 is out of range"),
     ({"targets": _C["targets"].clone().index_fill_(0, torch.tensor([4]), -100)}, ValueError, "ignore index"),
-    ({"index": _C["index"].clone().index_fill_(0, torch.tensor([2]), T)}, ValueError, r"index\[2\] = 45 is out of range"),
+    ({"index": _C["index"].clone().index_fill_(0, torch.tensor([2]), T)}, ValueError,
+     r"index\[2\] = 45 is out of range"),
     ({"index": _C["index"].float()}, TypeError, "index must be an integer tensor"),
     ({"hidden": _C["hidden"][None, None]}, ValueError, r"hidden must be \[T, H\] \(packed\) or \[B, L, H\]"),
     ({"hidden": _C["hidden"].double()}, TypeError, "hidden and weight must share one of"),

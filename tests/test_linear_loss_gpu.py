@@ -33,12 +33,14 @@ def _case(dtype=torch.bfloat16, seed=0):
     return c
 
 
-KNOBS = dict(temperature=0.7, kl_type="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
+KNOBS = dict(temperature=0.7, kl_type="low_var_kl", kl_coef=0.05, entropy_coeff=0.01,
+             loss_agg_mode="seq-mean-token-mean")
 
 
 def _fused(c, hidden=None, weight=None, bias=None, **over):
     kw = dict(KNOBS, **over)
-    h, w, b = (c[k].clone().requires_grad_() if t is None else t for k, t in (("hidden", hidden), ("weight", weight), ("bias", bias)))
+    h, w, b = (c[k].clone().requires_grad_() if t is None else t
+               for k, t in (("hidden", hidden), ("weight", weight), ("bias", bias)))
     out = linear_policy_loss(h, w, index=c["index"], targets=c["targets"], bias=b, old_log_probs=c["old_log_probs"],
                              advantages=c["advantages"], mask=c["mask"], sample_index=c["sample_index"], num_samples=S,
                              ref_log_probs=c["ref_log_probs"], **kw)

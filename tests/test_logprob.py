@@ -218,9 +218,11 @@ def _bad_cases():
     h, w, b = _inputs(10, 16, 30, torch.float32, bias=True)
     i, t = torch.tensor([0, 3]), torch.tensor([1, 2])
     return [
-        (dict(hidden=h, weight=w, index=torch.tensor([0, 10]), targets=t), ValueError, r"index\[1\] = 10 is out of range: there are 10 rows"),
+        (dict(hidden=h, weight=w, index=torch.tensor([0, 10]), targets=t), ValueError,
+         r"index\[1\] = 10 is out of range: there are 10 rows"),
         (dict(hidden=h, weight=w, index=torch.tensor([-1, 2]), targets=t), ValueError, r"index\[0\] = -1"),
-        (dict(hidden=h, weight=w, index=i, targets=torch.tensor([1, 30])), ValueError, r"targets\[1\] = 30 is out of range: there are 30 vocabulary"),
+        (dict(hidden=h, weight=w, index=i, targets=torch.tensor([1, 30])), ValueError,
+         r"targets\[1\] = 30 is out of range: there are 30 vocabulary"),
         (dict(hidden=h, weight=w.double(), index=i, targets=t), TypeError, "share one of"),
         (dict(hidden=h.bfloat16(), weight=w, index=i, targets=t), TypeError, "share one of"),
         (dict(hidden=h, weight=w[:, :8], index=i, targets=t), ValueError, "hidden size mismatch"),

@@ -6,11 +6,11 @@ realistic hidden size, and its host syncs. Run on the GPU machine:
 import pytest
 import torch
 
+from helpers import count_syncs
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.ops._triton import logprob as triton_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
-from helpers import count_syncs
 
 pytestmark = pytest.mark.gpu  # without CUDA: fails at setup with a clear message (conftest.py)
 
@@ -57,7 +57,8 @@ def test_contract_at_realistic_hidden_size_gpu(dtype, H):
     torch.autograd.backward([lp, ent], [g, ge])
     f64 = torch.float64
     r_lp, r_ent, r_lse = ref.selected_logprob_forward(h, w, rows, tg[rows], bias, 0.6, compute_dtype=f64)
-    d_h, d_w, d_b = ref.selected_logprob_backward(g, ge, h, w, rows, tg[rows], bias, r_lse, r_ent, 0.6, compute_dtype=f64)
+    d_h, d_w, d_b = ref.selected_logprob_backward(g, ge, h, w, rows, tg[rows], bias, r_lse, r_ent, 0.6,
+                                                  compute_dtype=f64)
     tol, gtol = LOGPROB_MAX_ABS.for_dtype(dtype), LOGPROB_GRAD_REL.for_dtype(dtype)
     assert (lp.double() - r_lp).abs().max().item() <= tol
     assert (ent.double() - r_ent).abs().max().item() <= tol

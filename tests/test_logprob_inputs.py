@@ -51,8 +51,10 @@ def _selected_logprob_cases() -> list[Case]:
         bad("hidden list", _sl(hidden=H.tolist()), TypeError, r"hidden must be a torch.Tensor"),
         bad("hidden 1-D", _sl(hidden=H[0]), ValueError, r"hidden must be \[T, H\] .*or \[B, L, H\]"),
         bad("hidden 4-D", _sl(hidden=H[None, None]), ValueError, r"hidden must be \[T, H\] .*or \[B, L, H\]"),
-        bad("hidden int", _sl(hidden=H.long(), weight=W.long()), TypeError, r"hidden and weight must share one of float32"),
-        bad("hidden float64", _sl(hidden=H.double(), weight=W.double()), TypeError, r"hidden and weight must share one of float32"),
+        bad("hidden int", _sl(hidden=H.long(), weight=W.long()), TypeError,
+            r"hidden and weight must share one of float32"),
+        bad("hidden float64", _sl(hidden=H.double(), weight=W.double()), TypeError,
+            r"hidden and weight must share one of float32"),
         bad("hidden bf16, weight fp32", _sl(hidden=H.bfloat16()), TypeError, r"share one of"),
         bad("hidden size 0", _sl(hidden=H[:, :0], weight=W[:, :0]), ValueError, r"hidden size H = 0"),
         bad("weight list", _sl(weight=W.tolist()), TypeError, r"weight must be a torch.Tensor"),
@@ -66,7 +68,8 @@ def _selected_logprob_cases() -> list[Case]:
         bad("bias nan", _sl(bias=with_value(BIAS, 4, NAN)), ValueError, r"bias\[4\] = nan"),
         bad("bias +inf", _sl(bias=with_value(BIAS, 4, INF)), ValueError, r"bias\[4\] = inf"),
         bad("bias all -inf", _sl(bias=torch.full((30,), -INF)), ValueError, r"bias is -inf at every vocabulary entry"),
-        bad("target masked by bias", _sl(bias=masked_target), ValueError, r"targets\[1\] = 2 is masked: bias\[2\] = -inf"),
+        bad("target masked by bias", _sl(bias=masked_target), ValueError,
+            r"targets\[1\] = 2 is masked: bias\[2\] = -inf"),
         bad("index missing", _sl(index=None), ValueError, r"both index .* and targets .* are required"),
         bad("targets missing", _sl(targets=None), ValueError, r"both index .* and targets .* are required"),
         bad("index list", _sl(index=[0, 3]), TypeError, r"index must be a torch.Tensor"),
@@ -75,11 +78,14 @@ def _selected_logprob_cases() -> list[Case]:
         bad("index 2-D", _sl(index=IDX[None]), ValueError, r"index must be 1-D"),
         bad("index float", _sl(index=IDX.float()), TypeError, r"index must be an integer tensor"),
         bad("index bool", _sl(index=torch.tensor([True, False])), TypeError, r"index must be an integer tensor"),
-        bad("index out of range", _sl(index=torch.tensor([0, 10])), ValueError, r"index\[1\] = 10 is out of range: there are 10 rows"),
+        bad("index out of range", _sl(index=torch.tensor([0, 10])), ValueError,
+            r"index\[1\] = 10 is out of range: there are 10 rows"),
         bad("index negative", _sl(index=torch.tensor([-1, 2])), ValueError, r"index\[0\] = -1 is out of range"),
         bad("targets float", _sl(targets=TGT.float()), TypeError, r"targets must be an integer tensor"),
-        bad("targets ignore index", _sl(targets=torch.tensor([-100, 2])), ValueError, r"targets\[0\] = -100 .*ignore index"),
-        bad("targets out of vocabulary", _sl(targets=torch.tensor([1, 30])), ValueError, r"targets\[1\] = 30 is out of range: there are 30 vocabulary"),
+        bad("targets ignore index", _sl(targets=torch.tensor([-100, 2])), ValueError,
+            r"targets\[0\] = -100 .*ignore index"),
+        bad("targets out of vocabulary", _sl(targets=torch.tensor([1, 30])), ValueError,
+            r"targets\[1\] = 30 is out of range: there are 30 vocabulary"),
         bad("targets length", _sl(targets=TGT[:1]), ValueError, r"index has 2 rows but targets has 1"),
         bad("targets on meta", _sl(targets=TGT.to("meta")), ValueError, r"targets is on meta but hidden is on cpu"),
         bad("temperature 0", _sl(temperature=0.0), ValueError, r"temperature must be a finite number >= 1e-05"),
@@ -103,13 +109,15 @@ def _selected_logprob_cases() -> list[Case]:
         bad("batch, padded samples", lambda: selected_logprob(RIGHT[:1], W, BATCH, padding="right"), ValueError,
             r"batch has 2 samples"),
         bad("batch, padded too short", lambda: selected_logprob(RIGHT[:, :6], W, BATCH, padding="right"), ValueError,
-            r"hidden is padded \[B=2, L=6, H\]: a padded length of 6 is shorter than the longest sample \(sample 0, 7 tokens\)"),
+            r"hidden is padded \[B=2, L=6, H\]: a padded length of 6 is shorter than the longest sample \(sample 0, 7 "
+            r"tokens\)"),
         bad("batch, packed with padding", lambda: selected_logprob(PACKED, W, BATCH, padding="right"), ValueError,
             r"padding='right' applies only to \[B, L, H\] hidden states with a batch"),
         bad("index, padded with padding", _sl(hidden=H.view(2, 5, 16), padding="left"), ValueError,
             r"padding='left' applies only to \[B, L, H\] hidden states with a batch"),
         bad("batch token outside vocabulary", lambda: selected_logprob(PACKED, W[:20], BATCH), ValueError,
-            r"batch input_ids: sample 1, position 3 holds token 25, which is out of range: there are 20 vocabulary entries"),
+            r"batch input_ids: sample 1, position 3 holds token 25, which is out of range: there are 20 vocabulary "
+            r"entries"),
         ok("batch, right padded", lambda: selected_logprob(RIGHT, W, BATCH, padding="right"), _same_as_packed),
         ok("batch, left padded", lambda: selected_logprob(LEFT, W, BATCH, padding="left"), _same_as_packed),
         ok("index into [B, L, H]", _sl(hidden=H.view(2, 5, 16), index=torch.tensor([7]), targets=TGT[:1]),
@@ -182,6 +190,7 @@ def test_a_target_outside_the_vocabulary_is_named(n, V, data):
     i = data.draw(st.integers(0, n - 1))
     token = data.draw(st.one_of(st.integers(V, V + 5), st.integers(-200, -1)))
     targets[i] = token
-    with pytest.raises(ValueError, match=rf"targets\[{i}\] = {token} is out of range: there are {V} vocabulary entries"):
+    with pytest.raises(ValueError,
+                       match=rf"targets\[{i}\] = {token} is out of range: there are {V} vocabulary entries"):
         selected_logprob(torch.randn(n, 8), torch.randn(V, 8), index=torch.arange(n), targets=targets)
 

@@ -52,7 +52,9 @@ def compact(t, mask):
 
 # ----------------------------------------------------------------------------- aggregation, KL
 @pytest.mark.parametrize("mode", VERL_MODES)
-@pytest.mark.parametrize("global_info", [{}, {"dp_size": 4, "batch_num_tokens": 200, "global_batch_size": 24, "loss_scale_factor": 64}])
+@pytest.mark.parametrize("global_info",
+                         [{},
+                          {"dp_size": 4, "batch_num_tokens": 200, "global_batch_size": 24, "loss_scale_factor": 64}])
 def test_agg_loss_matches_verl(core_algos, mode, global_info):
     logp, _, _, mask = inputs(1)
     loss_mat = (logp * 1.3).detach().requires_grad_()
@@ -203,11 +205,13 @@ def test_every_combination_runs_backward_and_matches_fp64(backend, ratio):
     sample = torch.arange(B)[:, None].expand(B, R)[mask]
     for mode in AggMode:
         for with_kl, with_is in ((True, True), (True, False), (False, True)):
-            kw = dict(ratio=ratio, loss_agg_mode=mode, loss_scale_factor=R if mode == "seq-mean-token-sum-norm" else None)
+            kw = dict(ratio=ratio, loss_agg_mode=mode,
+                      loss_scale_factor=R if mode == "seq-mean-token-sum-norm" else None)
             refs = dict(ref_logp=ref_logp if with_kl else None, weights=weights if with_is else None)
             expected, g_expected = _reference_loss(logp, old, adv, mask, ratio=ratio, mode=mode,
                                                    loss_scale_factor=kw["loss_scale_factor"], **refs)
-            extra = dict(ref_log_probs=refs["ref_logp"], kl_coef=0.1 if with_kl else 0.0, rollout_is_weights=refs["weights"])
+            extra = dict(ref_log_probs=refs["ref_logp"], kl_coef=0.1 if with_kl else 0.0,
+                         rollout_is_weights=refs["weights"])
             where = f"{mode} kl={with_kl} is={with_is}"
             padded = logp.detach().clone().requires_grad_()
             loss, _ = policy_loss(padded, old, adv, mask, **kw, **extra)
@@ -238,7 +242,8 @@ def test_linear_policy_loss_gspo_with_kl_matches_fp64(backend, ratio):
     mask = torch.ones(15, dtype=torch.bool)
     mask[5] = False
     old = -torch.rand(15, generator=g) * 4 - 1.5
-    adv, ref_logp, weights = torch.randn(15, generator=g), -torch.rand(15, generator=g) * 5, torch.rand(15, generator=g) + 0.5
+    adv, ref_logp = torch.randn(15, generator=g), -torch.rand(15, generator=g) * 5
+    weights = torch.rand(15, generator=g) + 0.5
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     out = linear_policy_loss(h, w, index=rows, targets=targets, old_log_probs=old, advantages=adv, mask=mask,
                              sample_index=sample, num_samples=B, ratio=ratio, ref_log_probs=ref_logp, kl_coef=0.1,
@@ -311,11 +316,15 @@ def _nine_tokens():
     (dict(batch_num_tokens=4.5), r"batch_num_tokens is 4\.5 but this batch alone scores 9"),
     (dict(batch_num_tokens=torch.tensor(0)), r"batch_num_tokens is 0(\.0)? but this batch alone scores 9"),
     (dict(batch_num_tokens=torch.tensor(8.0), dp_size=2), r"batch_num_tokens is 8\.0 but this batch alone scores 9"),
-    (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=0), r"global_batch_size is 0(\.0)? but this batch alone has 3"),
-    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=1), r"global_batch_size is 1(\.0)? but this batch alone has 3"),
+    (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=0),
+     r"global_batch_size is 0(\.0)? but this batch alone has 3"),
+    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=1),
+     r"global_batch_size is 1(\.0)? but this batch alone has 3"),
     (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=torch.tensor(0.0)), r"global_batch_size is 0\.0 but"),
-    (dict(loss_agg_mode="seq-mean-token-sum-norm", global_batch_size=3.5), r"global_batch_size=3\.5: a count of sequences"),
-    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=torch.tensor(4.5)), r"global_batch_size is 4\.5: a count of"),
+    (dict(loss_agg_mode="seq-mean-token-sum-norm", global_batch_size=3.5),
+     r"global_batch_size=3\.5: a count of sequences"),
+    (dict(loss_agg_mode="seq-mean-token-mean", global_batch_size=torch.tensor(4.5)),
+     r"global_batch_size is 4\.5: a count of"),
 ])
 def test_a_global_count_below_the_data_is_refused(backend, counts, message):
     """A global count is at least what this batch shows (before the dp_size factor); a count of
@@ -420,7 +429,8 @@ def test_selected_logprob_then_policy_loss():
     old = torch.randn(n, generator=g) * 0.1 - 3.5
     seq_adv = torch.randn(3, generator=g)
     logp = selected_logprob(hidden, weight, batch)
-    loss, _ = policy_loss(logp, old, seq_adv[sample], sample_index=sample, num_samples=3, loss_agg_mode="seq-mean-token-mean")
+    loss, _ = policy_loss(logp, old, seq_adv[sample], sample_index=sample, num_samples=3,
+                          loss_agg_mode="seq-mean-token-mean")
     grads = torch.autograd.grad(loss, (hidden, weight))
 
     rows, targets = batch.loss_token_index()

@@ -13,7 +13,14 @@ import torch
 
 from helpers import use_backend
 from rlk_mm.ops import (
-    AggMode, KLType, PolicyLoss, PolicyLossConfig, PolicyLossOutput, RatioMode, linear_policy_loss, policy_loss,
+    AggMode,
+    KLType,
+    PolicyLoss,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    RatioMode,
+    linear_policy_loss,
+    policy_loss,
 )
 
 B, R, H, V = 3, 5, 16, 40

@@ -105,7 +105,8 @@ def covered_values(spans, tokens, seed):
     g = torch.Generator().manual_seed(seed)
     out = []
     for b, row in enumerate(spans):
-        out.append([float(torch.randn(1, generator=g)) if any(tb == b and s <= p < e for tb, p in tokens) else 0.0 for s, e in row])
+        out.append([float(torch.randn(1, generator=g)) if any(tb == b and s <= p < e for tb, p in tokens) else 0.0
+                    for s, e in row])
     return out
 
 

@@ -4,7 +4,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlk_mm.schema import SchemaError, Span, SpanTable, complement, intersect, mask_from_spans, normalize, spans_from_mask, subtract, union
+from rlk_mm.schema import (
+    SchemaError,
+    Span,
+    SpanTable,
+    complement,
+    intersect,
+    mask_from_spans,
+    normalize,
+    spans_from_mask,
+    subtract,
+    union,
+)
 
 LENGTH = 40
 

@@ -160,8 +160,8 @@ OPTIONS = [
 @pytest.fixture(scope="module")
 def one_batch(checkpoint, dataset, tmp_path_factory):
     """Our trainer (2 accumulation steps), one batch of its inputs with the old and reference
-    log-probs perturbed (ratios off 1 per token and per sequence; k3 estimates beyond verl's clamp at 10), vLLM importance
-    ratios, and the batch's policy log-probs and entropies (the loss's differentiable inputs)."""
+    log-probs perturbed (ratios off 1 per token and per sequence; k3 estimates beyond verl's clamp at 10),
+    vLLM importance ratios, and the batch's policy log-probs and entropies (the loss's differentiable inputs)."""
     trainer = make_trainer(GRPOTrainer, checkpoint, dataset, tmp_path_factory.mktemp("one_batch"), loss_type="grpo")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 2
@@ -283,7 +283,8 @@ def model_loss_grads_metrics(trainer, compute, inputs):
     model.zero_grad(set_to_none=True)
     logged = {k: len(v) for k, v in trainer._metrics["train"].items()}
     captured = []
-    hook = model.model.language_model.register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    hook = model.model.language_model.register_forward_hook(
+        lambda module, args, out: captured.append(out.last_hidden_state))
     try:
         loss = compute(model, inputs)
     finally:
@@ -305,7 +306,8 @@ def fp64_head_gradients(trainer, inputs, hidden):
     logits = (h[:, -C - 1: -1] @ w.T) / trainer.temperature
     logps = logits.log_softmax(-1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
     entropies = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-    inputs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+    inputs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in inputs.items()}
     trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, entropies, None)
     try:
         loss = TRLGRPOTrainer._compute_loss(trainer, trainer.model, inputs64)
@@ -434,7 +436,8 @@ def test_loss_config_is_built_in_one_place():
     assert dapo.log_ratio_clamp == (-float("inf"), float("inf"))
     dr = loss_config("dr_grpo", "sequence", 0.2, 0.2, 3.0, num_completions=4, max_completion_length=16,
                      entropy_coeff=0.01)
-    assert (dr.loss_agg_mode, dr.global_batch_size, dr.loss_scale_factor) == (AggMode.SEQ_MEAN_TOKEN_SUM_NORM, 4.0, 16.0)
+    got = (dr.loss_agg_mode, dr.global_batch_size, dr.loss_scale_factor)
+    assert got == (AggMode.SEQ_MEAN_TOKEN_SUM_NORM, 4.0, 16.0)
     assert (dr.ratio, dr.clip_ratio_c, dr.entropy_coeff) == (RatioMode.GSPO, 3.0, 0.01)
     with pytest.raises(ValueError, match="needs max_completion_length"):
         loss_config("dr_grpo", "token", 0.2, 0.2, None, num_completions=4)

@@ -72,7 +72,8 @@ def check_refusal(error: UnsupportedModalityError, name: str = "batch") -> None:
     assert f"tokens [{audio_batch().modality_spans_of(1)[1].start}, " in message
     assert "is audio, a modality rlk_mm's operators do not support" in message
     assert RFC_PATH in message and "docs/rfc/continuous_latent_rl.md" == RFC_PATH
-    assert "Fallback: score the text only, with the audio span masked: rlk_mm.schema.mask_unsupported_media(batch)" in message
+    assert ("Fallback: score the text only, with the audio span masked: "
+            "rlk_mm.schema.mask_unsupported_media(batch)") in message
 
 
 # ------------------------------------------------------------------ the batch itself handles audio
@@ -112,7 +113,8 @@ REFUSED = {
     "models.qwen2_5_vl.group_hidden": lambda b, model, tmp: qwen2_5_vl.group_hidden(model, b),
     "models.qwen2_5_vl.check_inputs": lambda b, model, tmp: qwen2_5_vl.check_inputs(model, b),
     "parity.check_layout_parity": lambda b, model, tmp: parity.check_layout_parity(b, image_batch()),
-    "parity.compare_logprobs": lambda b, model, tmp: parity.compare_logprobs(torch.zeros(12), torch.zeros(12), image_batch(), b),
+    "parity.compare_logprobs":
+        lambda b, model, tmp: parity.compare_logprobs(torch.zeros(12), torch.zeros(12), image_batch(), b),
     "viz.draw_layout": lambda b, model, tmp: viz.draw_layout(b, tmp / "layout.png"),
 }
 #: ops whose result depends on the token layout alone: on an audio batch they give the fallback batch's result
@@ -125,7 +127,8 @@ TOKEN_LAYOUT_OPS = {
     "models.qwen2_5_vl.prompt_lengths": lambda b: torch.tensor(qwen2_5_vl.prompt_lengths(b)),
     "ops.group_advantages": lambda b: ops.group_advantages(torch.arange(b.num_samples, dtype=torch.float32), batch=b),
     "ops.lagrangian_advantages": lambda b: ops.lagrangian_advantages(
-        torch.arange(b.num_samples, dtype=torch.float32), torch.ones(b.num_samples), lam=torch.tensor(0.5), batch=b).advantages,
+        torch.arange(b.num_samples, dtype=torch.float32), torch.ones(b.num_samples), lam=torch.tensor(0.5),
+        batch=b).advantages,
 }
 
 
@@ -154,7 +157,8 @@ def test_pack_round_trip_keeps_the_audio_items():
 def test_the_table_covers_every_public_function_that_takes_a_batch():
     """A new public op taking an RLBatch must join REFUSED or TOKEN_LAYOUT_OPS."""
     found = set()
-    for prefix, module in (("ops", ops), ("models", models), ("models.qwen2_5_vl", qwen2_5_vl), ("parity", parity), ("viz", viz)):
+    for prefix, module in (("ops", ops), ("models", models), ("models.qwen2_5_vl", qwen2_5_vl), ("parity", parity),
+                           ("viz", viz)):
         for attr in getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]:
             value = getattr(module, attr)
             if inspect.isclass(value):
@@ -165,7 +169,8 @@ def test_the_table_covers_every_public_function_that_takes_a_batch():
             if {"batch", "rollout", "training"} & set(params) or "loss_spans" in params:
                 found.add(f"{prefix}.{attr}")
     covered = set(REFUSED) | set(TOKEN_LAYOUT_OPS)
-    missing = {name for name in found if name not in covered and not any(name.endswith("." + c.split(".")[-1]) for c in covered)}
+    missing = {name for name in found
+               if name not in covered and not any(name.endswith("." + c.split(".")[-1]) for c in covered)}
     assert not missing, f"public functions taking a batch with no audio row in the table: {sorted(missing)}"
 
 
@@ -211,18 +216,24 @@ def test_from_qwen_vl_refuses_a_processor_output_with_audio_features():
     processor = qwen_vl_processor()
     out = dict(processor_inputs(processor, synthetic_image_text(2, seed=1, max_images=1)))
     out["input_features"] = whisper_features()
-    with pytest.raises(UnsupportedModalityError, match=r"processor_output holds audio inputs \(input_features\); their modality is audio") as caught:
+    with pytest.raises(UnsupportedModalityError,
+                       match=r"processor_output holds audio inputs \(input_features\); "
+                             r"their modality is audio") as caught:
         RLBatch.from_qwen_vl(out, processor=processor, responses=[[9707, 151645]] * 2)
-    assert "build the batch from the output without input_features" in str(caught.value) and RFC_PATH in str(caught.value)
+    message = str(caught.value)
+    assert "build the batch from the output without input_features" in message and RFC_PATH in message
 
 
 def test_from_verl_refuses_multi_modal_inputs_with_audio_features():
     processor = qwen_vl_processor()
-    ids = torch.tensor(processor.tokenizer(["Who speaks?", "Say it again."], padding="longest", padding_side="left")["input_ids"])
+    ids = torch.tensor(processor.tokenizer(["Who speaks?", "Say it again."], padding="longest",
+                                           padding_side="left")["input_ids"])
     attention = (ids != processor.tokenizer.pad_token_id).long()
     positions = (attention.cumsum(1) - 1).clamp(min=0)
-    mm = [{}, {"input_features": whisper_features()[1:], "feature_attention_mask": torch.ones(1, 3000, dtype=torch.int64)}]
-    with pytest.raises(UnsupportedModalityError, match=r"multi_modal_inputs\[1\] holds audio inputs \(input_features, feature_attention_mask\)"):
+    mm = [{},
+          {"input_features": whisper_features()[1:], "feature_attention_mask": torch.ones(1, 3000, dtype=torch.int64)}]
+    with pytest.raises(UnsupportedModalityError,
+                       match=r"multi_modal_inputs\[1\] holds audio inputs \(input_features, feature_attention_mask\)"):
         RLBatch.from_verl(ids, attention, positions, processor=processor, multi_modal_inputs=mm)
 
 
@@ -230,9 +241,13 @@ def test_from_verl_refuses_multi_modal_inputs_with_audio_features():
 def test_smoke_task_refuses_an_audio_prompt():
     from rlk_mm.smoke.tasks import Task
 
-    audio = Sample("clip-0", [{"role": "user", "content": [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": "Who speaks?"}]}])
+    audio = Sample("clip-0",
+                   [{"role": "user",
+                     "content": [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": "Who speaks?"}]}])
     task = Task("audio", lambda rng, n, stream: [audio] * n, lambda text, s: 0.0, lambda label: label, max_new_tokens=2)
-    with pytest.raises(UnsupportedModalityError, match=r"smoke task 'audio', prompt 'clip-0': messages\[0\].content\[0\] \(type 'audio'\) is audio"):
+    with pytest.raises(UnsupportedModalityError,
+                       match=r"smoke task 'audio', prompt 'clip-0': messages\[0\].content\[0\] \(type 'audio'\) is "
+                             r"audio"):
         task.batch(None, 2, "train")
 
 
@@ -241,8 +256,10 @@ def test_smoke_command_exits_2_on_an_audio_task(monkeypatch, capsys, tmp_path):
     from rlk_mm.smoke import cli
     from rlk_mm.smoke.tasks import TASKS, Task
 
-    audio = Sample("clip-0", [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Who speaks?"}]}])
-    monkeypatch.setitem(TASKS, "colour", lambda data, tuning: Task("audio", lambda rng, n, s: [audio] * n, lambda t, s: 0.0, str, 2))
+    audio = Sample("clip-0",
+                   [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "Who speaks?"}]}])
+    monkeypatch.setitem(TASKS, "colour",
+                        lambda data, tuning: Task("audio", lambda rng, n, s: [audio] * n, lambda t, s: 0.0, str, 2))
     code = cli.main(["--steps", "1", "--warmup-steps", "1", "--prompts", "1", "--quiet", "--out", str(tmp_path)])
     assert code == 2
     err = capsys.readouterr().err
@@ -275,12 +292,14 @@ def test_require_supported_messages_refuses_exactly_the_first_audio_part(parts):
         assert require_supported_messages(messages, "prompt") is messages
         return
     m, p = audio[0]
-    with pytest.raises(UnsupportedModalityError, match=rf"prompt: messages\[{m}\].content\[{p}\] \(type '{parts[m][p]}'\) is audio"):
+    with pytest.raises(UnsupportedModalityError,
+                       match=rf"prompt: messages\[{m}\].content\[{p}\] \(type '{parts[m][p]}'\) is audio"):
         require_supported_messages(messages, "prompt")
 
 
 def test_supported_messages_pass_untouched():
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}, {"type": ["odd"]}, "raw"]},
+    content = [{"type": "image"}, {"type": "text", "text": "a"}, {"type": ["odd"]}, "raw"]
+    messages = [{"role": "user", "content": content},
                 {"role": "assistant", "content": "b"}]
     assert require_supported_messages(messages, "smoke") is messages
 
@@ -304,7 +323,8 @@ def test_the_old_module_paths_warn_and_serve_the_same_names(old):
 
     module = importlib.import_module(f"rlk_mm.schema.{old}")
     for name in ("require_supported", "mask_unsupported_media", "UnsupportedModalityError", "SUPPORTED_MODALITIES"):
-        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.schema\.{old} is deprecated.*import {name} from rlk_mm\.schema\.unsupported"):
+        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.schema\.{old} is deprecated.*"
+                                                    rf"import {name} from rlk_mm\.schema\.unsupported"):
             assert getattr(module, name) is getattr(unsupported, name)
     with pytest.raises(AttributeError):
         module.torch

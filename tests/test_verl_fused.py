@@ -14,13 +14,15 @@ from helpers import skip_module_without_verl
 
 skip_module_without_verl()  # an installed verl that fails to import errors below, never skips
 import verl.utils.experimental.torch_functional as verl_tf  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
-
 from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 from rlk_mm.integrations import verl_fused  # noqa: E402
 from rlk_mm.parity.contract import (  # noqa: E402
-    ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error,
+    ELEMENTWISE_LOSS_MAX_ABS,
+    LOGPROB_GRAD_REL,
+    LOGPROB_MAX_ABS,
+    relative_error,
 )
 
 VERL_CLASS = verl_tf.FusedLinearForPPO
@@ -263,7 +265,8 @@ def test_verl_model_patch_runs_rlk_mm_after_enable(monkeypatch):
     patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
     calls = []
     forward = verl_fused.FusedLinearForPPO.forward
-    monkeypatch.setattr(verl_fused.FusedLinearForPPO, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    monkeypatch.setattr(verl_fused.FusedLinearForPPO, "forward", lambda self, *a,
+                        **k: calls.append(1) or forward(self, *a, **k))
     input_ids = torch.randint(0, 300, (2, 10))
 
     def run():
@@ -322,7 +325,8 @@ class _LMHeadEngine:
         labels = torch.roll(micro_batch["input_ids"].values(), -1)[None]
         logp, ent = verl_tf.FusedLinearForPPO()(self.hidden[None], self.weight, labels, temperature=self.temperature)
         cu = micro_batch["input_ids"].offsets()
-        output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu) for k, v in (("log_probs", logp), ("entropy", ent))}
+        output = {k: torch.nested.nested_tensor_from_jagged(v[0], cu)
+                  for k, v in (("log_probs", logp), ("entropy", ent))}
         return loss_function(model_output=output, data=micro_batch, dp_group=None)
 
 
@@ -485,7 +489,8 @@ def test_fused_loss_matches_verl_on_any_layout(data):
         response_mask[b, : response_len[b]] = torch.tensor(keep[b * R : b * R + response_len[b]])
     td = TensorDict({
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": attention, "response_mask": response_mask, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+        "attention_mask": attention, "response_mask": response_mask,
+        "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
         "old_log_probs": torch.randn(B, R, generator=g) - 4.0, "advantages": torch.randn(B, R, generator=g),
         "ref_log_prob": torch.randn(B, R, generator=g) - 4.0,
     }, batch_size=[B])

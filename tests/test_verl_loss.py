@@ -40,13 +40,16 @@ def config(**kw):
     return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, **kw)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode",
+                         ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                          "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("with_weights", [False, True])
 def test_registered_loss_equals_vanilla(mode, with_weights):
     logp, old, adv, mask = batch(1)
     weights = torch.rand(mask.shape) + 0.5 if with_weights else None
     cfg = config(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.3, clip_ratio_c=4.0)
-    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=torch.tensor(150), global_batch_size=16, loss_scale_factor=40)
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=torch.tensor(150), global_batch_size=16,
+                                 loss_scale_factor=40)
     fn = core_algos.get_policy_loss_fn("rlk_mm")
     assert fn is rlk_verl.compute_policy_loss
     expected, m_expected = core_algos.compute_policy_loss_vanilla(old, logp, adv, mask, mode, cfg, weights)
@@ -98,7 +101,8 @@ def test_grpo_estimator_equals_verl(norm):
     # verl's trainer passes the algorithm config instead of the flag
     from verl.trainer.config import AlgoConfig
 
-    via_config = est(token_level_rewards=rewards, response_mask=mask, index=index, config=AlgoConfig(norm_adv_by_std_in_grpo=norm))
+    via_config = est(token_level_rewards=rewards, response_mask=mask, index=index,
+                     config=AlgoConfig(norm_adv_by_std_in_grpo=norm))
     close(via_config[0], expected[0])
 
 
@@ -110,7 +114,8 @@ def test_rloo_estimator_equals_verl():
     rewards = torch.randn(B, R, generator=g)
     index = uids(4, B)
     expected = core_algos.compute_rloo_outcome_advantage(rewards.clone(), mask, index)
-    actual = core_algos.get_adv_estimator_fn("rlk_mm_rloo")(token_level_rewards=rewards, response_mask=mask, index=index)
+    actual = core_algos.get_adv_estimator_fn("rlk_mm_rloo")(token_level_rewards=rewards, response_mask=mask,
+                                                            index=index)
     for a, e in zip(actual, expected):
         close(a, e)
 

@@ -5,7 +5,8 @@ through the real VisionCache."""
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from rlk_mm import RLBatch
@@ -25,7 +26,8 @@ def _model_positions(model, inputs, b):
 
 @pytest.mark.parametrize("fps", [2.0, 0.5])
 def test_frames_and_temporal_positions_match_get_rope_index(processor, tiny_model, fps):
-    samples = synthetic_video_text(2, seed=1, num_frames=6, with_image=True) + synthetic_image_text(2, seed=2, max_images=3)
+    samples = (synthetic_video_text(2, seed=1, num_frames=6, with_image=True)
+               + synthetic_image_text(2, seed=2, max_images=3))
     inputs = processor_inputs(processor, samples, padding_side="left")
     inputs["second_per_grid_ts"] = torch.full((2,), 2 / fps)  # the processor's value at that frame rate
     tps = tiny_model.config.vision_config.tokens_per_second
@@ -109,7 +111,8 @@ def test_frame_mask_drops_frames_and_keeps_positions(processor):
     ],
 )
 def test_frame_mask_refuses_bad_keep(processor, keep, message):
-    batch = RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(2, seed=3, num_frames=6)), processor=processor)
+    batch = RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(2, seed=3, num_frames=6)),
+                                 processor=processor)
     with pytest.raises(ValueError, match=message):
         VideoLayout(batch).frame_token_mask(keep)
 
@@ -122,7 +125,8 @@ def test_bad_video_index_and_batches_without_videos(processor):
         layout.frame_ranges(0)
     with pytest.raises(TypeError, match="must be an RLBatch"):
         VideoLayout("batch")
-    videos = VideoLayout(RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(1)), processor=processor))
+    videos = VideoLayout(RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(1)),
+                                              processor=processor))
     with pytest.raises(ValueError, match="video"):
         videos.frame_ranges(1)
 
@@ -151,7 +155,8 @@ def test_frame_keys_let_vision_cache_encode_a_shared_frame_once(processor, tiny_
 
 
 def test_bad_arguments_are_refused(processor):
-    batch = RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(1, num_frames=4)), processor=processor)
+    batch = RLBatch.from_qwen_vl(processor_inputs(processor, synthetic_video_text(1, num_frames=4)),
+                                 processor=processor)
     layout = VideoLayout(batch)
     with pytest.raises(ValueError, match="tokens_per_second"):
         layout.temporal_positions(0, tokens_per_second=-1.0)
@@ -160,4 +165,5 @@ def test_bad_arguments_are_refused(processor):
     bare = VideoLayout(batch.model_copy(update={"pixel_values_videos": None}))
     with pytest.raises(ValueError, match="keeps no pixel_values_videos"):
         bare.frame_keys()
-    assert layout.temporal_positions(0, tokens_per_second=None).tolist() == [int(layout.starts[0]), int(layout.starts[0]) + 1]
+    first = int(layout.starts[0])
+    assert layout.temporal_positions(0, tokens_per_second=None).tolist() == [first, first + 1]

@@ -34,11 +34,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from helpers import use_backend
 from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
 from rlk_mm.ops import vocab_parallel as vp
 from rlk_mm.ops._torch import logprob as torch_logprob
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
-from helpers import use_backend
 
 WORLD = 4
 GROUPS = (1, 2, 3, 4)
@@ -105,7 +105,8 @@ def _logprob_run(c, weight, bias, group, index=None, targets=None):
                                  temperature=TEMPERATURE, return_entropy=True, tp_group=group)
     n = index.numel()
     torch.autograd.backward([logp, ent], [c["up_logp"][:n], c["up_entropy"][:n]])
-    return {"logp": logp, "entropy": ent, "d_hidden": leaves[0].grad, "d_weight": leaves[1].grad, "d_bias": leaves[2].grad}
+    return {"logp": logp, "entropy": ent, "d_hidden": leaves[0].grad, "d_weight": leaves[1].grad,
+            "d_bias": leaves[2].grad}
 
 
 def _loss_run(c, weight, bias, group):
@@ -141,7 +142,8 @@ def _samples(c, weight, bias, group, names):
         kw = FILTERS[name]
         r = sample_from_hidden(c["hidden"][:B], weight, bias=bias, seeds=c["seeds"], step=3, tp_group=group,
                                **{"temperature": TEMPERATURE, **kw})
-        out.update({f"{name}.tokens": r.tokens, f"{name}.log_probs": r.log_probs, f"{name}.sampled": r.sampled_log_probs})
+        out.update({f"{name}.tokens": r.tokens, f"{name}.log_probs": r.log_probs,
+                    f"{name}.sampled": r.sampled_log_probs})
     return out
 
 
@@ -195,7 +197,8 @@ def _cases_worker(rank, groups, results):
             w, b = shard_of(c, SPLITS[P], rank)
             for rep in REPEATS[backend, dtype]:
                 for name, run in (("logprob", _logprob_run), ("loss", _loss_run)):
-                    results.update({_tag(backend, dtype, P, f"{name}.run{rep}.{k}"): v for k, v in run(c, w, b, groups[P]).items()})
+                    results.update({_tag(backend, dtype, P, f"{name}.run{rep}.{k}"): v
+                                    for k, v in run(c, w, b, groups[P]).items()})
             results.update({_tag(backend, dtype, P, f"stats.{k}"): v for k, v in _stats(c, w, b, groups[P]).items()})
             results.update({_tag(backend, dtype, P, f"even.{k}"): v
                             for k, v in _stats(even, *shard_of(even, EVEN[P], rank), groups[P]).items()})
@@ -274,11 +277,11 @@ def _bad_setups_worker(rank, group, messages):
 
     mesh = DeviceMesh.from_group(group, "cpu")
     replicated = distribute_tensor(c["weight"], mesh, [Replicate()])
-    _expect_error(messages, "dtensor_replicate", lambda: selected_logprob(c["hidden"], replicated, index=c["index"],
-                                                                          targets=c["targets"]))
+    _expect_error(messages, "dtensor_replicate",
+                  lambda: selected_logprob(c["hidden"], replicated, index=c["index"], targets=c["targets"]))
     sharded = distribute_tensor(c["weight"], mesh, [Shard(0)])  # 339 + 338 rows: off the grid
-    _expect_error(messages, "dtensor_misaligned", lambda: selected_logprob(c["hidden"], sharded, index=c["index"],
-                                                                           targets=c["targets"]))
+    _expect_error(messages, "dtensor_misaligned",
+                  lambda: selected_logprob(c["hidden"], sharded, index=c["index"], targets=c["targets"]))
     for name, kw in (("dtensor_tp_group", dict(tp_group=group)), ("dtensor_start", dict(vocab_start_index=0)),
                      ("dtensor_plain_bias", dict(bias=c["bias"]))):
         _expect_error(messages, name, lambda: selected_logprob(c["hidden"], sharded, index=c["index"],
@@ -329,8 +332,8 @@ def _fsdp_worker(rank, group, numbers):
     def loss_of(model, batch, rows, **kw):
         hidden = forward_hidden(model, batch)
         return linear_policy_loss(hidden, model.lm_head.weight, batch, temperature=0.9, kl_type="low_var_kl",
-                                  kl_coef=0.05, loss_agg_mode="token-mean",
-                                  **{k: v[rows] for k, v in inputs.items()}, **kw).loss
+                                  kl_coef=0.05, loss_agg_mode="token-mean", **{k: v[rows] for k, v in inputs.items()},
+                                  **kw).loss
 
     def grads(model):
         return {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
@@ -383,7 +386,8 @@ def _worker(rank, port, out_dir):
     if rank < 2:
         _fsdp_worker(rank, groups[2], numbers)
     dist.barrier()
-    save_file({k: v.detach().clone().contiguous() for k, v in results.items()}, os.path.join(out_dir, f"rank{rank}.safetensors"))
+    save_file({k: v.detach().clone().contiguous() for k, v in results.items()},
+              os.path.join(out_dir, f"rank{rank}.safetensors"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"messages": messages, "numbers": numbers}, f)
     dist.destroy_process_group()
@@ -510,7 +514,8 @@ def test_an_empty_shard_adds_nothing(ranks):
         got = ranks[r][0]
         for k in ("logp", "entropy"):
             assert torch.equal(got[f"empty_shard.tp.{k}"], single[f"empty_shard.single.{k}"]), (r, k)
-        assert relative_error(got["empty_shard.tp.d_hidden"], single["empty_shard.single.d_hidden"]) <= LOGPROB_GRAD_REL.fp32
+        assert relative_error(got["empty_shard.tp.d_hidden"],
+                              single["empty_shard.single.d_hidden"]) <= LOGPROB_GRAD_REL.fp32
         assert got["empty_shard.tp.d_weight"].shape == (size, H)
         if size:
             assert relative_error(got["empty_shard.tp.d_weight"],
@@ -545,7 +550,8 @@ BAD_SETUPS = {  # case: (rank 0's error, rank 1's error); rank 1's inputs are th
     "out_of_range": (r"targets\[0\] = 677 is out of range: there are 677 vocabulary entries",) * 2,
     "masked_target": (r"targets\[0\] = 400 is masked: bias\[400\] = -inf",) * 2,
     "hidden_debug": (r"tp ranks disagree on the scored hidden rows",) * 2,
-    "bias_nan": (r"tp rank 1's bias shard is NaN or \+inf", r"tp rank 1's bias shard: bias\[386\] = nan is NaN or \+inf"),
+    "bias_nan": (r"tp rank 1's bias shard is NaN or \+inf",
+                 r"tp rank 1's bias shard: bias\[386\] = nan is NaN or \+inf"),
     "loss_dtype": (r"tp ranks disagree on the dtype",) * 2,
     "sample_seeds": (r"tp ranks disagree on the scored rows and targets",) * 2,
     "dtensor_replicate": (r"placed \(Replicate\(\),\) on a 1-D mesh; the head must be Shard\(0\)",) * 2,
@@ -633,12 +639,16 @@ def _plain():
 
 
 BAD_ARGS = [  # (call, error, message), without an initialized process group
-    (lambda h, w, kw: selected_logprob(h, w, tp_group="world", **kw), RuntimeError, r"torch\.distributed is not initialized"),
-    (lambda h, w, kw: selected_logprob(h, w, vocab_start_index=3, **kw), ValueError, r"vocab_start_index applies only with tp_group"),
-    (lambda h, w, kw: selected_logprob(h, w, gather_weight=True, **kw), ValueError, r"gather_weight=True applies to a DTensor"),
+    (lambda h, w, kw: selected_logprob(h, w, tp_group="world", **kw), RuntimeError,
+     r"torch\.distributed is not initialized"),
+    (lambda h, w, kw: selected_logprob(h, w, vocab_start_index=3, **kw), ValueError,
+     r"vocab_start_index applies only with tp_group"),
+    (lambda h, w, kw: selected_logprob(h, w, gather_weight=True, **kw), ValueError,
+     r"gather_weight=True applies to a DTensor"),
     (lambda h, w, kw: selected_logprob(h, w, gather_weight=1, **kw), TypeError, r"gather_weight must be a bool"),
-    (lambda h, w, kw: linear_policy_loss(h, w, vocab_start_index=0, old_log_probs=torch.zeros(N), advantages=torch.zeros(N),
-                                         sample_index=torch.zeros(N, dtype=torch.long), num_samples=1, **kw),
+    (lambda h, w, kw: linear_policy_loss(h, w, vocab_start_index=0, old_log_probs=torch.zeros(N),
+                                         advantages=torch.zeros(N), sample_index=torch.zeros(N, dtype=torch.long),
+                                         num_samples=1, **kw),
      ValueError, r"vocab_start_index applies only with tp_group"),
     (lambda h, w, kw: sample_from_hidden(h[:2], w, seeds=torch.zeros(2, dtype=torch.long), tp_group="world"),
      RuntimeError, r"torch\.distributed is not initialized"),

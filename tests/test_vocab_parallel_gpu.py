@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
 from rlk_mm.ops import vocab_parallel as vp
 from rlk_mm.ops._triton import logprob as triton_logprob
-from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -141,7 +141,8 @@ def test_forward_bitwise_the_single_gpu_op_gpu(group, dtype, even):
         assert torch.equal(ours[k], single[k]), (k, _differ(ours[k], single[k]))
         assert _same_on_every_rank(ours[k]), k
     with torch.no_grad():
-        logp, ent = selected_logprob(c["hidden"], c["shard"], index=c["index"], targets=c["targets"], bias=c["shard_bias"],
+        logp, ent = selected_logprob(c["hidden"], c["shard"], index=c["index"], targets=c["targets"],
+                                     bias=c["shard_bias"],
                                      temperature=TEMPERATURE, return_entropy=True, tp_group=group)
     assert torch.equal(logp, single["logp"]) and torch.equal(ent, single["entropy"])
 
@@ -168,7 +169,8 @@ def test_log_probs_bitwise_gradients_within_contract_deterministic_gpu(group, dt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_bitwise_batch_invariant_gpu(group, dtype):
     c = _case(dtype, even=False)
-    full, part = _logprob(c, c["shard"], c["shard_bias"], group), _logprob(c, c["shard"], c["shard_bias"], group, SUBSET)
+    full, part = _logprob(c, c["shard"], c["shard_bias"],
+                          group), _logprob(c, c["shard"], c["shard_bias"], group, SUBSET)
     assert torch.equal(part["logp"], full["logp"][SUBSET])
     assert torch.equal(part["entropy"], full["entropy"][SUBSET])
 

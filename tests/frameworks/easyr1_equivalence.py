@@ -70,9 +70,11 @@ def compare_kl_and_average(core, easyr1) -> dict:
     for kind in ("kl", "abs", "mse", "low_var_kl"):
         for dtype in (torch.float32, torch.bfloat16):
             a, b = logp.detach().to(dtype), old.to(dtype)
-            out[f"compute_kl/{kind}/{str(dtype)[6:]}"] = max_abs(easyr1.compute_kl(a, b, kind), core.compute_kl(a, b, kind))
+            key = f"compute_kl/{kind}/{str(dtype)[6:]}"
+            out[key] = max_abs(easyr1.compute_kl(a, b, kind), core.compute_kl(a, b, kind))
     for mode in ("token", "seq"):
-        out[f"average_loss/{mode}"] = max_abs(easyr1.average_loss(logp.detach(), mask, mode), core.average_loss(logp.detach(), mask, mode))
+        out[f"average_loss/{mode}"] = max_abs(easyr1.average_loss(logp.detach(), mask, mode),
+                                              core.average_loss(logp.detach(), mask, mode))
     return out
 
 
@@ -89,15 +91,18 @@ def compare_advantages(core, easyr1) -> dict:
                 scores = torch.rand(B, generator=g)
             else:  # equal scores in each group: EasyR1's GRPO turns the rounding of its mean into an
                 # advantage (~0.06 for 7 scores of 0.7); rlk_mm centres on the first score and gives 0
-                scores = torch.tensor([0.1, 0.2, 0.3, 0.7, 0.9])[torch.randint(0, 5, (groups,), generator=g)].repeat_interleave(n)
+                scores = torch.tensor([0.1, 0.2, 0.3, 0.7,
+                                       0.9])[torch.randint(0, 5, (groups,), generator=g)].repeat_interleave(n)
             order = torch.randperm(B, generator=g)  # groups in any order
             scores = scores[order]
             index = np.array([f"uid-{int(b) // n}" for b in order], dtype=object)
             mask = (torch.arange(R)[None] < torch.randint(1, R + 1, (B,), generator=g)[:, None]).long()
             rewards = torch.zeros(B, R)
             rewards[torch.arange(B), mask.sum(-1) - 1] = scores
-            theirs, _ = core.ADV_ESTIMATOR_MAP[name](token_level_rewards=rewards.clone(), response_mask=mask, index=index)
-            ours, _ = getattr(easyr1, f"compute_{name}_outcome_advantage")(token_level_rewards=rewards, response_mask=mask, index=index)
+            theirs, _ = core.ADV_ESTIMATOR_MAP[name](token_level_rewards=rewards.clone(), response_mask=mask,
+                                                     index=index)
+            estimator = getattr(easyr1, f"compute_{name}_outcome_advantage")
+            ours, _ = estimator(token_level_rewards=rewards, response_mask=mask, index=index)
             out[f"{name}/{case}"] = max_abs(ours, theirs)
     return out
 
@@ -112,13 +117,16 @@ def check_patch(core, easyr1) -> dict:
         args = dict(old_log_probs=old, log_probs=logp, advantages=adv, response_mask=mask, clip_ratio_low=0.2,
                     clip_ratio_high=0.3, clip_ratio_dual=3.0, tau_positive=1.0, tau_negative=1.05, loss_type=loss_type,
                     loss_avg_mode="token")
-        (theirs, m_theirs), (patched, m_patched) = originals["compute_policy_loss"](**args), core.compute_policy_loss(**args)
+        (theirs, m_theirs), (patched,
+                             m_patched) = originals["compute_policy_loss"](**args), core.compute_policy_loss(**args)
         assert torch.equal(theirs, patched) and m_theirs == m_patched, loss_type
     full = (torch.randn(4, 5, 7).log_softmax(-1), torch.randn(4, 5, 7).log_softmax(-1))
     assert torch.equal(core.compute_kl(*full, kl_penalty="full"), originals["compute_kl"](*full, kl_penalty="full"))
     values = logp.detach()
-    assert torch.equal(core.average_loss(values, mask, "seq", eps=1e-6), originals["average_loss"](values, mask, "seq", eps=1e-6))
-    args = dict(old_log_probs=old, log_probs=logp, advantages=adv, response_mask=mask, clip_ratio_low=0.2, clip_ratio_high=0.3,
+    assert torch.equal(core.average_loss(values, mask, "seq", eps=1e-6),
+                       originals["average_loss"](values, mask, "seq", eps=1e-6))
+    args = dict(old_log_probs=old, log_probs=logp, advantages=adv, response_mask=mask, clip_ratio_low=0.2,
+                clip_ratio_high=0.3,
                 clip_ratio_dual=3.0, tau_positive=1.0, tau_negative=1.05, loss_type="gspo", loss_avg_mode="seq")
     assert torch.equal(core.compute_policy_loss(**args)[0], easyr1.compute_policy_loss(**args)[0])
     assert core.compute_advantage_return.__module__ == core.__name__  # EasyR1's lookup, now reaching rlk_mm's GRPO
@@ -133,7 +141,8 @@ def core_algos_importers(root: Path) -> dict[str, list[str]]:
     out = {}
     for path in sorted((root / "verl").rglob("*.py")):
         names = [alias.name for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("core_algos") for alias in node.names]
+                 if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("core_algos")
+                 for alias in node.names]
         if names:
             out[".".join(path.relative_to(root).with_suffix("").parts)] = sorted(names)
     return out

@@ -26,8 +26,14 @@ import transformers
 
 from rlk_mm import Modality, RLBatch, SchemaError
 from rlk_mm.fixtures import (
-    IM_END_TOKEN_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, processor_inputs, qwen_vl_processor, synthetic_image_text,
-    synthetic_video_text, tiny_qwen2_5_vl,
+    IM_END_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    processor_inputs,
+    qwen_vl_processor,
+    synthetic_image_text,
+    synthetic_video_text,
+    tiny_qwen2_5_vl,
 )
 from rlk_mm.fixtures.processor import PilImageProcessor
 from rlk_mm.schema import SpanTable
@@ -93,7 +99,10 @@ def digest(batch: RLBatch) -> dict[str, str]:
         if name in VERSION_BOUND:
             continue
         value = getattr(batch, name)
-        tensors = value.tensors(name) if isinstance(value, SpanTable) else {name: value} if isinstance(value, torch.Tensor) else None
+        if isinstance(value, SpanTable):
+            tensors = value.tensors(name)
+        else:
+            tensors = {name: value} if isinstance(value, torch.Tensor) else None
         h = hashlib.sha256()
         if tensors is None:
             h.update(json.dumps(value).encode())
@@ -128,7 +137,8 @@ def test_the_batch_matches_the_one_built_under_transformers_5(processor):
     differing = sorted(name for name in reference["fields"] if actual[name] != reference["fields"][name])
     assert not differing, (
         f"fields {differing} differ from the batch transformers {reference['transformers']} built ({REFERENCE.name}); "
-        "if transformers 5 changed its processor on purpose, regenerate it: python tests/frameworks/test_builders_tf4.py"
+        "if transformers 5 changed its processor on purpose, regenerate it: python "
+        "tests/frameworks/test_builders_tf4.py"
     )
     assert actual.keys() == reference["fields"].keys()
 
@@ -157,7 +167,9 @@ def test_mixed_video_token_types_are_refused(processor, video_type):
     RLBatch.from_qwen_vl(out, processor=processor)
     b, p = (int(i) for i in torch.nonzero(ids == VIDEO_TOKEN_ID)[-1])
     out["mm_token_type_ids"][b, p] = 2 - video_type
-    with pytest.raises(SchemaError, match=rf"says [02] but token {VIDEO_TOKEN_ID} implies [02]: video tokens are all 2 \(transformers 5\) or all 0"):
+    with pytest.raises(SchemaError,
+                       match=rf"says [02] but token {VIDEO_TOKEN_ID} implies [02]: video tokens are all 2 "
+                             rf"\(transformers 5\) or all 0"):
         RLBatch.from_qwen_vl(out, processor=processor)
 
 

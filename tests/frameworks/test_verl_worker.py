@@ -81,7 +81,10 @@ from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from rlk_mm.fixtures import processor_inputs, qwen_vl_processor, synthetic_image_text, tiny_qwen2_5_vl  # noqa: E402
 from rlk_mm.integrations import verl_fused  # noqa: E402
 from rlk_mm.parity.contract import (  # noqa: E402
-    ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error,
+    ELEMENTWISE_LOSS_MAX_ABS,
+    LOGPROB_GRAD_REL,
+    LOGPROB_MAX_ABS,
+    relative_error,
 )
 
 SAMPLES, RESPONSE_LEN, MICRO_BATCH = 4, 24, 2
@@ -165,7 +168,8 @@ def rollout(model, processor, seed: int = 0) -> DataProto:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(RESPONSE_LEN // 3, RESPONSE_LEN + 1, (SAMPLES,), generator=g)
     response_mask = (torch.arange(RESPONSE_LEN) < lengths[:, None]).long()
-    responses = torch.randint(0, model.config.text_config.vocab_size, (SAMPLES, RESPONSE_LEN), generator=g) * response_mask
+    vocab = model.config.text_config.vocab_size
+    responses = torch.randint(0, vocab, (SAMPLES, RESPONSE_LEN), generator=g) * response_mask
     attention_mask = torch.cat([prompt["attention_mask"], response_mask], 1)
     response_mask[0, 2] = 0  # a tool-output token: attended, not trained on
     input_ids = torch.cat([prompt["input_ids"], responses], 1)
@@ -179,7 +183,8 @@ def rollout(model, processor, seed: int = 0) -> DataProto:
     grids = prompt["image_grid_thw"].split([len(s.images) for s in samples])
     pixels = prompt["pixel_values"].split([int(grid.prod(-1).sum()) for grid in grids])
     multi_modal_inputs = np.array(
-        [{"pixel_values": p, "image_grid_thw": grid, "images_seqlens": grid[:, 1] * grid[:, 2]} for p, grid in zip(pixels, grids)],
+        [{"pixel_values": p, "image_grid_thw": grid, "images_seqlens": grid[:, 1] * grid[:, 2]}
+         for p, grid in zip(pixels, grids)],
         dtype=object,
     )
     advantages = torch.randn(SAMPLES, 1, generator=g) * response_mask
@@ -280,7 +285,8 @@ def arms(request, cluster, model_dir, batch):
     """Both arms of one layout, run side by side (one CPU each)."""
     remove_padding, knobs, extras = LAYOUTS[request.param]
     overrides, env = RLK_MM
-    configs = trainer_config(model_dir, remove_padding, knobs), trainer_config(model_dir, remove_padding, knobs + overrides)
+    configs = (trainer_config(model_dir, remove_padding, knobs),
+               trainer_config(model_dir, remove_padding, knobs + overrides))
     with ThreadPoolExecutor(2) as pool:  # hydra's composing above is not thread-safe; the runs are
         verl_arm = pool.submit(run_arm, configs[0], extras, batch)
         rlk_mm_arm = pool.submit(run_arm, configs[1], extras, batch, env)

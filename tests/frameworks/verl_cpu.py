@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-
 from verl.plugin.platform import PlatformBase, PlatformRegistry
+
 
 def _zero(*args, **kwargs) -> int:
     return 0
@@ -139,7 +139,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     bounds = cu_seqlens_q.tolist()
     pieces = [
         F.scaled_dot_product_attention(
-            *(t[start:end].transpose(0, 1) for t in (q, k, v)), dropout_p=dropout_p, is_causal=causal, scale=softmax_scale
+            *(t[start:end].transpose(0, 1) for t in (q, k,
+                                                     v)), dropout_p=dropout_p, is_causal=causal, scale=softmax_scale
         ).transpose(0, 1)
         for start, end in zip(bounds[:-1], bounds[1:])
     ]
