@@ -176,6 +176,16 @@ def _check_not_transposed(positions: list[Tensor], prompts: list[Tensor], info: 
     media tokens must not all have them equal (M-RoPE gives a media item of several tokens
     several h or w values; a transposed group of identical samples gives t = h = w)."""
     for b, (pos, prompt) in enumerate(zip(positions, prompts)):
+        text = (prompt != info.image_token_id) & (prompt != info.video_token_id)
+        unequal = text & ((pos[0] != pos[1]) | (pos[1] != pos[2]))
+        if bool(unequal.any()):
+            p = int(torch.nonzero(unequal)[0])
+            raise SchemaError(
+                f"position_ids: shape (3, 3, L) with 3 samples is read as (3, B, L), but then sample {b}, position {p} (a text "
+                f"token) has (t, h, w) = {tuple(pos[:, p].tolist())}, not all equal: if you passed (B, 3, L), pass "
+                "position_ids.transpose(0, 1)"
+            )
+    for b, (pos, prompt) in enumerate(zip(positions, prompts)):
         media = (prompt == info.image_token_id) | (prompt == info.video_token_id)
         flat = (pos[0] == pos[1]) & (pos[1] == pos[2])
         several = any(run.end - run.start > 1 for run in spans_from_mask(media))  # an item of more than one token
@@ -184,15 +194,6 @@ def _check_not_transposed(positions: list[Tensor], prompts: list[Tensor], info: 
                 f"position_ids: shape (3, 3, L) with 3 samples is read as (3, B, L), but then sample {b}'s "
                 f"{int(media.sum())} media tokens all have t = h = w, which M-RoPE never gives: if you passed (B, 3, L), "
                 "pass position_ids.transpose(0, 1); 1-D positions go as a (B, L) tensor"
-            )
-        text = ~media
-        unequal = text & ((pos[0] != pos[1]) | (pos[1] != pos[2]))
-        if bool(unequal.any()):
-            p = int(torch.nonzero(unequal)[0])
-            raise SchemaError(
-                f"position_ids: shape (3, 3, L) with 3 samples is read as (3, B, L), but then sample {b}, position {p} (a text "
-                f"token) has (t, h, w) = {tuple(pos[:, p].tolist())}, not all equal: if you passed (B, 3, L), pass "
-                "position_ids.transpose(0, 1)"
             )
 
 
