@@ -85,6 +85,19 @@ def test_a_video_prompt_and_the_other_input_forms(tiny_model, processor):
     assert torch.equal(again.flat_log_probs, rollout.flat_log_probs)
 
 
+def test_rows_that_draw_a_padded_head_row_are_rejected(processor, image_prompts):
+    """A head with more rows than the tokenizer has ids (Qwen2.5-VL's padded 151,936 / 152,064): a
+    row that draws one of the extra ids stops and is left out of the batch, which scores the rest."""
+    model = fixtures.tiny_qwen2_5_vl(seed=0, vocab_size=len(processor.tokenizer) + 64).eval()
+    with torch.no_grad():
+        model.lm_head.weight[len(processor.tokenizer):] *= 40  # the padding rows: likely draws
+    rollout = _rollout(model, image_prompts, processor, max_new_tokens=4)
+    assert rollout.rejected and len(rollout.rows) + len(rollout.rejected) == 6
+    if rollout.batch is not None:
+        assert all(int(r.max()) < len(processor.tokenizer) for r in rollout.responses)
+        _assert_on_policy(model, rollout)
+
+
 def test_a_row_does_not_depend_on_its_batch(tiny_model, processor, image_prompts):
     """The second prompt alone (its own seeds) decodes the same tokens and log-probs as in the batch."""
     together = _rollout(tiny_model, image_prompts, processor)

@@ -11,8 +11,9 @@ recompute can be skipped, and importance ratios are exactly 1 at the first updat
 
 One decode step is batched over the live rows (no loop over samples): a row that stops
 leaves the batch (the cache keeps the others), a prompt repeated ``samples_per_prompt``
-times is prefilled once and its cache repeated, and a row that draws a media placeholder
-(which no RLBatch can score) stops and is left out of the returned batch (``rejected``).
+times is prefilled once and its cache repeated, and a row that draws a token no RLBatch can
+score (a media placeholder, or a padded head's row past the tokenizer's vocabulary) stops and
+is left out of the returned batch (``rejected``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class OnPolicyRollout:
     log_probs: list[torch.Tensor]  # fp32 per kept row
     sampled_log_probs: list[torch.Tensor]  # fp32 per kept row
     stopped: list[bool]  # per kept row: ended with a stop token (else max_new_tokens)
-    rejected: list[int]  # rollout rows that drew a media placeholder token
+    rejected: list[int]  # rollout rows that drew a media placeholder or an id past the tokenizer's vocabulary
     seeds: torch.Tensor  # int64 [B * samples_per_prompt]: the sampling stream of every row
     kernels: Kernels
     steps: int  # decode steps run
@@ -279,7 +280,8 @@ def generate_on_policy(
     with torch.no_grad(), (batch_invariant(backend) if invariant else _Null()):
         tokens, logps, sampled, lengths, ended, steps = _decode(
             model, prompt_batch, samples_per_prompt, row_seeds.to(device), vision_cache, max_new_tokens, stop,
-            sorted(media_ids), dict(temperature=temperature, top_k=top_k, top_p=top_p))
+            sorted(media_ids), _tokenizer_vocab(processor, vocab), dict(temperature=temperature, top_k=top_k,
+                                                                        top_p=top_p))
     seconds = time.perf_counter() - start
     return _assemble(processor, prompt_batch, samples_per_prompt, row_groups, tokens, logps, sampled, lengths, ended,
                      row_seeds, kernels, steps, seconds, media_ids,
@@ -295,10 +297,17 @@ class _Null:
         return False
 
 
+def _tokenizer_vocab(processor, head_rows: int) -> int:
+    """The number of token ids an RLBatch accepts: the tokenizer's (a padded head has more rows)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    return min(head_rows, len(tokenizer)) if tokenizer is not None else head_rows
+
+
 def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_cache, max_new_tokens: int,
-            stop: list[int], media: list[int], sampling: dict):
+            stop: list[int], media: list[int], vocab: int, sampling: dict):
     """The decode loop. Returns ([rows, steps] tokens, log-probs, sampled log-probs, per-row
-    response lengths, per-row end reason (0 max tokens, 1 stop token, 2 media token), steps)."""
+    response lengths, per-row end reason (0 max tokens, 1 stop token, 2 an unscorable token: a
+    media placeholder or an id >= ``vocab``), steps)."""
 
     lm = model.model.language_model
     embed = model.get_input_embeddings()
@@ -333,7 +342,8 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
             draw = sample_from_hidden(hidden, head.weight, bias=bias, seeds=seeds[live], step=k, **sampling)
         tokens[live, k], logps[live, k], sampled[live, k] = draw.tokens, draw.log_probs, draw.sampled_log_probs
         steps = k + 1
-        is_stop, is_media = torch.isin(draw.tokens, stop_t), torch.isin(draw.tokens, media_t)
+        is_stop = torch.isin(draw.tokens, stop_t)
+        is_media = torch.isin(draw.tokens, media_t) | (draw.tokens >= vocab)  # no RLBatch can score these
         done = is_stop | is_media
         lengths[live[done]] = k + 1
         ended[live[done]] = torch.where(is_media[done], 2, 1)
