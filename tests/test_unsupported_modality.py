@@ -36,7 +36,7 @@ def image_batch() -> RLBatch:
     processor = qwen_vl_processor()
     out = processor_inputs(processor, synthetic_image_text(NUM_SAMPLES, seed=1, max_images=1))
     return RLBatch.from_qwen_vl(out, processor=processor, responses=[[9707, 13, 151645]] * NUM_SAMPLES,
-                                group_ids=["a", "a", "b", "b"], rewards=[1.0, 0.0, 0.5, 0.25])
+                                group_ids=["a", "b", "c", "d"], rewards=[1.0, 0.0, 0.5, 0.25])
 
 
 def with_audio(batch: RLBatch, items: list[int]) -> RLBatch:
@@ -112,6 +112,8 @@ REFUSED = {
     "models.group_logprobs": lambda b, model, tmp: models.group_logprobs(model, b),
     "models.qwen2_5_vl.group_hidden": lambda b, model, tmp: qwen2_5_vl.group_hidden(model, b),
     "models.qwen2_5_vl.check_inputs": lambda b, model, tmp: qwen2_5_vl.check_inputs(model, b),
+    "models.qwen2_5_vl.fill_media":
+        lambda b, model, tmp: qwen2_5_vl.fill_media(torch.zeros(b.num_tokens, 16), b, torch.zeros(1, 16)),
     "parity.check_layout_parity": lambda b, model, tmp: parity.check_layout_parity(b, image_batch()),
     "parity.compare_logprobs":
         lambda b, model, tmp: parity.compare_logprobs(torch.zeros(12), torch.zeros(12), image_batch(), b),
