@@ -28,7 +28,7 @@ def test_other_resize_settings_are_named(processor):
     assert report.first.diagnosis == (
         "sample 1, image #0: rollout 12 placeholder tokens (grid 1×6×8, resized 112×84, min_pixels 3136, max_pixels 12544) "
         "vs training 54 placeholder tokens (grid 1×12×18, resized 252×168, min_pixels 3136, max_pixels 50176): "
-        "the rollout resized with other processor settings"
+        "the rollout resized with other settings (the recorded resize settings differ)"
     )
     text = report.first.describe()
     assert text.startswith(report.first.diagnosis) and "(media_ids: sample 1, position 15" in text  # the field-level detail stays

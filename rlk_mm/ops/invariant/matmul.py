@@ -25,7 +25,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     ``alpha`` and ``beta`` finite. Shapes are checked on the host; NaN and inf in the operands
     propagate (each output row from its own input row only). Differentiable: the gradient
     products are stock ones (only the forward is batch-invariant)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, bias)):
         return _Product.apply(a, b, bias, alpha, beta)
     return _product(a, b, bias, alpha=alpha, beta=beta)
 
