@@ -48,7 +48,8 @@ def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
     out = processor_inputs(processor, samples, padding_side=side)
     responses = responses_for(processor, len(samples))
     media_ids = [m for s in samples for m in s.media_ids]
-    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["g", "h", "i", "g"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
+    batch = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["g", "h", "i", "g"],
+                                 rewards=[1, 0, 0.5, 0], media_ids=media_ids)
     assert batch.num_samples == 4 and batch.media_ids == media_ids
     mask = out["attention_mask"].bool()
     for b in range(4):
@@ -69,7 +70,10 @@ def test_geo3k_real_images(processor, tiny_model, geo3k_dir, side):
     counts = batch.media_grid_thw.prod(1) // 4
     assert batch.vision_token_offsets.tolist() == (torch.cumsum(counts, 0) - counts).tolist()
     # the same content, left- or right-padded, gives the same batch
-    other = RLBatch.from_qwen_vl(processor_inputs(processor, samples, padding_side="right" if side == "left" else "left"), processor=processor, responses=responses, group_ids=["g", "h", "i", "g"], rewards=[1, 0, 0.5, 0], media_ids=media_ids)
+    other = RLBatch.from_qwen_vl(processor_inputs(processor, samples,
+                                                  padding_side="right" if side == "left" else "left"),
+                                 processor=processor, responses=responses, group_ids=["g", "h", "i", "g"],
+                                 rewards=[1, 0, 0.5, 0], media_ids=media_ids)
     assert torch.equal(other.input_ids, batch.input_ids) and torch.equal(other.position_ids, batch.position_ids)
     assert other.media_cache_keys == batch.media_cache_keys
 
@@ -184,7 +188,8 @@ def test_views_select_concat_groups_device(processor):
 @pytest.fixture(scope="module")
 def small_batch(processor):
     samples = synthetic_image_text(2, seed=11, sizes=[(56, 56), (84, 56)]) * 2  # groups a and b: one prompt each
-    return RLBatch.from_qwen_vl(processor_inputs(processor, samples), processor=processor, responses=responses_for(processor, 4), rewards=[0.5, 1, 0, 1], group_ids=list("abab"))
+    return RLBatch.from_qwen_vl(processor_inputs(processor, samples), processor=processor,
+                                responses=responses_for(processor, 4), rewards=[0.5, 1, 0, 1], group_ids=list("abab"))
 
 
 @settings(max_examples=15, deadline=None)
@@ -262,7 +267,8 @@ def test_placeholder_count_mismatch(processor, good):
     ids[0, first + 3] = 1000  # one placeholder overwritten by text
     bad = dict(out, input_ids=ids)
     bad.pop("mm_token_type_ids")
-    with pytest.raises(SchemaError, match=r"sample 0, image 0 at positions \[\d+, \d+\) has 3 placeholder tokens but image_grid_thw \[1, 8, 8\] implies 16"):
+    with pytest.raises(SchemaError, match=r"sample 0, image 0 at positions \[\d+, \d+\) has 3 placeholder tokens "
+                                          r"but image_grid_thw \[1, 8, 8\] implies 16"):
         RLBatch.from_qwen_vl(bad, processor=processor)
 
 

@@ -83,9 +83,11 @@ def test_different_eos_token(training):
 
 
 def test_contract_breaking_rollouts_fail_to_load(image0):
-    with pytest.raises(BatchFileError, match=rf"image #0\[{image0.start}, {image0.start + 10}\) has 10 placeholder tokens but grid_thw \[1, 8, 8\] .* implies 16 .*cut by truncation"):
+    with pytest.raises(BatchFileError, match=rf"image #0\[{image0.start}, {image0.start + 10}\) has 10 placeholder "
+                                             rf"tokens but grid_thw \[1, 8, 8\] .* implies 16 .*cut by truncation"):
         RLBatch.load(FIXTURES / "truncated_image_span.rollout.safetensors")
-    with pytest.raises(BatchFileError, match=rf"loss_spans: sample 0, span text\[1, \d+\) intersects media span image #0\[{image0.start}, {image0.end}\) at position {image0.start}"):
+    with pytest.raises(BatchFileError, match=rf"loss_spans: sample 0, span text\[1, \d+\) intersects media span "
+                                             rf"image #0\[{image0.start}, {image0.end}\) at position {image0.start}"):
         RLBatch.load(FIXTURES / "loss_covers_image.rollout.safetensors")
 
 
@@ -165,22 +167,27 @@ def verl_case(processor, tiny_model):
         mm.append({"pixel_values": out["pixel_values"][row : row + rows], "image_grid_thw": out["image_grid_thw"][item : item + n]})
         row, item = row + rows, item + n
     reference = RLBatch.from_qwen_vl(out, processor=processor, responses=responses, group_ids=["u0", "u1", "u2"])
-    return dict(processor=processor, input_ids=input_ids, attention=attention, position_ids=position_ids, resp=resp, resp_mask=resp_mask, mm=mm, reference=reference, text_pos=text_pos)
+    return dict(processor=processor, input_ids=input_ids, attention=attention, position_ids=position_ids, resp=resp,
+                resp_mask=resp_mask, mm=mm, reference=reference, text_pos=text_pos)
 
 
 def test_from_verl_matches_processor_path(verl_case):
     c = verl_case
-    batch = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"], responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"], group_ids=["u0", "u1", "u2"])
+    batch = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"],
+                              responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"],
+                              group_ids=["u0", "u1", "u2"])
     assert check_layout_parity(batch, c["reference"]).ok
     # the same tensors with 1-D (B, L) positions: drift found in the first image
-    one_d = RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"], responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"])
+    one_d = RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"],
+                              responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"])
     report = check_layout_parity(one_d, c["reference"])
     image = next(s for s in c["reference"].modality_spans_of(0) if s.modality == Modality.IMAGE)
     assert (report.first.field, report.first.sample, report.first.position) == ("position_ids.t", 0, image.start + 1)
     # a response mask that skips a token makes the loss spans differ there
     partial = c["resp_mask"].clone()
     partial[1, 0] = 0
-    masked = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"], responses=c["resp"], response_mask=partial, multi_modal_inputs=c["mm"])
+    masked = RLBatch.from_verl(c["input_ids"], c["attention"], c["position_ids"], processor=c["processor"],
+                               responses=c["resp"], response_mask=partial, multi_modal_inputs=c["mm"])
     report = check_layout_parity(masked, c["reference"])
     assert (report.first.field, report.first.sample, report.first.position) == ("loss_spans", 1, int(c["reference"].prompt_lengths[1]))
 
@@ -189,7 +196,9 @@ def test_from_token_lists_matches(verl_case):
     ref = verl_case["reference"]
     prompts = [ref.sample_tokens(b)[: int(ref.prompt_lengths[b])].tolist() for b in range(ref.num_samples)]
     responses = [ref.sample_tokens(b)[int(ref.prompt_lengths[b]) :].tolist() for b in range(ref.num_samples)]
-    batch = RLBatch.from_token_lists(prompts, responses, processor=verl_case["processor"], image_grid_thw=ref.image_grid_thw, pixel_values=ref.pixel_values, group_ids=ref.group_ids)
+    batch = RLBatch.from_token_lists(prompts, responses, processor=verl_case["processor"],
+                                     image_grid_thw=ref.image_grid_thw, pixel_values=ref.pixel_values,
+                                     group_ids=ref.group_ids)
     assert check_layout_parity(batch, ref).ok
 
 
@@ -218,7 +227,8 @@ def test_compare_logprobs_gated_and_measured(training):
 # ------------------------------------------------------------------ CLI
 def test_cli_exit_codes(capsys, tmp_path):
     assert cli_main(["parity", str(FIXTURES / "left_vs_right_padding.rollout.safetensors"), str(FIXTURES / "training.safetensors")]) == 0
-    assert cli_main(["parity", str(FIXTURES / "missing_mm_token_type_ids.rollout.safetensors"), str(FIXTURES / "training.safetensors"), "--json"]) == 1
+    assert cli_main(["parity", str(FIXTURES / "missing_mm_token_type_ids.rollout.safetensors"),
+                     str(FIXTURES / "training.safetensors"), "--json"]) == 1
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{") :])["first"]["field"] == "position_ids.t"
     assert cli_main(["parity", str(FIXTURES / "truncated_image_span.rollout.safetensors"), str(FIXTURES / "training.safetensors")]) == 2

@@ -43,7 +43,8 @@ from_trajectories = RLBatch.from_trajectories
 
 __all__ = [
     "BatchFileError", "Choice", "CoordinateSystem", "MediaItem", "Modality", "ResizeSettings", "PaddingSide", "RLBatch", "SchemaError", "Span",
-    "SpanTable", "SUPPORTED_MODALITIES", "VideoLayout", "UnsupportedModalityError", "complement", "convert_boxes", "convert_points", "dense_group_index", "from_qwen_vl",
+    "SpanTable", "SUPPORTED_MODALITIES", "VideoLayout", "UnsupportedModalityError", "complement", "convert_boxes",
+    "convert_points", "dense_group_index", "from_qwen_vl",
     "from_messages", "from_token_lists", "from_verl", "key_settings", "intersect", "mask_from_spans", "media_cache_key", "media_token_counts",
     "mask_unsupported_media", "mrope_positions", "normalize", "processor_fingerprint", "spans_from_mask", "subtract", "union",
     "vision_token_offsets", "Step", "Trajectory", "from_trajectories", "step_group_index",

@@ -425,7 +425,10 @@ def _fail_placeholder(batch, t: int, token: int, label: str):
     p = t - int(cu[b])
     span = next(s for s in batch.modality_spans.spans_of(b) if p in s)
     if int(batch.input_ids[t]) != token:
-        raise SchemaError(f"input_ids: sample {b}, position {p} is token {int(batch.input_ids[t])} inside media span {span}; a media span covers only {label} tokens")
+        raise SchemaError(
+            f"input_ids: sample {b}, position {p} is token {int(batch.input_ids[t])} inside media span {span}; "
+            f"a media span covers only {label} tokens"
+        )
     if batch.prompt_lengths is not None and p >= int(batch.prompt_lengths[b]):
         raise SchemaError(f"input_ids: sample {b}, position {p} holds the placeholder {label} in the response (span {span}); "
               "the policy generated a media placeholder token: mask or reject this response")

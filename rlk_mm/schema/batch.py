@@ -367,7 +367,8 @@ class RLBatch(BaseModel):
         lines = [
             f"RLBatch: {self.num_samples} samples, {self.num_tokens} tokens, {self.num_media} media items, "
             f"{sum(loss)} loss tokens, fingerprint {self.processor_fingerprint[:12]}",
-            f"{'sample':>6} {'group':>10} {'tokens':>7} {'text':>6} {'image':>6} {'video':>6} {'media':>5} {'loss':>6} {'positions':>12} {'reward':>7}",
+            f"{'sample':>6} {'group':>10} {'tokens':>7} {'text':>6} {'image':>6} {'video':>6} "
+            f"{'media':>5} {'loss':>6} {'positions':>12} {'reward':>7}",
         ]
         for b in range(min(self.num_samples, max_rows)):
             lo, hi = int(self.cu_seqlens[b]), int(self.cu_seqlens[b + 1])

@@ -36,7 +36,10 @@ def _scale(system: CoordinateSystem, original_size: tuple | None, resized_size: 
         return torch.tensor([1000.0, 1000.0], dtype=torch.float64)
     size = original_size if system is CoordinateSystem.ABSOLUTE else resized_size
     if size is None:
-        raise SchemaError(f"converting {system.value} coordinates needs the {'original' if system is CoordinateSystem.ABSOLUTE else 'resized'} image size (width, height)")
+        raise SchemaError(
+            f"converting {system.value} coordinates needs the "
+            f"{'original' if system is CoordinateSystem.ABSOLUTE else 'resized'} image size (width, height)"
+        )
     return torch.tensor(size, dtype=torch.float64)
 
 
