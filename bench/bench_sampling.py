@@ -45,8 +45,9 @@ import warnings
 
 import torch
 
-from .common import DEFAULT_OUT, ROOT, measure_interleaved, time_ms, write_result
 from rlk_mm.ops import group_seeds, sample, sample_from_hidden
+
+from .common import DEFAULT_OUT, ROOT, measure_interleaved, time_ms, write_result
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.8
 FI_ENTRIES = ("fi_sampling_from_logits", "fi_topk_topp_probs_joint", "fi_topk_topp_logits")  # build order

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from rlk_mm.grounding import (
-    action_match, box_giou, box_iou, find_regions, grounding_rewards, parse_action, parse_grounding, point_in_box,
+    action_match,
+    box_giou,
+    box_iou,
+    find_regions,
+    grounding_rewards,
+    parse_action,
+    parse_grounding,
+    point_in_box,
 )
 from rlk_mm.ops import scatter_rewards
 from rlk_mm.schema import RLBatch, SchemaError

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from rlk_mm import RLBatch, SchemaError

@@ -11,8 +11,8 @@ import torch
 from rlk_mm import smoke
 from rlk_mm.fixtures import processor_inputs
 from rlk_mm.fixtures.palette import ANSWER_COLOURS
-from rlk_mm.smoke.tasks.point import OUTCOMES, point_diagnostics, point_outcome, point_reward, point_task, resized_size
 from rlk_mm.smoke.tasks import TASKS
+from rlk_mm.smoke.tasks.point import OUTCOMES, point_diagnostics, point_outcome, point_reward, point_task, resized_size
 
 GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
 

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import use_backend
 from rlk_mm.ops import batch_invariant, group_seeds, sample, sample_from_hidden, selected_logprob
 from rlk_mm.ops._flashinfer import sampling as _fi
 from rlk_mm.ops._torch import sampling as ref
 from rlk_mm.smoke.rollout import SeededSampler
-from helpers import use_backend
 
 FILTERS = [
     {},

@@ -3,11 +3,27 @@
 rewards are ``SpanReward``s for ``scatter_rewards``)."""
 
 from .parse import (
-    CONVENTION_SYSTEM, Convention, Found, Grounding, ParseFailure, Region, check_values, find_regions, parse_grounding,
+    CONVENTION_SYSTEM,
+    Convention,
+    Found,
+    Grounding,
+    ParseFailure,
+    Region,
+    check_values,
+    find_regions,
+    parse_grounding,
     token_bytes,
 )
 from .rewards import (
-    ACTIONS, GroundingMetric, GroundingRewards, action_match, box_giou, box_iou, grounding_rewards, parse_action, point_in_box,
+    ACTIONS,
+    GroundingMetric,
+    GroundingRewards,
+    action_match,
+    box_giou,
+    box_iou,
+    grounding_rewards,
+    parse_action,
+    point_in_box,
 )
 
 __all__ = [

@@ -27,7 +27,12 @@ from ._backend import use_triton
 from ._head_inputs import check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ._loss_terms import Partial, num_blocks
 from ._policy_op import (
-    OP_TENSORS, PER_TOKEN, checked_policy, mask_f32, policy_loss_partials, policy_loss_partials_backward,
+    OP_TENSORS,
+    PER_TOKEN,
+    checked_policy,
+    mask_f32,
+    policy_loss_partials,
+    policy_loss_partials_backward,
 )
 from .logprob import selected_logprob, sharded_head
 from .loss import policy_loss

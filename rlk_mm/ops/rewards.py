@@ -26,7 +26,14 @@ from torch import Tensor
 
 from ..schema import RLBatch, SchemaError, SpanTable
 from ..schema.checks import (
-    FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, first_true, float_arg, int_arg, tensor_arg,
+    FLOAT_DTYPES,
+    INTEGER_DTYPES,
+    DeviceChecks,
+    bool_arg,
+    first_true,
+    float_arg,
+    int_arg,
+    tensor_arg,
 )
 from ._deprecation import renamed_keywords
 from .options import Estimator, RewardPlacement

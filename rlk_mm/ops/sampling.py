@@ -34,7 +34,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..schema.checks import (
-    bool_arg, INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, first_true, float_arg, group_id_list, int_arg, temperature_arg,
+    INTEGER_DTYPES,
+    KERNEL_FLOAT_DTYPES,
+    bool_arg,
+    first_true,
+    float_arg,
+    group_id_list,
+    int_arg,
+    temperature_arg,
     tensor_arg,
 )
 from ._backend import backend_arg, resolve_backend

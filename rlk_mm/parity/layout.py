@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..schema.batch import batch_arg
 from ..schema import Modality, RLBatch, Span, key_settings
+from ..schema.batch import batch_arg
 
 __all__ = ["check_layout_parity", "LayoutParityError", "LayoutParityReport", "Mismatch"]
 

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from ..schema.batch import batch_arg
 from ..schema import RLBatch
+from ..schema.batch import batch_arg
 from ..schema.checks import first_true, float_arg, tensor_arg
 from .contract import LOGPROB_MAX_ABS
 from .layout import LayoutParityError, check_layout_parity

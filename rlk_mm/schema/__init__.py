@@ -16,10 +16,7 @@ from .batch import PaddingSide, RLBatch, dense_group_index
 from .choice import Choice
 from .coordinates import CoordinateSystem, convert_boxes, convert_points
 from .io import BatchFileError
-from .video import VideoLayout
 from .media import MediaItem, ResizeSettings, key_settings, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
-from .trajectories import Step, Trajectory, step_group_index
-from .unsupported import SUPPORTED_MODALITIES, UnsupportedModalityError, mask_unsupported_media
 from .spans import (
     Modality,
     SchemaError,
@@ -33,6 +30,9 @@ from .spans import (
     subtract,
     union,
 )
+from .trajectories import Step, Trajectory, step_group_index
+from .unsupported import SUPPORTED_MODALITIES, UnsupportedModalityError, mask_unsupported_media
+from .video import VideoLayout
 
 #: the builders, as functions (the same as ``RLBatch.from_qwen_vl`` etc.)
 from_qwen_vl = RLBatch.from_qwen_vl

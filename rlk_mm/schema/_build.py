@@ -14,14 +14,21 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .checks import DeviceChecks, FLOAT_DTYPES, INTEGER_DTYPES, float_arg, int_arg, sequence_arg, tensor_arg
 from ._assemble import SampleParts, assemble
 from ._inputs import coordinate_system_arg, per_sample_targets, per_sample_values, screen_sizes, str_list
+from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, float_arg, int_arg, sequence_arg, tensor_arg
+from .coordinates import CoordinateSystem
 from .media import (
-    MediaItem, add_grid_checks, add_pixel_checks, content_key, default_media_id, grid_arg, grid_row, processor_fingerprint,
+    MediaItem,
+    add_grid_checks,
+    add_pixel_checks,
+    content_key,
+    default_media_id,
+    grid_arg,
+    grid_row,
+    processor_fingerprint,
     token_counts,
 )
-from .coordinates import CoordinateSystem
 from .spans import Modality, SchemaError, Span, spans_from_mask
 
 __all__ = ["build", "LayoutInfo", "mrope_positions"]

@@ -18,17 +18,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from . import io
-from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices
-from .choice import Choice
 from ._assemble import SAMPLE_FIELDS, assemble, present_fields, sample_parts
 from ._validate import check, schema_error
+from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices
+from .choice import Choice
 from .io import BatchFileError
 from .media import token_counts
 from .messages import fields_from_messages
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
-from .unsupported import require_supported
 from .trajectories import fields_from_trajectories
+from .unsupported import require_supported
 from .verl import fields_from_verl
 
 __all__ = ["batch_arg", "dense_group_index", "PaddingSide", "RLBatch"]

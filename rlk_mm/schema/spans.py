@@ -16,7 +16,7 @@ from typing import Iterable, NoReturn, Sequence
 
 import torch
 
-from .checks import DeviceChecks, INTEGER_DTYPES, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
+from .checks import INTEGER_DTYPES, DeviceChecks, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
 
 __all__ = [
     "complement", "intersect", "mask_from_spans", "Modality", "normalize", "refuse", "SchemaError", "Span",

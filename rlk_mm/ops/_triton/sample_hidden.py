@@ -37,7 +37,14 @@ import triton.language as tl
 from .._torch import sampling as _ref
 from ._common import grouped_tile_ids
 from .lm_head import (
-    Operands, bias_arg, combine_kernel, default_config, ieee, logits_tile, partial_columns, store_partials,
+    Operands,
+    bias_arg,
+    combine_kernel,
+    default_config,
+    ieee,
+    logits_tile,
+    partial_columns,
+    store_partials,
 )
 from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, gumbel, no_nan, row_keys, sample_logits
 from .sampling import default_config as sampling_config
