@@ -206,8 +206,9 @@ def policy_loss(
     entropy : Tensor, optional
         Per-token entropies; needed when ``entropy_coeff > 0``.
     config : PolicyLossConfig, optional
-        The knobs (clips, ``ratio``, ``log_ratio_clamp``, ``kl_type``, ``kl_coef``,
-        ``entropy_coeff``, ``loss_agg_mode``, ``dp_size`` and the global counts).
+        The knobs (clips, ``ratio: RatioMode``, ``log_ratio_clamp``, ``kl_type: KLType``,
+        ``kl_coef``, ``entropy_coeff``, ``loss_agg_mode: AggMode``, ``dp_size`` and the global
+        counts); the enums of ``rlk_mm.ops.options`` or their string values.
     **knobs
         ``PolicyLossConfig``'s fields as keywords instead of ``config`` (not both).
 
