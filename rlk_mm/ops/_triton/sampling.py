@@ -30,7 +30,7 @@ bound, is known only once the whole row has been read.
 Roofline. A row of V fp32 logits is 4V bytes; the kernels read the logits twice (launch 2 also
 computes one float64 exp per entry for the masses) and write a few partials per block
 (B x V / split_block of each: negligible). With the Qwen2.5-VL vocabulary a row is about
-0.6 MB: at B = 64 the whole input (about 39 MB) fits an H100's 50 MB L2, so launch 2 reads
+0.6 MB: at B = 64 the whole input (about 39 MB) fits in a 50 MB L2 cache, so launch 2 reads
 mostly from L2 and the GPU's work is a few tens of microseconds; at B = 256 (about 156 MB)
 both passes stream from HBM. At small B a call is bound by the host, not the GPU: checking the
 arguments, a dozen allocations and two Triton launches take longer than the kernels run, and
