@@ -239,6 +239,25 @@ def test_sample_from_hidden_rows_do_not_depend_on_the_batch():
         assert all(torch.equal(x[[7, 30]], y) for x, y in zip(full, part)), be
 
 
+@pytest.mark.parametrize("kw", [{}, {"top_k": 8, "top_p": 0.9}])
+def test_sample_from_hidden_bad_row_leaves_the_others_scored_as_training(kw):
+    """A row with NaN logits gets NaN log-probs; the other rows keep selected_logprob's bits
+    (the torch backend scores only the drawn rows that are OK)."""
+    torch.manual_seed(6)
+    h, w = torch.randn(5, 16), torch.randn(70, 16)
+    h[2, 3] = math.nan
+    seeds = torch.arange(5) + 7
+    out = sample_from_hidden(h, w, seeds=seeds, temperature=0.8, backend="torch", **kw)
+    assert out.log_probs[2].isnan() and out.sampled_log_probs[2].isnan()
+    ok = torch.tensor([0, 1, 3, 4])
+    train = selected_logprob(h, w, index=ok, targets=out.tokens[ok], temperature=0.8)
+    assert torch.equal(out.log_probs[ok], train)
+    clean = sample_from_hidden(h[ok], w, seeds=seeds[ok], temperature=0.8, backend="torch", **kw)
+    assert all(torch.equal(x[ok], y) for x, y in zip(out, clean))
+    with pytest.raises(ValueError, match="hidden row 2"):
+        sample_from_hidden(h, w, seeds=seeds, temperature=0.8, backend="torch", check=True, **kw)
+
+
 def test_tiny_qwen_rollout_log_probs_equal_training(tiny_model, processor):
     ids = processor.tokenizer(["The colour of the square is", "Answer with one word:"], return_tensors="pt",
                               padding=True).input_ids

@@ -515,13 +515,12 @@ def sample_from_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     for s, e, h_t in _ref.row_chunks(hidden, rows, torch.float32, temperature):  # as _torch.sampling.sample_hidden_rows
         tiles = [_ref.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _ref.VOCAB_TILE)]
         z = gather.gather_logits(torch.cat(tiles) if tiles else h_t.new_empty((0, h_t.shape[1])), dim=0)
-        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s], 1.0, filters, seeds[s:e], steps[s:e])):
+        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s], 1.0, filters, seeds[s:e], steps[s:e],
+                                                      log_prob=not filters.plain)):
             o[s:e] = part
     tokens, _, sampled, status = out
-    if bool((status == _sampling.OK).all()):
-        log_probs, _, _ = shard_forward(hidden, weight, rows, tokens, bias, temperature, False, True, shard)
-        return tokens, log_probs, log_probs if filters.plain else sampled, status
-    return tokens, out[1], sampled, status
+    return _sampling.scored(tokens, sampled, status, filters, lambda ok: shard_forward(
+        hidden, weight, ok, tokens[ok], bias, temperature, False, ok.numel() == rows.numel(), shard)[0])
 
 
 # ------------------------------------------------------------------ measuring the traffic

@@ -108,11 +108,11 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
     log(f"warm-up: {args.warmup_steps} steps on the answer format with shuffled labels")
     report["warmup_loss"] = warm_up(policy, task, rng_warm, steps=args.warmup_steps, prompts=args.prompts, lr=args.warmup_lr, log=log)
     timings["warmup_s"] = time.perf_counter() - t
-    reference = copy.deepcopy(policy.model).requires_grad_(False)
+    reference = copy.deepcopy(policy.model).requires_grad_(False) if args.kl_coef > 0 else None
     opt = torch.optim.Adam(freeze_embeddings_and_head(policy.model), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps, tuning.lr_floor))
 
-    def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Tensor):
+    def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Optional[Tensor]):
         """The step's loss: the LM head fused with the policy loss (gradients formed in the
         forward); the call's metrics and log-probs are kept on the function."""
 
@@ -120,8 +120,8 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
             with stock_kernels():  # the LM head's own fixed order, as the rollout's draws have it
                 out = linear_policy_loss(
                     hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
-                    advantages=adv.to(device), ref_log_probs=ref_lp.to(device), kl_type="low_var_kl",
-                    kl_coef=args.kl_coef, loss_agg_mode="token-mean",
+                    advantages=adv.to(device), ref_log_probs=None if ref_lp is None else ref_lp.to(device),
+                    kl_type="low_var_kl", kl_coef=args.kl_coef, loss_agg_mode="token-mean",
                 )
             fn.metrics, fn.log_probs = out.metrics, out.log_probs
             return out.loss
@@ -152,8 +152,11 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
                 "use more --prompts (with 5 or more, the 4 first-image sizes force a pair)"
             )
         t1 = time.perf_counter()
-        with torch.no_grad(), kernels():
-            ref_lp = policy_logprobs(policy, reference, tb, args.temperature).cpu()
+        # the reference enters only the KL penalty (nothing compares it bitwise): the default kernels
+        ref_lp = None
+        if args.kl_coef > 0:
+            with torch.no_grad():
+                ref_lp = policy_logprobs(policy, reference, tb, args.temperature).cpu()
         adv, scores = _grpo_advantages(tb, negate=args.break_mode == "adv-sign")
         loss_fn = loss_fn_for(tb, old, adv, ref_lp)
         t2 = time.perf_counter()

@@ -28,7 +28,7 @@ import torch
 from .._head_inputs import VOCAB_ALIGN
 
 __all__ = [
-    "combine_partials", "Exchange", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
+    "chunk_partials", "combine_partials", "Exchange", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
     "selected_logprob_forward", "tempered", "VOCAB_ALIGN", "VOCAB_TILE",
 ]
 
@@ -106,6 +106,23 @@ def _tile_partials(z: Tensor, with_entropy: bool) -> list[Tensor]:
     return out
 
 
+def chunk_partials(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], with_entropy: bool,
+                   on_tile: Optional[Callable[[int, Tensor], None]] = None) -> Tensor:
+    """The partials ``[k, segments, ROW_CHUNK]`` (``_tile_partials``, k = 2 or 3) of one row
+    chunk ``h_t`` over the vocabulary of ``w``, tile by tile; ``on_tile(c, logits)`` sees each
+    tile's logits ``[cols, ROW_CHUNK]`` (entries ``[c, c + cols)``) before they are reduced."""
+    tiles = []
+    for c in range(0, w.shape[0], VOCAB_TILE):
+        z, cols = _segment_logits(h_t, w, bias_t, c)
+        if on_tile is not None:
+            on_tile(c, z.view(-1, h_t.shape[1])[:cols])
+        tiles.append(_tile_partials(z, with_entropy))
+    k = 3 if with_entropy else 2
+    if not tiles:
+        return torch.empty((k, 0, h_t.shape[1]), dtype=h_t.dtype, device=h_t.device)
+    return torch.stack([torch.cat([t[i] for t in tiles]) for i in range(k)])
+
+
 def combine_partials(parts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(log-sum-exp, log Σ exp(z - max), Σ p·(z - max) · Σ exp(z - max))`` per row from the
     partials ``[k, segments, rows]`` of the whole vocabulary (k = 2, or 3 with the entropy
@@ -170,7 +187,7 @@ def selected_logprob_forward(
     """
     w = weight.to(compute_dtype)
     b = tempered(None if bias is None else bias.to(compute_dtype), temperature)
-    n, V = rows.numel(), w.shape[0]
+    n = rows.numel()
     dev = hidden.device
     logp = torch.empty(n, dtype=compute_dtype, device=dev)
     entropy = torch.empty(n if with_entropy else 0, dtype=compute_dtype, device=dev)
@@ -179,16 +196,14 @@ def selected_logprob_forward(
         tgt = _padded(targets[s:e], ROW_CHUNK)
         tgt_logit = torch.zeros(ROW_CHUNK, dtype=compute_dtype, device=dev)
         by_tile = _rows_by_tile(tgt)
-        tiles = []
-        for c in range(0, V, VOCAB_TILE):
-            z, _ = _segment_logits(h_t, w, b, c)
+
+        def take_targets(c: int, z: Tensor) -> None:
             hit = by_tile.get(c)
             if hit is not None:
-                tgt_logit[hit] = z.view(-1, ROW_CHUNK)[tgt[hit] - c, hit]
-            tiles.append(_tile_partials(z, with_entropy))
-        k = 3 if with_entropy else 2
-        parts = torch.stack([torch.cat([t[i] for t in tiles]) for i in range(k)]) if tiles else \
-            torch.empty((k, 0, ROW_CHUNK), dtype=compute_dtype, device=dev)
+                tgt_logit[hit] = z[tgt[hit] - c, hit]
+
+        parts = chunk_partials(h_t, w, b, with_entropy, take_targets)
+        k = parts.shape[0]
         if exchange is not None:  # every shard's partials, in vocabulary order; the owner's target logit
             got, tgt_got = exchange(parts[:, :, : e - s].contiguous(), tgt_logit[: e - s].contiguous(), s, VOCAB_ALIGN)
             parts = torch.zeros((k, got.shape[1], ROW_CHUNK), dtype=compute_dtype, device=dev)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 __all__ = [
     "block_log_mass", "draw_in_block", "Filters", "FIXED_BITS", "FIXED_SCALE", "GOLDEN", "gumbel", "kept_by_filters",
     "keys_of", "MASK32", "mix32", "NOISE_BLOCK", "one_thread", "row_keys", "RowKeys", "RowResult",
-    "sample_hidden_rows", "sample_row", "sample_rows",
+    "sample_hidden_rows", "sample_row", "sample_rows", "scored",
 ]
 
 Tensor = torch.Tensor
@@ -132,7 +132,7 @@ def block_log_mass(z: Tensor) -> Tensor:
     """fp32 ``ℓ_b = max_b + log Σ_b exp(z - max_b)`` of each ``NOISE_BLOCK`` block of ``z [V]``
     (-inf for a block masked whole or past V)."""
     nb = -(-z.numel() // NOISE_BLOCK)
-    zb = F.pad(z, (0, nb * NOISE_BLOCK - z.numel()), value=-math.inf).view(nb, NOISE_BLOCK)
+    zb = (F.pad(z, (0, nb * NOISE_BLOCK - z.numel()), value=-math.inf) if z.numel() % NOISE_BLOCK else z).view(nb, NOISE_BLOCK)
     mb = zb.amax(1)
     safe = torch.where(mb == -math.inf, 0.0, mb)
     return torch.where(mb == -math.inf, -math.inf, safe + torch.log(torch.exp(zb - safe[:, None]).sum(1)))
@@ -145,11 +145,14 @@ def draw_in_block(z_block: Tensor, block, keys: tuple[Tensor, Tensor]) -> Tensor
     return cols[torch.argmax(z_block.double() + gumbel(cols, *keys))]
 
 
-def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: Optional[Tensor] = None) -> RowResult:
+def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: Optional[Tensor] = None,
+               log_prob: bool = True) -> RowResult:
     """Draw from one row ``x [V]`` (any float dtype); ``inv_t`` is fp32-representable.
     ``given``: score this token instead of drawing one (its sampled log-prob is -inf when
-    the filters drop it). A row with NaN or +inf (after the temperature), or -inf
-    everywhere, returns its status and NaN placeholders."""
+    the filters drop it). ``log_prob=False``: a plain draw skips the float64 mass pass (the
+    row's largest cost) and returns NaN log-probs, for callers that score the token
+    themselves. A row with NaN or +inf (after the temperature), or -inf everywhere, returns
+    its status and NaN placeholders."""
     z = x.float()
     if inv_t != 1.0:  # multiplying by 1 is exact: skip the pass
         z = z * torch.tensor(inv_t, dtype=torch.float32, device=z.device)
@@ -158,17 +161,13 @@ def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: 
         nan = torch.full((), math.nan, device=z.device)
         return RowResult(torch.zeros((), dtype=torch.int64, device=z.device), nan, nan,
                          ALL_MASKED if bool(m == -math.inf) else NOT_FINITE)
+    if filters.plain and given is None and not log_prob:
+        nan = torch.full((), math.nan, device=z.device)
+        return RowResult(_plain_draw(z, keys), nan, nan, OK)
     e = (torch.exp((z - m).double()) * FIXED_SCALE).to(torch.int64)  # exp(-inf) = 0
     total = e.sum()
     if filters.plain:
-        if given is None:
-            blocks = torch.arange(-(-z.numel() // NOISE_BLOCK), device=z.device)
-            score = block_log_mass(z).double() + gumbel(blocks, *keys.block)
-            b = int(torch.argmax(score))
-            zb = z[b * NOISE_BLOCK : (b + 1) * NOISE_BLOCK]
-            token = draw_in_block(F.pad(zb, (0, NOISE_BLOCK - zb.numel()), value=-math.inf), b, keys.token)
-        else:
-            token = given
+        token = _plain_draw(z, keys) if given is None else given
         lp = _log_ratio(z[token], m, total)
         return RowResult(token, lp, lp, OK)
     kept = kept_by_filters(z, m, e, filters)
@@ -181,6 +180,15 @@ def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: 
     if given is not None and not bool(kept[token]):
         sampled = torch.full_like(sampled, -math.inf)
     return RowResult(token, _log_ratio(z[token], m, total), sampled, OK)
+
+
+def _plain_draw(z: Tensor, keys: RowKeys) -> Tensor:
+    """The plain-temperature draw from ``z [V]`` (fp32, finite max): a block by Gumbel-max
+    over the blocks' log-masses, then a token inside it."""
+    blocks = torch.arange(-(-z.numel() // NOISE_BLOCK), device=z.device)
+    b = int(torch.argmax(block_log_mass(z).double() + gumbel(blocks, *keys.block)))
+    zb = z[b * NOISE_BLOCK : (b + 1) * NOISE_BLOCK]
+    return draw_in_block(F.pad(zb, (0, NOISE_BLOCK - zb.numel()), value=-math.inf), b, keys.token)
 
 
 def kept_by_filters(z: Tensor, m: Tensor, e: Tensor, filters: Filters) -> Tensor:
@@ -201,9 +209,10 @@ def kept_by_filters(z: Tensor, m: Tensor, e: Tensor, filters: Filters) -> Tensor
 
 # ------------------------------------------------------------------ batches
 def sample_rows(logits: Tensor, inv_t: float, filters: Filters, seeds: Tensor, steps: Tensor,
-                given: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                given: Optional[Tensor] = None, log_prob: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(tokens int64, log_probs fp32, sampled_log_probs fp32, status int8), each ``[B]``, of
-    ``logits [B, V]``; ``seeds``/``steps`` int64 ``[B]`` on the logits' device."""
+    ``logits [B, V]``; ``seeds``/``steps`` int64 ``[B]`` on the logits' device
+    (``log_prob``: as ``sample_row``'s)."""
     B, dev = logits.shape[0], logits.device
     tokens = torch.zeros(B, dtype=torch.int64, device=dev)
     log_probs = torch.zeros(B, dtype=torch.float32, device=dev)
@@ -213,7 +222,7 @@ def sample_rows(logits: Tensor, inv_t: float, filters: Filters, seeds: Tensor, s
     with one_thread():
         for r in range(B):
             keys = RowKeys((tka[r], tkb[r]), (bka[r], bkb[r]))
-            res = sample_row(logits[r], inv_t, filters, keys, None if given is None else given[r])
+            res = sample_row(logits[r], inv_t, filters, keys, None if given is None else given[r], log_prob)
             tokens[r], log_probs[r], sampled[r], status[r] = res.token, res.log_prob, res.sampled_log_prob, res.status
     return tokens, log_probs, sampled, status
 
@@ -234,24 +243,45 @@ def one_thread():
 def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters: Filters,
                        seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``sample_rows`` of the tempered logits of ``hidden [B, H]``, formed exactly as the torch
-    ``selected_logprob`` forms them (its tiles and products, ``ROW_CHUNK`` rows at a time);
-    ``log_probs`` are that ``selected_logprob``'s own, computed by it for the drawn tokens."""
+    ``selected_logprob`` forms them (its tiles, products and partials, ``ROW_CHUNK`` rows at a
+    time), so ``log_probs`` are that op's bits: the drawn token's logit minus the row's
+    log-sum-exp from the same partials (NaN on a row whose status is not OK).
+
+    Equal hidden rows (a GRPO group's G answers at their first token) share one logits row;
+    each row still draws with its own seed."""
     from . import logprob as _lp
 
     B, dev = hidden.shape[0], hidden.device
     w = weight.float()
     b = _lp.tempered(None if bias is None else bias.float(), temperature)
-    rows = torch.arange(B, device=dev)
+    distinct, owner = torch.unique(hidden, dim=0, return_inverse=True)  # a NaN row stays its own
     out = [torch.zeros(B, dtype=t, device=dev) for t in (torch.int64, torch.float32, torch.float32, torch.int8)]
-    for s, e, h_t in _lp.row_chunks(hidden, rows, torch.float32, temperature):
-        z = torch.cat([_lp.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _lp.VOCAB_TILE)]).T[: e - s]
-        for o, part in zip(out, sample_rows(z, 1.0, filters, seeds[s:e], steps[s:e])):
-            o[s:e] = part
-    tokens, _, sampled, status = out
-    if bool((status == OK).all()):
-        log_probs, _, _ = _lp.selected_logprob_forward(hidden, weight, rows, tokens, bias, temperature,
-                                                       with_entropy=False)
-        if filters.plain:
-            sampled = log_probs
-        return tokens, log_probs, sampled, status
-    return tokens, out[1], sampled, status
+    for s, e, h_t in _lp.row_chunks(distinct, torch.arange(distinct.shape[0], device=dev), torch.float32, temperature):
+        z = h_t.new_empty((_lp.ROW_CHUNK, w.shape[0]))
+
+        def keep(c: int, tile: Tensor) -> None:
+            z[:, c : c + tile.shape[0]] = tile.T
+
+        lse = _lp.combine_partials(_lp.chunk_partials(h_t, w, b, False, keep))[0]
+        mine = torch.nonzero((owner >= s) & (owner < e)).flatten()
+        local = owner[mine] - s
+        tokens, _, sampled, status = sample_rows(z[local], 1.0, filters, seeds[mine], steps[mine],
+                                                 log_prob=not filters.plain)
+        log_probs = z[local, tokens] - lse[local]
+        log_probs[status != OK] = math.nan
+        for o, part in zip(out, (tokens, log_probs, log_probs if filters.plain else sampled, status)):
+            o[mine] = part
+    return tuple(out)
+
+
+def scored(tokens: Tensor, sampled: Tensor, status: Tensor, filters: Filters,
+           log_probs_of: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A hidden-state draw's ``(tokens, log_probs, sampled_log_probs, status)``: the log-probs
+    of the rows whose status is OK from ``log_probs_of(rows)`` (the head's ``selected_logprob``,
+    row-invariant, so a subset gives the same bits), NaN elsewhere; without filters the
+    sampled log-probs are those log-probs."""
+    ok = torch.nonzero(status == OK).flatten()
+    log_probs = torch.full(tokens.shape, math.nan, dtype=torch.float32, device=tokens.device)
+    if ok.numel():
+        log_probs[ok] = log_probs_of(ok)
+    return tokens, log_probs, log_probs if filters.plain else sampled, status
