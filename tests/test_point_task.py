@@ -110,9 +110,9 @@ def test_outcomes_say_where_each_answer_lands():
         assert point_reward(text, s) == float(outcome == "hit")
     texts = list(cases)
     rewards = [point_reward(t, s) for t in texts]
-    assert task.diagnostics(texts, rewards) == point_diagnostics(texts, rewards) == dict(
+    assert task.diagnostics(texts, rewards, []) == point_diagnostics(texts, rewards) == dict(
         parsable=4 / 7, failures={"malformed": 1, "box": 1, "no point": 1}, parsable_reward=0.25)
-    assert task.diagnostics([], []) == dict(parsable=None, failures={"malformed": 0, "box": 0, "no point": 0},
+    assert task.diagnostics([], [], []) == dict(parsable=None, failures={"malformed": 0, "box": 0, "no point": 0},
                                             parsable_reward=None)
     with pytest.raises(ValueError, match="2 texts for 1 rewards"):
         point_diagnostics(texts[:2], rewards[:1])

@@ -321,3 +321,25 @@ def test_the_sweep_summarizes_the_steps_a_run_wrote(tmp_path):
     assert summary["steps"] == 20 and summary["start"] == 0.0 and not summary["gates_failed"]
     failed = sweep.summarize("x", [], {"gates": [{"ok": True}, {"ok": False}]}, 1.0, 1)
     assert failed["gates_failed"] and failed["steps"] == 0
+
+
+def test_colour_diagnostics_split_the_reward_by_colour_and_prompt_kind():
+    """The colour task's per-step diagnostics: the mean reward per answer colour and per kind
+    of prompt (colour as background, as a large shape, two images); None where none came."""
+    from rlk_mm.smoke.tasks.colour import colour_diagnostics, colour_task
+
+    task = colour_task(background_rate=0.5, two_image_rate=0.5)
+    samples = task.batch(random.Random(3), 12, "train")
+    assert all(len(s.meta["cases"]) == len(s.images) and set(s.meta["cases"]) <= {"background", "shape"} for s in samples)
+    rewards = [float(i % 2) for i in range(len(samples))]
+    got = task.diagnostics([s.answer for s in samples], rewards, samples)
+    assert got == colour_diagnostics(rewards, samples)
+    for name, want in [(f"reward_{c}", [r for r, s in zip(rewards, samples) if s.answer == c]) for c in ("red", "green", "blue", "yellow")]:
+        assert got[name] == (sum(want) / len(want) if want else None)
+    kinds = ["two_images" if len(s.images) > 1 else s.meta["cases"][0] for s in samples]
+    for kind in ("background", "shape", "two_images"):
+        want = [r for r, k in zip(rewards, kinds) if k == kind]
+        assert got[f"reward_{kind}"] == (sum(want) / len(want) if want else None)
+    assert colour_diagnostics([], []) == dict.fromkeys(got, None)
+    with pytest.raises(ValueError, match="one reward per answer"):
+        colour_diagnostics(rewards[:2], samples)

@@ -218,7 +218,7 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
             rollout_s=ro.seconds, batch_s=t1 - t0 - ro.seconds, reference_s=t2 - t1, forward_s=t3 - t2,
             backward_s=t4 - t3b, seconds=seconds,
         )
-        metrics.update({f"task_{k}": v for k, v in task.diagnostics(ro.texts, ro.rewards).items()})
+        metrics.update({f"task_{k}": v for k, v in task.diagnostics(ro.texts, ro.rewards, ro.samples).items()})
         steps_out.append(metrics)
         log(progress_row(metrics, args.steps))
         if on_step is not None:

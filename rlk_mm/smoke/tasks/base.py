@@ -32,9 +32,9 @@ class Task:
             require_supported_messages(s.messages, f"smoke task {self.name!r}, prompt {s.id!r}")
         return prompts
 
-    def diagnostics(self, texts: list[str], rewards: list[float]) -> dict:
-        """Task-specific numbers for one step's answers (``texts``, ``rewards``), recorded per
-        step in the smoke report; none by default."""
+    def diagnostics(self, texts: list[str], rewards: list[float], samples: list[Sample]) -> dict:
+        """Task-specific numbers for one step's answers (``texts``, ``rewards``, the prompt
+        ``samples`` they answer), recorded per step in the smoke report; none by default."""
         return {}
 
 

@@ -153,7 +153,7 @@ class PointTask(Task):
 
     convention: Convention = Convention.QWEN2_5_VL
 
-    def diagnostics(self, texts: list[str], rewards: list[float]) -> dict:
+    def diagnostics(self, texts: list[str], rewards: list[float], samples: list[Sample]) -> dict:
         return point_diagnostics(texts, rewards, self.convention)
 
 
