@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 __all__ = ["add_debug_flag", "device", "folder", "image_file", "IMAGE_SUFFIXES", "int_at_least", "main", "number",
-           "output_file", "UsageError"]
+           "output_file", "output_folder", "UsageError"]
 
 OK, NEGATIVE, BAD_INPUT, INTERNAL = 0, 1, 2, 3
 _PACKAGE = Path(__file__).resolve().parent
@@ -132,6 +132,22 @@ def output_file(text: str) -> str:
     parent = Path(text).parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: the folder {parent} does not exist")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """An argparse type: a folder to write into, made if missing: not empty, not an existing
+    file, and its nearest existing ancestor a folder (checked before any work)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path: give a folder name")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder (it is made if missing)")
+    for ancestor in path.absolute().parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise argparse.ArgumentTypeError(f"{text}: {ancestor} is a file, so the folder cannot be made")
+            break
     return text
 
 

@@ -73,6 +73,9 @@ BAD = [
     Case("cli.smoke.lr", _smoke("--lr", "nan"), Exits(2, r"--lr: nan is not a number > 0")),
     Case("cli.smoke.data", _smoke("--data", "{tmp}/no_geo3k"), Exits(2, r"--data: .*no_geo3k")),
     Case("cli.smoke.device", _smoke("--device", "tpu"), Exits(2, r"--device: 'tpu'")),
+    Case("cli.smoke.out_file", _smoke("--out", TRAINING), Exits(2, r"--out: .* is a file: give a folder")),
+    Case("cli.smoke.out_under_file", _smoke("--out", f"{TRAINING}/run"), Exits(2, r"--out: .* is a file, so the folder cannot be made")),
+    Case("cli.smoke.out_empty", _smoke("--out", ""), Exits(2, r"--out: an empty path")),
     Case("cli.smoke.image_swap", _smoke("--break", "image-swap", "--prompts", "2"),
          Exits(2, r"--break image-swap needs --prompts >= 5")),
 ]

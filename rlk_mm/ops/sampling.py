@@ -212,7 +212,8 @@ def sample_from_hidden(
 def group_seeds(seed: int, group_ids, step: int) -> Tensor:
     """One int64 seed per sample (CPU ``[B]``), distinct for every member of a group.
 
-    ``group_ids``: the samples' group ids (str or int; verl's ``uid``); members of a group are
+    ``group_ids``: the samples' group ids, all str or all int (verl's ``uid``; mixed types are refused:
+    ``1`` and ``"1"`` would be two groups that print alike); members of a group are
     numbered in order of appearance. ``seed``: the run's seed; ``step``: the training step
     (any counter that changes between rollouts), so a prompt drawn again gets new streams.
     Each seed is a BLAKE2b hash of (seed, step, group id, member number): stable across

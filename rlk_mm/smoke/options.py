@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
     p.add_argument("--device", type=command.device, default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)")
-    p.add_argument("--out", default="smoke_out", help="output directory (default smoke_out/)")
+    p.add_argument("--out", type=command.output_folder, default="smoke_out", help="output directory, made if missing (default smoke_out/)")
     p.add_argument("--break", dest="break_mode", choices=BREAKS, help="inject a known bug to see the gates or the learning check catch it")
     p.add_argument("--prompts", type=count(1), default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=count(2), default=4, help="answers per prompt, the GRPO group size (default 4; GRPO compares at least 2)")
