@@ -17,7 +17,6 @@ from helpers import use_backend
 from rlk_mm.ops import batch_invariant, group_seeds, sample, sample_from_hidden, selected_logprob
 from rlk_mm.ops._flashinfer import sampling as _fi
 from rlk_mm.ops._torch import sampling as ref
-from rlk_mm.smoke.rollout import SeededSampler
 
 FILTERS = [
     {},
@@ -271,22 +270,6 @@ def test_tiny_qwen_rollout_log_probs_equal_training(tiny_model, processor):
         out = sample_from_hidden(hidden, weight, temperature=0.8, seeds=seeds)
         train = selected_logprob(hidden, weight, index=torch.arange(2), targets=out.tokens, temperature=0.8)
     assert torch.equal(out.log_probs, train)
-
-
-# ------------------------------------------------------------------ the smoke test's sampler
-def test_seeded_sampler_draws_as_generate_expects():
-    torch.manual_seed(0)
-    scores = torch.randn(1, 6).repeat(3000, 1) * 2
-    expected = torch.log_softmax(scores / 0.7, -1)
-    sampler = SeededSampler(0.7, group_seeds(1, [i // 4 for i in range(3000)], 0))
-    out = sampler(None, scores.clone())
-    token = out.argmax(-1)  # generate's greedy step picks the draw
-    assert bool((out.gather(1, token[:, None]) == 0).all()) and bool(torch.isinf(out).sum(-1).eq(5).all())
-    torch.testing.assert_close(sampler.logprobs[0], expected.gather(1, token[:, None])[:, 0], rtol=0, atol=1e-6)
-    freq = torch.bincount(token, minlength=6).double() / token.numel()
-    assert (freq - expected[0].exp().double()).abs().max() < 0.03  # ~3.5 standard errors at 3k draws
-    sampler(None, scores.clone())
-    assert len(sampler.logprobs) == 2  # the next decoding step: the next counter
 
 
 # ------------------------------------------------------------------ bad input

@@ -10,18 +10,20 @@ What a VLM RL engineer runs first. With no download it:
    `Qwen2_5_VLForConditionalGeneration` (or loads `--model-path`);
 3. warms the policy up on the answer format with shuffled labels, so it answers with a
    colour word but at chance: it has not learned to look at the image;
-4. samples G answers per prompt with the model's own `generate` (KV cache, temperature
-   sampling) and records the tokens, the positions the model was fed and the log-probs;
+4. samples G answers per prompt with `models.generate_on_policy` (KV cache, under
+   `batch_invariant()`, each token drawn by `ops.sample_from_hidden`) and records the
+   tokens, the positions the model was fed and the log-probs;
 5. checks four gates before the first update, each printed PASS/FAIL: (a) layout parity
    of the rollout-side and training-side `RLBatch`; (b) rollout log-probs vs the training
-   path (`selected_logprob`) within the numerical contract; (c) loss masking: no prompt,
+   path (`selected_logprob`): bitwise equal under the invariant kernels (`--kernels default`:
+   within the numerical contract); (c) loss masking: no prompt,
    image or padding token is scored, and changing every target id outside the loss spans
    leaves loss and gradients bitwise unchanged; (d) the importance ratio exp(logp - old)
    at the first update is 1 within the contract;
 6. trains with GRPO through rlk_mm ops only: rewards -> `scatter_rewards` ->
-   `group_advantages` -> `linear_policy_loss` (the LM head fused with the PPO loss, k3 KL
-   to the warm-up reference; the frozen head's product is skipped) -> Adam step, with a
-   live per-step table;
+   `group_advantages` -> `linear_policy_loss` (the LM head fused with the PPO loss, with
+   `--kl-coef` a k3 KL to the warm-up reference; the frozen head's product is skipped) ->
+   Adam step, with a live per-step table and the rollout-vs-training log-prob gap of every step;
 7. writes `smoke_report.json`, `smoke_curves.png` and `smoke_layout.png` (one group) to
    `--out`, and exits non-zero when a gate or the learning check fails.
 
@@ -30,11 +32,11 @@ catches it: loss spans one token early (gates a-d), negated advantages (learning
 image embeddings swapped between two prompts of the same image size (gates b and d).
 
 Why it is built as it is:
-- the sampler is a logits processor handed to `generate`: inverse-CDF sampling is cheaper
-  than `torch.multinomial` over the whole vocabulary, and it records each token's log-prob
-  from the same logits;
-- the vision tower encodes each distinct image once and the LM head computes each distinct
-  row once, since a group repeats its prompt G times;
+- the rollout draws from the final hidden states (`sample_from_hidden`), so its log-probs
+  are the training op's by construction and the old-log-prob recompute is not needed;
+- the vision tower encodes each distinct image once, since a group repeats its prompt G
+  times (the rollout prefills each prompt once and its sampler forms each distinct row's
+  logits once);
 - the token embeddings and LM head are frozen during GRPO: Adam would otherwise move every
   unsampled row of the 151k-row head at once, and the answer format collapses;
 - `keep_freed_memory` (glibc mallopt, at the start of every run) keeps the big logits

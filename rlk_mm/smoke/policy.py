@@ -1,5 +1,5 @@
 """The policy: the tiny Qwen2.5-VL (or a checkpoint) with the real processor, the hooks that
-compute a GRPO group's repeated images and rows once, the training-side forward and
+encode a GRPO group's repeated images once, the training-side forward and
 log-probs (with the `image-swap` bug), and the supervised warm-up on the answer format."""
 
 from __future__ import annotations
@@ -70,33 +70,7 @@ def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype,
     distinct = _DistinctImages(model.config.vision_config.spatial_merge_size)
     model.model.visual.register_forward_pre_hook(distinct.before, with_kwargs=True)
     model.model.visual.register_forward_hook(distinct.after, with_kwargs=True)
-    shared = _DistinctRows()
-    model.lm_head.register_forward_pre_hook(shared.before)
-    model.lm_head.register_forward_hook(shared.after)
     return Policy(model, processor, device, dtype)
-
-
-class _DistinctRows:
-    """Hooks on the LM head (which only `generate` calls here): each distinct input row goes
-    through the head once and is copied to its repeats. A GRPO group's G rows are equal at
-    the prefill (one prompt) and often at the next step (one first token), and the
-    [rows, V] product is the rollout's biggest on a CPU. The rows handed on are contiguous
-    (`generate` slices the prefill's last position: a strided [B, 1, H] would make the head
-    a slow batched matmul). Stateless between calls."""
-
-    def __init__(self):
-        self.inverse: Optional[Tensor] = None
-        self.shape: tuple = ()
-
-    def before(self, module, args):
-        x = args[0]
-        self.shape = tuple(x.shape[:-1])
-        distinct, self.inverse = torch.unique(x.reshape(-1, x.shape[-1]), dim=0, return_inverse=True)
-        return (distinct,) + tuple(args[1:])
-
-    def after(self, module, args, output):
-        inverse, self.inverse = self.inverse, None
-        return output.index_select(0, inverse).view(*self.shape, output.shape[-1])
 
 
 class _DistinctImages:

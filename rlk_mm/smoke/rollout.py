@@ -4,7 +4,6 @@ rollout's record and the trainer's, with the `loss-shift` bug)."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -13,28 +12,12 @@ from torch import Tensor
 
 from ..fixtures import Sample, processor_inputs
 from ..models.rollout import generate_on_policy
-from ..ops.sampling import group_seeds, sample
+from ..ops.sampling import group_seeds
 from ..schema import RLBatch, SpanTable
 from .policy import Policy
 from .tasks import Task
 
-__all__ = ["Rollout", "rollout", "rollout_batch", "SeededSampler", "training_batch"]
-
-
-class SeededSampler:
-    """A logits processor that draws each row's token with `rlk_mm.ops.sample` (the row's own
-    seeded stream, decoding step by step) and records its log-prob; it returns scores whose
-    argmax is the draw, so greedy `generate` keeps its KV cache, stopping rules and bookkeeping."""
-
-    def __init__(self, temperature: float, seeds: Tensor):
-        self.temperature = temperature
-        self.seeds = seeds
-        self.logprobs: list[Tensor] = []
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        drawn = sample(scores, temperature=self.temperature, seeds=self.seeds, step=len(self.logprobs))
-        self.logprobs.append(drawn.log_probs)
-        return scores.fill_(-math.inf).scatter_(1, drawn.tokens[:, None], 0.0)
+__all__ = ["Rollout", "rollout", "rollout_batch", "training_batch"]
 
 
 @dataclass
