@@ -116,7 +116,7 @@ def test_geo3k_passes_gates_and_runs_two_steps(tmp_path, geo3k_dir):
 
 @pytest.mark.gpu
 def test_default_smoke_learns_on_the_gpu(tmp_path):
-    """The default run on CUDA with the Triton kernels, 400 steps instead of the CPU's 200
+    """The default run on CUDA with the Triton kernels, 400 steps instead of the CPU's 170
     (no 5-minute budget there): gates pass, reward from chance to >= 0.8."""
     args = smoke.parse_args(["--device", "cuda", "--steps", "400", "--quiet", "--out", str(tmp_path)])
     code = smoke.run_smoke(args)

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Geo3K folder (problems.jsonl + images); implies --task geo3k "
                         "(which reads the 3-problem sample in rlk_mm/fixtures/geo3k_sample without it)")
     p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
-    p.add_argument("--steps", type=count(1), default=200, help="GRPO steps (default 200)")
+    p.add_argument("--steps", type=count(1), default=170, help="GRPO steps (default 170)")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
     p.add_argument("--device", type=command.device, default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)")
@@ -49,12 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--break", dest="break_mode", choices=BREAKS, help="inject a known bug to see the gates or the learning check catch it")
     p.add_argument("--prompts", type=count(1), default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=count(2), default=4, help="answers per prompt, the GRPO group size (default 4; GRPO compares at least 2)")
-    p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False), default=0.8,
-                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 0.8)")
+    p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False), default=0.75,
+                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 0.75)")
     p.add_argument("--lr", type=positive, default=3e-3,
                    help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
     p.add_argument("--lr-warmup-steps", type=count(0), default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
-    p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.01, help="weight of the k3 KL to the warm-up policy (default 0.01)")
+    p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.0,
+                   help="weight of the k3 KL to the warm-up policy (default 0: no reference forward)")
     p.add_argument("--warmup-steps", type=count(0), default=40, help="supervised warm-up steps with shuffled labels (default 40)")
     p.add_argument("--warmup-lr", type=positive, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
     p.add_argument("--kernels", default="invariant", choices=("invariant", "default"),
