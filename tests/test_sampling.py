@@ -257,6 +257,20 @@ def test_sample_from_hidden_bad_row_leaves_the_others_scored_as_training(kw):
         sample_from_hidden(h, w, seeds=seeds, temperature=0.8, backend="torch", check=True, **kw)
 
 
+def test_sample_from_hidden_shares_only_bitwise_equal_rows():
+    """Equal hidden rows share one logits row; rows that differ only in a zero's sign do not
+    (compared bit for bit), and every row's result is the one it gets alone."""
+    torch.manual_seed(7)
+    h, w = torch.randn(2, 16), torch.randn(70, 16)
+    h[:, 5] = 0.0
+    rows = torch.stack([h[0], h[0], h[0].clone().index_fill_(0, torch.tensor([5]), -0.0), h[1]])
+    seeds = torch.tensor([3, 4, 5, 6])
+    out = sample_from_hidden(rows, w, seeds=seeds, temperature=0.9, backend="torch")
+    for r in range(4):
+        alone = sample_from_hidden(rows[r : r + 1], w, seeds=seeds[r : r + 1], temperature=0.9, backend="torch")
+        assert all(torch.equal(x[r : r + 1], y) for x, y in zip(out, alone)), r
+
+
 def test_tiny_qwen_rollout_log_probs_equal_training(tiny_model, processor):
     ids = processor.tokenizer(["The colour of the square is", "Answer with one word:"], return_tensors="pt",
                               padding=True).input_ids

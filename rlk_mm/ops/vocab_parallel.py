@@ -515,12 +515,18 @@ def sample_from_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     for s, e, h_t in _ref.row_chunks(hidden, rows, torch.float32, temperature):  # as _torch.sampling.sample_hidden_rows
         tiles = [_ref.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _ref.VOCAB_TILE)]
         z = gather.gather_logits(torch.cat(tiles) if tiles else h_t.new_empty((0, h_t.shape[1])), dim=0)
-        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s], 1.0, filters, seeds[s:e], steps[s:e],
+        # row-major rows: the per-row draw on strided columns is several times slower
+        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s].contiguous(), 1.0, filters, seeds[s:e], steps[s:e],
                                                       log_prob=not filters.plain)):
             o[s:e] = part
     tokens, _, sampled, status = out
-    return _sampling.scored(tokens, sampled, status, filters, lambda ok: shard_forward(
-        hidden, weight, ok, tokens[ok], bias, temperature, False, ok.numel() == rows.numel(), shard)[0])
+    # the log-probs of the rows drawn without error (row-invariant: a subset gives the same bits), NaN elsewhere
+    ok = torch.nonzero(status == _sampling.OK).flatten()
+    log_probs = torch.full(tokens.shape, math.nan, dtype=torch.float32, device=tokens.device)
+    if ok.numel():
+        log_probs[ok] = shard_forward(hidden, weight, ok, tokens[ok], bias, temperature, False, ok.numel() == rows.numel(),
+                                      shard)[0]
+    return tokens, log_probs, log_probs if filters.plain else sampled, status
 
 
 # ------------------------------------------------------------------ measuring the traffic

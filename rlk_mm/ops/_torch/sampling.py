@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 __all__ = [
     "block_log_mass", "draw_in_block", "Filters", "FIXED_BITS", "FIXED_SCALE", "GOLDEN", "gumbel", "kept_by_filters",
     "keys_of", "MASK32", "mix32", "NOISE_BLOCK", "one_thread", "row_keys", "RowKeys", "RowResult",
-    "sample_hidden_rows", "sample_row", "sample_rows", "scored",
+    "sample_hidden_rows", "sample_row", "sample_rows",
 ]
 
 Tensor = torch.Tensor
@@ -242,6 +242,8 @@ def one_thread():
 
 #: vocabulary entries per block of the logits tile transposes in ``sample_hidden_rows``
 _TRANSPOSE_BLOCK = 512
+#: the integer dtype of each float width, to compare hidden rows bit for bit
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters: Filters,
@@ -258,7 +260,10 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     B, dev = hidden.shape[0], hidden.device
     w = weight.float()
     b = _lp.tempered(None if bias is None else bias.float(), temperature)
-    distinct, owner = torch.unique(hidden, dim=0, return_inverse=True)  # a NaN row stays its own
+    # rows equal bit for bit (compared as integers: -0.0 and 0.0 stay apart)
+    bits, owner = torch.unique(hidden.contiguous().view(_SAME_WIDTH_INT[hidden.element_size()]), dim=0,
+                               return_inverse=True)
+    distinct = bits.view(hidden.dtype)
     out = [torch.zeros(B, dtype=t, device=dev) for t in (torch.int64, torch.float32, torch.float32, torch.int8)]
     for s, e, h_t in _lp.row_chunks(distinct, torch.arange(distinct.shape[0], device=dev), torch.float32, temperature):
         z = h_t.new_empty((e - s, w.shape[0]))  # the chunk's real rows (not its zero padding), row-major
@@ -277,16 +282,3 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         for o, part in zip(out, (tokens, log_probs, log_probs if filters.plain else sampled, status)):
             o[mine] = part
     return tuple(out)
-
-
-def scored(tokens: Tensor, sampled: Tensor, status: Tensor, filters: Filters,
-           log_probs_of: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A hidden-state draw's ``(tokens, log_probs, sampled_log_probs, status)``: the log-probs
-    of the rows whose status is OK from ``log_probs_of(rows)`` (the head's ``selected_logprob``,
-    row-invariant, so a subset gives the same bits), NaN elsewhere; without filters the
-    sampled log-probs are those log-probs."""
-    ok = torch.nonzero(status == OK).flatten()
-    log_probs = torch.full(tokens.shape, math.nan, dtype=torch.float32, device=tokens.device)
-    if ok.numel():
-        log_probs[ok] = log_probs_of(ok)
-    return tokens, log_probs, log_probs if filters.plain else sampled, status
