@@ -507,19 +507,8 @@ def sample_from_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         from ._triton import sample_hidden as _tri
 
         return _tri.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps, shard=Exchange(shard))
-    gather = Exchange(shard)
-    w = weight.float()
-    b = _ref.tempered(None if bias is None else bias.float(), temperature)
-    out = [torch.zeros(rows.numel(), dtype=t, device=hidden.device) for t in (torch.int64, *[torch.float32] * 2,
-                                                                                torch.int8)]  # as sample_rows
-    for s, e, h_t in _ref.row_chunks(hidden, rows, torch.float32, temperature):  # as _torch.sampling.sample_hidden_rows
-        tiles = [_ref.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _ref.VOCAB_TILE)]
-        z = gather.gather_logits(torch.cat(tiles) if tiles else h_t.new_empty((0, h_t.shape[1])), dim=0)
-        # row-major rows: the per-row draw on strided columns is several times slower
-        for o, part in zip(out, _sampling.sample_rows(z.T[: e - s].contiguous(), 1.0, filters, seeds[s:e], steps[s:e],
-                                                      log_prob=not filters.plain)):
-            o[s:e] = part
-    tokens, _, sampled, status = out
+    tokens, sampled, status = _sampling.sample_gathered_rows(hidden, weight, bias, temperature, filters, seeds, steps,
+                                                             Exchange(shard).gather_logits)
     # the log-probs of the rows drawn without error (row-invariant: a subset gives the same bits), NaN elsewhere
     ok = torch.nonzero(status == _sampling.OK).flatten()
     log_probs = torch.full(tokens.shape, math.nan, dtype=torch.float32, device=tokens.device)

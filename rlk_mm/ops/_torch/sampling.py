@@ -282,3 +282,26 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         for o, part in zip(out, (tokens, log_probs, log_probs if filters.plain else sampled, status)):
             o[mine] = part
     return tuple(out)
+
+
+def sample_gathered_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters: Filters,
+                         seeds: Tensor, steps: Tensor, gather_logits) -> tuple[Tensor, Tensor, Tensor]:
+    """``sample_rows`` of the tempered logits of ``hidden [B, H]`` against a vocabulary shard
+    ``weight``: each chunk's local logits, formed as ``sample_hidden_rows`` forms them, are
+    completed by ``gather_logits(z [V_local, rows], dim=0)`` (the group's vocabulary, in
+    order). Returns ``(tokens, sampled_log_probs, status)``; the caller scores the tokens."""
+    from . import logprob as _lp
+
+    w = weight.float()
+    b = _lp.tempered(None if bias is None else bias.float(), temperature)
+    B, dev = hidden.shape[0], hidden.device
+    out = [torch.zeros(B, dtype=t, device=dev) for t in (torch.int64, torch.float32, torch.int8)]
+    for s, e, h_t in _lp.row_chunks(hidden, torch.arange(B, device=dev), torch.float32, temperature):
+        tiles = [_lp.logits_tile(h_t, w, b, c) for c in range(0, w.shape[0], _lp.VOCAB_TILE)]
+        z = gather_logits(torch.cat(tiles) if tiles else h_t.new_empty((0, h_t.shape[1])), dim=0)
+        # row-major rows: the per-row draw on strided columns is several times slower
+        tokens, _, sampled, status = sample_rows(z.T[: e - s].contiguous(), 1.0, filters, seeds[s:e], steps[s:e],
+                                                 log_prob=not filters.plain)
+        for o, part in zip(out, (tokens, sampled, status)):
+            o[s:e] = part
+    return tuple(out)
