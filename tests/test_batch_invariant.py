@@ -442,3 +442,35 @@ def test_gpu_kernels_are_row_invariant_and_accurate():
     assert relative_error(out, a.double() @ w.double().t()) < _rel_bound(torch.bfloat16)
     assert torch.equal(one, out[7:8]) and torch.equal(shifted, out[:200])
     assert torch.equal(alone, packed[300:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lm_head_ops_give_the_same_bits_inside_and_outside_the_mode(backend, monkeypatch):
+    """selected_logprob, linear_policy_loss and sample_from_hidden fix their own product order:
+    called inside batch_invariant() without stock_kernels() (as TRL's or a user's loss calls
+    them), they give the bits of the same call outside the mode (log-probs, loss, gradients,
+    draws)."""
+    from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
+
+    monkeypatch.setenv("RLK_MM_BACKEND", backend)
+    hidden, weight = _randn(40, 96, scale=2.0), _randn(300, 96, seed=1, scale=0.3)
+    index, targets = torch.arange(3, 40, 2), torch.randint(0, 300, (19,), generator=torch.Generator().manual_seed(2))
+    advantages = _randn(19, seed=3)
+
+    def run():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp = selected_logprob(h, w, index=index, targets=targets, temperature=0.7)
+        logp.sum().backward()
+        h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = linear_policy_loss(h2, w2, index=index, targets=targets, temperature=0.7, advantages=advantages,
+                                 old_log_probs=None, sample_index=torch.zeros(19, dtype=torch.long), num_samples=1)
+        out.loss.backward()
+        draw = sample_from_hidden(hidden, weight, temperature=0.7, seeds=torch.arange(40), step=3)
+        return [logp.detach(), h.grad, w.grad, out.loss.detach(), out.log_probs, h2.grad, w2.grad, draw.tokens,
+                draw.log_probs]
+
+    outside = run()
+    with batch_invariant(backend=backend):
+        inside = run()
+    for i, (a, b) in enumerate(zip(outside, inside)):
+        assert torch.equal(a, b), i

@@ -32,7 +32,7 @@ import torch
 
 from ..ops.invariant.attention import varlen_attention
 from ..ops.invariant.matmul import shared_input_patch
-from ..ops.invariant.mode import register_module_patches, stock_kernels
+from ..ops.invariant.mode import register_module_patches
 from ..ops.invariant.rmsnorm import rms_norm
 from ..ops.logprob import selected_logprob
 from ..schema import Choice
@@ -305,8 +305,7 @@ def batch_logprobs(model, batch, *, padding: PaddingSide | str | None = None, me
     temperature_arg(temperature)
     hidden = forward_hidden(model, batch, padding=padding_arg(padding, layout, where="batch_logprobs"), media_embeds=media_embeds)
     head = model.get_output_embeddings()
-    with stock_kernels():  # the LM head's own fixed order, the same bits inside and outside batch_invariant()
-        return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
+    return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
 
 
 # --------------------------------------------------------------------------- group scoring
@@ -325,9 +324,8 @@ def group_logprobs(model, batch, *, vision_cache: VisionCache | None = None, tem
     hidden = group_hidden(model, batch, vision_cache=vision_cache)
     targets = batch.loss_token_index()[1].to(hidden.device)
     head = model.get_output_embeddings()
-    with stock_kernels():
-        return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
-                                targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
+    return selected_logprob(hidden, head.weight, index=torch.arange(targets.numel(), device=hidden.device),
+                            targets=targets, temperature=temperature, bias=getattr(head, "bias", None))
 
 
 def cache_keyword(module) -> str:

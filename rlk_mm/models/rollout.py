@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..ops.invariant.mode import BACKENDS, batch_invariant, batch_invariant_active, stock_kernels
+from ..ops.invariant.mode import BACKENDS, batch_invariant, batch_invariant_active
 from ..ops.sampling import group_seeds, sample_from_hidden
 from ..schema import Choice, RLBatch
 from ..schema.batch import batch_arg
@@ -338,8 +338,7 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     media_t = torch.tensor(media, dtype=torch.int64, device=device)
     steps = 0
     for k in range(max_new_tokens):
-        with stock_kernels():  # the LM head's own fixed order, as selected_logprob has it in training
-            draw = sample_from_hidden(hidden, head.weight, bias=bias, seeds=seeds[live], step=k, **sampling)
+        draw = sample_from_hidden(hidden, head.weight, bias=bias, seeds=seeds[live], step=k, **sampling)
         tokens[live, k], logps[live, k], sampled[live, k] = draw.tokens, draw.log_probs, draw.sampled_log_probs
         steps = k + 1
         is_stop = torch.isin(draw.tokens, stop_t)

@@ -34,6 +34,7 @@ from ._policy_op import (
     policy_loss_partials,
     policy_loss_partials_backward,
 )
+from .invariant.mode import stock_kernels
 from .logprob import selected_logprob, sharded_head
 from .loss import policy_loss
 from .loss_config import PolicyLossConfig, policy_loss_config
@@ -214,7 +215,9 @@ def linear_policy_loss(
         g, ge = policy_loss_partials_backward(grad_partials, logp, entropy, tensors, policy.floats, policy.ints)
         return g, (ge if policy.entropy_coeff else None)
 
-    with torch.no_grad():  # the gradients are formed here, not traced
+    # the gradients are formed here, not traced; their products fix their own order (stock kernels inside
+    # batch_invariant(), as the backward's)
+    with torch.no_grad(), stock_kernels():
         flat_c, weight_c = contiguous_rows(flat), contiguous_rows(weight)
         if shard is not None:
             from . import vocab_parallel

@@ -15,7 +15,6 @@ from torch import Tensor
 from ..fixtures import processor_inputs, qwen_vl_processor, tiny_qwen2_5_vl
 from ..models.qwen2_5_vl import forward_hidden
 from ..ops import selected_logprob
-from ..ops.invariant.mode import stock_kernels
 from ..schema import Modality, RLBatch
 from .tasks import Task
 
@@ -167,8 +166,7 @@ def swap_pair(batch: RLBatch) -> Optional[tuple[int, int]]:
 def policy_logprobs(policy: Policy, model, batch: RLBatch, temperature: float, swap=None) -> Tensor:
     """fp32 log-probs [n] of the batch's loss tokens: hidden states -> `selected_logprob`."""
     hidden = hidden_states(model, batch, swap_images=swap)
-    with stock_kernels():  # the LM head's own fixed order, as the rollout's draws have it
-        return selected_logprob(hidden, model.lm_head.weight, batch, temperature=temperature)
+    return selected_logprob(hidden, model.lm_head.weight, batch, temperature=temperature)
 
 
 def warm_up(policy: Policy, task: Task, rng: random.Random, *, steps: int, prompts: int, lr: float, log) -> list[float]:

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from ..ops import batch_invariant, group_advantages, linear_policy_loss, scatter_rewards
-from ..ops.invariant.mode import stock_kernels
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
@@ -117,12 +116,11 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         forward); the call's metrics and log-probs are kept on the function."""
 
         def fn(hidden: Tensor, head: Tensor, batch: RLBatch) -> Tensor:
-            with stock_kernels():  # the LM head's own fixed order, as the rollout's draws have it
-                out = linear_policy_loss(
-                    hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
-                    advantages=adv.to(device), ref_log_probs=None if ref_lp is None else ref_lp.to(device),
-                    kl_type="low_var_kl", kl_coef=args.kl_coef, loss_agg_mode="token-mean",
-                )
+            out = linear_policy_loss(
+                hidden, head, batch, temperature=args.temperature, old_log_probs=old.to(device),
+                advantages=adv.to(device), ref_log_probs=None if ref_lp is None else ref_lp.to(device),
+                kl_type="low_var_kl", kl_coef=args.kl_coef, loss_agg_mode="token-mean",
+            )
             fn.metrics, fn.log_probs = out.metrics, out.log_probs
             return out.loss
 

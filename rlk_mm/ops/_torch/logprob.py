@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from .._head_inputs import VOCAB_ALIGN
+from ..invariant.mode import stock_kernels
 
 __all__ = [
     "chunk_partials", "combine_partials", "Exchange", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
@@ -42,6 +43,21 @@ VOCAB_TILE = 32 * VOCAB_ALIGN
 #: shard's partials ``[k, segments, m]``, its target logits ``[m]``, the first row, columns per
 #: partial) -> (every shard's partials in vocabulary order, each row's target logit)
 Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
+
+
+def _head_kernels(fn):
+    """Run ``fn`` with autocast off on its first argument's device and, inside
+    ``batch_invariant()``, with the stock kernels: its products must be in ``compute_dtype``
+    even inside an autocast region (verl's actor runs one), and they fix their own order
+    (fixed-shape, zero-padded chunks), so the op gives the same bits inside and outside the
+    mode whoever calls it (the mode's per-row product would be slower and round otherwise)."""
+
+    @functools.wraps(fn)
+    def run(first: Tensor, *args, **kwargs):
+        with torch.autocast(first.device.type, enabled=False), stock_kernels():
+            return fn(first, *args, **kwargs)
+
+    return run
 
 
 def _padded(x: Tensor, rows: int) -> Tensor:
@@ -85,6 +101,7 @@ def _segment_logits(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) ->
     return z, cols
 
 
+@_head_kernels
 def logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
     """Logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh), from
     tempered rows ``h_t`` and tempered bias ``bias_t``; an entry's bits are the same whatever
@@ -106,6 +123,7 @@ def _tile_partials(z: Tensor, with_entropy: bool) -> list[Tensor]:
     return out
 
 
+@_head_kernels
 def chunk_partials(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], with_entropy: bool,
                    on_tile: Optional[Callable[[int, Tensor], None]] = None) -> Tensor:
     """The partials ``[k, segments, ROW_CHUNK]`` (``_tile_partials``, k = 2 or 3) of one row
@@ -150,19 +168,7 @@ def _rows_by_tile(targets: Tensor) -> dict[int, Tensor]:
     return {t * VOCAB_TILE: rows for t, rows in zip(starts.tolist(), order.split(counts.tolist()))}
 
 
-def _without_autocast(fn):
-    """Run ``fn`` with autocast off on its first argument's device: its products must be in
-    ``compute_dtype`` even when called inside an autocast region (verl's actor runs one)."""
-
-    @functools.wraps(fn)
-    def run(first: Tensor, *args, **kwargs):
-        with torch.autocast(first.device.type, enabled=False):
-            return fn(first, *args, **kwargs)
-
-    return run
-
-
-@_without_autocast
+@_head_kernels
 def selected_logprob_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -217,7 +223,7 @@ def selected_logprob_forward(
     return logp, entropy, lse
 
 
-@_without_autocast
+@_head_kernels
 def selected_logprob_backward(
     grad_logp: Tensor,
     grad_entropy: Optional[Tensor],

@@ -123,12 +123,11 @@ def stock_kernels():
     """Inside ``batch_invariant()``, run the block's matmuls with the stock kernels.
 
     For ops that fix their own reduction order and must give the same bits inside and
-    outside the mode: the LM-head ops' torch backends (``selected_logprob``,
-    ``linear_policy_loss``, ``sample_from_hidden``) multiply fixed-shape, zero-padded row
-    chunks, batch-invariant by construction; routed through the mode's per-row product
-    they would be slower and round differently from the same call outside the mode. The
-    model runners of ``rlk_mm.models`` score and sample inside this block. Nests; a no-op
-    outside ``batch_invariant()``."""
+    outside the mode: the LM-head ops (``selected_logprob``, ``linear_policy_loss``,
+    ``sample_from_hidden``) multiply fixed-shape, zero-padded row chunks, batch-invariant by
+    construction; routed through the mode's per-row product they would be slower and round
+    differently from the same call outside the mode, so they enter this block themselves.
+    Nests; a no-op outside ``batch_invariant()``."""
     STATE.stock += 1
     try:
         yield
