@@ -440,7 +440,7 @@ class RLKGRPOMixin:
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(stats["policy_loss"]).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        self._log_loss_metrics(mode, stats, entropies, mask.float(), inputs["advantages"])
+        self._log_loss_metrics(mode, stats, entropies, mask.float(), inputs)
         return loss
 
     def _scored_loss_and_stats(self, model, inputs, mask, num_items, accumulation):
@@ -465,7 +465,7 @@ class RLKGRPOMixin:
         )
         if self.entropy_coef != 0.0:  # TRL's bonus: the token-mean entropy, whatever the loss type
             loss = loss - self.entropy_coef * agg_loss(entropies, mask, "token-mean") / accumulation
-        return loss, stats, entropies.detach()
+        return loss, {**stats, "log_probs": logps.detach()}, entropies.detach()
 
     def _linear_loss_and_stats(self, model, inputs, mask, num_items, accumulation):
         """TRL's loss in one ``linear_policy_loss`` over the loss tokens (``mask``): (loss, stats, entropies)."""
@@ -501,11 +501,13 @@ class RLKGRPOMixin:
         logps = _spread(out.log_probs, scored)
         old = logps if old is None else old.masked_fill(~scored, 0.0)
         pg_loss = out.metrics["pg_loss"] / normalizer if self.loss_type == "dapo" else out.metrics["pg_loss"]
-        stats = {"policy_loss": pg_loss, "kl": None, "ratio": _importance_ratio(logps, old, mask, level)}
+        stats = {"policy_loss": pg_loss, "kl": None, "ratio": _importance_ratio(logps, old, mask, level),
+                 "log_probs": logps.detach()}
         return loss, stats, _spread(out.entropy, scored)
 
-    def _log_loss_metrics(self, mode: str, stats: dict, entropies: Tensor, mask: Tensor, advantages: Tensor) -> None:
-        """TRL's metrics: KL, entropy and the clip fractions, over all processes."""
+    def _log_loss_metrics(self, mode: str, stats: dict, entropies: Tensor, mask: Tensor, inputs: dict) -> None:
+        """TRL's metrics: KL, entropy and the clip fractions, over all processes (``stats``: the loss's,
+        with the per-token ``log_probs``; ``inputs``: the batch)."""
         from trl.trainer.utils import nanmax, nanmin
 
         def mean(x):  # token-weighted; a [B, 1] value counts once per sequence
@@ -523,7 +525,7 @@ class RLKGRPOMixin:
         if stats["kl"] is not None:
             metrics["kl"].append(mean(stats["kl"]))
         metrics["entropy"].append(mean(entropies))
-        ratio, advantages = stats["ratio"], advantages.reshape(advantages.shape[0], -1)
+        ratio, advantages = stats["ratio"], inputs["advantages"].reshape(inputs["advantages"].shape[0], -1)
         low = ((ratio < 1.0 - self.epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1.0 + self.epsilon_high) & (advantages > 0)).float()
         metrics["clip_ratio/low_mean"].append(mean(low))
