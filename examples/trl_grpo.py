@@ -58,8 +58,10 @@ def main() -> None:
             per_device_train_batch_size=4, num_generations=2, max_completion_length=16, max_steps=args.steps,
             num_iterations=2, loss_type=args.loss_type, beta=args.beta, learning_rate=1e-3, logging_steps=1,
         )
+        processor = qwen_vl_processor()
+        processor.tokenizer.padding_side = "left"  # TRL pads prompt ids left, its media fields as the processor does
         trainer = GRPOTrainer(model=model_dir, reward_funcs=length_reward, args=config, train_dataset=dataset,
-                              processing_class=qwen_vl_processor())
+                              processing_class=processor)
         trainer.train()
     for entry in trainer.state.log_history:  # a step that re-uses the last completions logs no reward
         if "loss" in entry:
