@@ -79,8 +79,10 @@ def make_trainer(cls, checkpoint, dataset, out, *, linear_loss=None, **options):
         per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=STEPS,
         num_iterations=2, optim="sgd", learning_rate=LR, logging_steps=1, **options,
     )
-    return cls(model=checkpoint, reward_funcs=reward, args=args, train_dataset=dataset,
-               processing_class=qwen_vl_processor(), **extra)
+    processor = qwen_vl_processor()
+    processor.tokenizer.padding_side = "left"  # TRL pads prompt ids left, its media fields as the processor does
+    return cls(model=checkpoint, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=processor,
+               **extra)
 
 
 def train(cls, checkpoint, dataset, out, loss_type, beta):
@@ -390,6 +392,15 @@ def test_unsupported_options_are_refused(one_batch, monkeypatch, field, value, m
     monkeypatch.setattr(trainer.args, field, value)
     with pytest.raises(ValueError, match=message):
         trainer._check_supported()
+
+
+def test_a_right_padding_processor_is_refused(checkpoint, dataset, tmp_path):
+    """TRL left-pads the prompt ids but builds mm_token_type_ids with the processor's padding:
+    a right-padding processor would train media at other positions than it generated them at."""
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(ValueError, match="processing_class pads on the right: .*padding_side = 'left'"):
+        GRPOTrainer(model=checkpoint, reward_funcs=reward, args=args, train_dataset=dataset,
+                    processing_class=qwen_vl_processor())
 
 
 def test_grpo_loss_checks_its_arguments():

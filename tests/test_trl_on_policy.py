@@ -126,7 +126,7 @@ def test_a_right_padding_processor_is_refused(trained, monkeypatch):
     trainer = trained[0]
     monkeypatch.setattr(trainer.processing_class.tokenizer, "padding_side", "right")
     with pytest.raises(ValueError, match="processing_class pads on the right: .*tokenizer.padding_side = 'left'"):
-        trainer._check_on_policy()
+        trainer._check_supported()
 
 
 def test_tools_and_rollout_functions_are_refused(trained, monkeypatch):

@@ -14,14 +14,9 @@ wherever TRL's loss is expressible there: ``beta == 0`` and ``entropy_coef == 0`
 ``selected_logprob``'s log-probs (four products), and says why once. ``linear_loss=False``
 keeps that path throughout.
 
-``grpo_loss`` reproduces TRL 1.16's loss types ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` and
-``luspo`` exactly: no log-ratio clamp, no dual clip (TRL's ``delta`` is the dual clip at
-``delta``, which it equals for ``delta > 1 + epsilon_high``), TRL's k3 KL without clamps,
-multiplied by the importance ratio (gradient through it too) when ``use_bias_correction_kl``.
-That KL term is computed here in torch and aggregated with ``agg_loss``; the policy term runs
-in the fused ``policy_loss``. Refused, naming the option: loss types ``cispo``, ``sapo``,
-``vespo``; ``top_entropy_quantile < 1``; ``off_policy_mask_threshold``;
-``use_adaptive_entropy``; MoE router aux losses; models whose logits are scaled or soft-capped.
+``grpo_loss`` reproduces TRL 1.16's loss types (``LOSS_TYPES``) with TRL's semantics (no
+log-ratio clamp, ``delta`` as the dual clip, TRL's k3 KL); the options refused at construction
+are listed in ``docs/guides/trl.md``, among them a processor that pads on the right.
 
 Importing this module imports neither TRL nor transformers: ``GRPOTrainer`` is built (and TRL
 imported) on first access.
@@ -405,6 +400,11 @@ class RLKGRPOMixin:
                     f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by rlk_mm's GRPOTrainer: {fix}, "
                     "or use trl.GRPOTrainer"
                 )
+        side = getattr(getattr(self.processing_class, "tokenizer", None), "padding_side", "left")
+        if self._is_vlm and side != "left":  # TRL pads prompt ids left, mm_token_type_ids as the processor does
+            raise ValueError(f"processing_class pads on the {side}: TRL 1.16 would train the media at other positions "
+                             "than it generated them at (prompts of different lengths); set "
+                             "processing_class.tokenizer.padding_side = 'left'")
 
     def _why_not_linear(self, inputs) -> Optional[str]:
         """Why this batch's loss cannot run in ``linear_policy_loss``, or None when it can."""

@@ -15,12 +15,12 @@ its old-log-prob forward (the current log-probs, detached, are the old ones): ex
 
 TRL's sampling settings carry over (``temperature``, ``top_k``, ``top_p``,
 ``max_completion_length``, EOS ids as stop ids). Refused at construction, naming the
-``GRPOConfig`` field: ``use_vllm``, transformers continuous batching, ``min_p``,
-``repetition_penalty != 1``, ``generation_kwargs``, ``cast_lm_head_to_fp32``, tools,
-environments and ``rollout_func``. A row whose draw is a media placeholder or past the
-tokenizer's vocabulary (``OnPolicyRollout.rejected``; TRL's own generate suppresses the image
-token instead) gets an empty completion, which scores no token; ``on_policy/rejected``
-counts them.
+``GRPOConfig`` field, besides what ``GRPOTrainer`` refuses: ``use_vllm``, transformers
+continuous batching, ``min_p``, ``repetition_penalty != 1``, ``generation_kwargs``,
+``cast_lm_head_to_fp32``, tools, environments and ``rollout_func``. A row whose draw is a
+media placeholder or past the tokenizer's vocabulary (``OnPolicyRollout.rejected``; TRL's own
+generate suppresses the image token instead) gets an empty completion, which scores no token;
+``on_policy/rejected`` counts them.
 """
 
 from __future__ import annotations
@@ -78,12 +78,6 @@ class OnPolicyRolloutMixin:
             if bad:
                 raise ValueError(f"GRPOConfig.{name}={getattr(args, name)!r} is not supported by OnPolicyGRPOTrainer: "
                                  f"{fix}, or use rlk_mm.integrations.trl.GRPOTrainer")
-        tokenizer = getattr(self.processing_class, "tokenizer", None)
-        if self._is_vlm and getattr(tokenizer, "padding_side", "left") != "left":
-            raise ValueError(
-                f"processing_class pads on the {tokenizer.padding_side}: TRL 1.16 left-pads the prompt ids but builds "
-                "mm_token_type_ids with the processor's own padding, so prompts of different lengths would be trained "
-                "at other positions than they were generated at; set processing_class.tokenizer.padding_side = 'left'")
         for name in ("tools", "environment_factories", "rollout_func"):
             if getattr(self, name, None):
                 raise ValueError(f"GRPOTrainer({name}=...) is not supported by OnPolicyGRPOTrainer: its rollout is "
