@@ -29,7 +29,7 @@ from .._head_inputs import VOCAB_ALIGN
 from ..invariant.mode import stock_kernels
 
 __all__ = [
-    "chunk_partials", "combine_partials", "Exchange", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
+    "chunk_partials", "combine_partials", "Exchange", "head_kernels", "logits_tile", "ROW_CHUNK", "row_chunks", "selected_logprob_backward",
     "selected_logprob_forward", "tempered", "VOCAB_ALIGN", "VOCAB_TILE",
 ]
 
@@ -45,12 +45,13 @@ VOCAB_TILE = 32 * VOCAB_ALIGN
 Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
 
 
-def _head_kernels(fn):
+def head_kernels(fn):
     """Run ``fn`` with autocast off on its first argument's device and, inside
     ``batch_invariant()``, with the stock kernels: its products must be in ``compute_dtype``
     even inside an autocast region (verl's actor runs one), and they fix their own order
     (fixed-shape, zero-padded chunks), so the op gives the same bits inside and outside the
-    mode whoever calls it (the mode's per-row product would be slower and round otherwise)."""
+    mode whoever calls it (the mode's per-row product would be slower and round otherwise).
+    Wraps each op's entry (once per call, not per tile)."""
 
     @functools.wraps(fn)
     def run(first: Tensor, *args, **kwargs):
@@ -101,7 +102,6 @@ def _segment_logits(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) ->
     return z, cols
 
 
-@_head_kernels
 def logits_tile(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], c: int) -> Tensor:
     """Logits of vocabulary entries ``[c, c + VOCAB_TILE)``, ``[tile, ROW_CHUNK]`` (fresh), from
     tempered rows ``h_t`` and tempered bias ``bias_t``; an entry's bits are the same whatever
@@ -123,7 +123,6 @@ def _tile_partials(z: Tensor, with_entropy: bool) -> list[Tensor]:
     return out
 
 
-@_head_kernels
 def chunk_partials(h_t: Tensor, w: Tensor, bias_t: Optional[Tensor], with_entropy: bool,
                    on_tile: Optional[Callable[[int, Tensor], None]] = None) -> Tensor:
     """The partials ``[k, segments, ROW_CHUNK]`` (``_tile_partials``, k = 2 or 3) of one row
@@ -168,7 +167,7 @@ def _rows_by_tile(targets: Tensor) -> dict[int, Tensor]:
     return {t * VOCAB_TILE: rows for t, rows in zip(starts.tolist(), order.split(counts.tolist()))}
 
 
-@_head_kernels
+@head_kernels
 def selected_logprob_forward(
     hidden: Tensor,
     weight: Tensor,
@@ -223,7 +222,7 @@ def selected_logprob_forward(
     return logp, entropy, lse
 
 
-@_head_kernels
+@head_kernels
 def selected_logprob_backward(
     grad_logp: Tensor,
     grad_entropy: Optional[Tensor],

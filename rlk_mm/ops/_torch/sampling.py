@@ -39,6 +39,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import logprob as _lp
+
 __all__ = [
     "block_log_mass", "draw_in_block", "Filters", "FIXED_BITS", "FIXED_SCALE", "GOLDEN", "gumbel", "kept_by_filters",
     "keys_of", "MASK32", "mix32", "NOISE_BLOCK", "one_thread", "row_keys", "RowKeys", "RowResult",
@@ -246,6 +248,7 @@ _TRANSPOSE_BLOCK = 512
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+@_lp.head_kernels
 def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters: Filters,
                        seeds: Tensor, steps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``sample_rows`` of the tempered logits of ``hidden [B, H]``, formed exactly as the torch
@@ -255,8 +258,6 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
 
     Equal hidden rows (a GRPO group's G answers at their first token) share one logits row;
     each row still draws with its own seed."""
-    from . import logprob as _lp
-
     B, dev = hidden.shape[0], hidden.device
     w = weight.float()
     b = _lp.tempered(None if bias is None else bias.float(), temperature)
@@ -284,14 +285,13 @@ def sample_hidden_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
     return tuple(out)
 
 
+@_lp.head_kernels
 def sample_gathered_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temperature: float, filters: Filters,
                          seeds: Tensor, steps: Tensor, gather_logits) -> tuple[Tensor, Tensor, Tensor]:
     """``sample_rows`` of the tempered logits of ``hidden [B, H]`` against a vocabulary shard
     ``weight``: each chunk's local logits, formed as ``sample_hidden_rows`` forms them, are
     completed by ``gather_logits(z [V_local, rows], dim=0)`` (the group's vocabulary, in
     order). Returns ``(tokens, sampled_log_probs, status)``; the caller scores the tokens."""
-    from . import logprob as _lp
-
     w = weight.float()
     b = _lp.tempered(None if bias is None else bias.float(), temperature)
     B, dev = hidden.shape[0], hidden.device
