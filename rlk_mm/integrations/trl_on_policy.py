@@ -25,22 +25,16 @@ generate suppresses the image token instead) gets an empty completion, which sco
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
 import torch
 
 from ..models.rollout import Kernels, generate_on_policy
-from ..ops.invariant.mode import batch_invariant, batch_invariant_active
+from ..ops.invariant.mode import within_batch_invariant
 from .trl import RLKGRPOMixin
 
 __all__ = ["OnPolicyGRPOTrainer", "OnPolicyRolloutMixin"]
-
-
-def _invariant():
-    """``batch_invariant()``, or nothing inside an active block (the mode is not re-entrant)."""
-    return contextlib.nullcontext() if batch_invariant_active() else batch_invariant()
 
 
 class OnPolicyRolloutMixin:
@@ -86,22 +80,20 @@ class OnPolicyRolloutMixin:
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's one-turn generation, through ``generate_on_policy``: (completion ids, log-probs) per row."""
         from trl.models import unwrap_model_for_generation
+        from trl.trainer.utils import pad
+
+        def left_padded(per_row, value):  # as TRL's own generate pads them
+            return pad([torch.as_tensor(np.asarray(row)) for row in per_row], padding_value=value, padding_side="left")
 
         rows = len(prompt_ids)
-        length = max(len(ids) for ids in prompt_ids)
-        inputs = {"input_ids": torch.full((rows, length), self._tokenizer.pad_token_id, dtype=torch.long),
-                  "attention_mask": torch.zeros((rows, length), dtype=torch.long)}
-        for r, ids in enumerate(prompt_ids):  # left-padded, as TRL's own generate
-            inputs["input_ids"][r, length - len(ids):] = torch.tensor(ids)
-            inputs["attention_mask"][r, length - len(ids):] = 1
+        inputs = {"input_ids": left_padded(prompt_ids, self._tokenizer.pad_token_id),
+                  "attention_mask": left_padded([[1] * len(ids) for ids in prompt_ids], 0)}
         for key, value in multimodal_fields.items():
             if isinstance(value, torch.Tensor):
                 inputs[key] = value
             elif isinstance(value, (list, tuple)) and len(value) == rows and all(
                     len(row) == len(ids) for row, ids in zip(value, prompt_ids)):  # per token (mm_token_type_ids)
-                inputs[key] = torch.zeros((rows, length), dtype=torch.long)
-                for r, row in enumerate(value):
-                    inputs[key][r, length - len(row):] = torch.as_tensor(np.asarray(row))
+                inputs[key] = left_padded(value, 0)
             else:
                 inputs[key] = torch.as_tensor(np.asarray(value))
         rank, step = self.accelerator.process_index, self._rollouts
@@ -124,11 +116,11 @@ class OnPolicyRolloutMixin:
     def training_step(self, *args, **kwargs):
         """TRL's step (generation, scoring, loss and backward) under ``batch_invariant()``: an
         activation-checkpointed backward recomputes the forward with the kernels it ran with."""
-        with _invariant():
+        with within_batch_invariant():
             return super().training_step(*args, **kwargs)
 
     def _compute_loss(self, model, inputs):  # also evaluation's
-        with _invariant():
+        with within_batch_invariant():
             return super()._compute_loss(model, inputs)
 
     def _log_loss_metrics(self, mode, stats, entropies, mask, inputs) -> None:

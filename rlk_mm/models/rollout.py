@@ -18,6 +18,7 @@ is left out of the returned batch (``rejected``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..ops.invariant.mode import BACKENDS, batch_invariant, batch_invariant_active
+from ..ops.invariant.mode import BACKENDS, within_batch_invariant
 from ..ops.sampling import group_seeds, sample_from_hidden
 from ..schema import Choice, RLBatch
 from ..schema.batch import batch_arg
@@ -276,8 +277,8 @@ def generate_on_policy(
     media_ids = {model.config.image_token_id, model.config.video_token_id}
 
     start = time.perf_counter()
-    invariant = kernels is Kernels.INVARIANT and not batch_invariant_active()
-    with torch.no_grad(), (batch_invariant(backend) if invariant else _Null()):
+    invariant = kernels is Kernels.INVARIANT
+    with torch.no_grad(), (within_batch_invariant(backend) if invariant else contextlib.nullcontext()):
         tokens, logps, sampled, lengths, ended, steps = _decode(
             model, prompt_batch, samples_per_prompt, row_seeds.to(device), vision_cache, max_new_tokens, stop,
             sorted(media_ids), _tokenizer_vocab(processor, vocab), dict(temperature=temperature, top_k=top_k,
@@ -287,14 +288,6 @@ def generate_on_policy(
                      row_seeds, kernels, steps, seconds, media_ids,
                      dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                           samples_per_prompt=samples_per_prompt, stop_token_ids=stop, step=step))
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _tokenizer_vocab(processor, head_rows: int) -> int:

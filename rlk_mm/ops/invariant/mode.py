@@ -35,7 +35,7 @@ from .matmul import ATEN_OVERRIDES
 
 __all__ = [
     "BACKENDS", "batch_invariant", "batch_invariant_active", "ModulePatches", "register_module_patches",
-    "stock_kernels",
+    "stock_kernels", "within_batch_invariant",
 ]
 
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
@@ -138,4 +138,11 @@ def stock_kernels():
 def batch_invariant_active() -> bool:
     """Whether a ``batch_invariant()`` block is active (the mode is process-wide)."""
     return STATE.active
+
+
+def within_batch_invariant(backend: Backend | str | None = None):
+    """``batch_invariant(backend)``, or nothing inside an active block (which then decides the
+    backend): for code that needs the mode and may be called from inside it (the mode is not
+    re-entrant)."""
+    return contextlib.nullcontext() if STATE.active else batch_invariant(backend)
 
