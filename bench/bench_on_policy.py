@@ -9,14 +9,19 @@ Per model and kernels:
 * ``decode``: ms per decode step at batch 1/16/64 (one prompt, its cache repeated), the
   slope between two rollout lengths (the prefill cancels);
 * ``rl_step``: a rollout of G = 8 answers to each of 8 image prompts (``--new-tokens``, no
-  stop token, so every row runs the full length), then the old-log-prob recompute (a
+  stop token, so every row runs the full length; the random head's rows of ids that a
+  rollout rejects, media placeholders and ids past the tokenizer, are zeroed and the draw
+  runs at ``--temperature`` 0.1, so no row is rejected and both kernels score the same
+  tokens: equal work), then the old-log-prob recompute (a
   no-grad forward, which a framework can skip when the rollout's log-probs are the
   training's) and the training forward + backward (``batch_logprobs``, packed); the
   backward's own time too.
 
 The tax: invariant over default, with the old-log-prob forward counted in both (``tax``) and
 with it skipped under the invariant kernels (``tax_skipping_old_logprob``). ``--profile``
-adds the top CUDA ops of one invariant training step. Medians of CUDA-event timings
+adds, per kernels, the top ops of one training step (device time) and of a 32-token
+rollout at batch 1 (host and device time: decode is host-bound, and each step reads the
+sampled tokens back). Medians of CUDA-event timings
 after a warm-up round. Writes ``on_policy.json`` (a top-level ``headline`` list for the
 README table) to ``--out`` (default ``$OUT`` or ``.``).
 
@@ -60,9 +65,11 @@ def _parse(argv=None):
     ap.add_argument("--samples", type=int, default=8, help="answers per prompt, G")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--image-side", type=int, default=448, help="image side in pixels (448: 256 visual tokens)")
+    ap.add_argument("--temperature", type=float, default=0.1,
+                    help="rollout temperature (default 0.1: with the zeroed head rows, no row is rejected)")
     ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="the top CUDA ops of one invariant training step")
+    ap.add_argument("--profile", action="store_true", help="the top ops of a training step and of a decode")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny fixture model, tiny shapes")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -98,6 +105,16 @@ def build_model(name: str, layers: int, vision_depth: int, device: str):
     return model.eval()
 
 
+def only_scorable_draws(model, processor) -> None:
+    """Zero the head rows of the ids a rollout rejects (media placeholders, ids past the
+    tokenizer): a random head puts their logits among the others', and a rejected row ends
+    early, so the two kernels' steps would do different work."""
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head[len(processor.tokenizer):] = 0
+        head[[model.config.image_token_id, model.config.video_token_id]] = 0
+
+
 def _kernels(name: str):
     return batch_invariant() if name == "invariant" else contextlib.nullcontext()
 
@@ -113,7 +130,7 @@ def _measure(model, processor, args, device: str) -> dict:
     for kernels in ("default", "invariant"):
         rollout = lambda p=prompts, g=args.samples, n=args.new_tokens: generate_on_policy(  # noqa: E731
             model, p, processor=processor, max_new_tokens=n, samples_per_prompt=g, seed=0, stop_token_ids=[],
-            kernels=kernels)
+            temperature=args.temperature, kernels=kernels)
         ro = rollout()
         batch = ro.batch
         adv = torch.randn(batch.loss_token_index()[0].numel(), device=device)
@@ -149,35 +166,41 @@ def _measure(model, processor, args, device: str) -> dict:
         out[kernels] = {
             "prefill_tokens_per_s": round(prompt_batch.num_tokens / prefill_ms * 1e3, 1), "prefill_ms": prefill_ms,
             "decode_ms_per_step": decode, "rl_step": step, "scored_tokens": batch.loss_token_index()[0].numel(),
-            "tokens": batch.num_tokens,
+            "tokens": batch.num_tokens, "rejected_rows": len(ro.rejected),
         }
-        if kernels == "invariant" and args.profile:
-            out["profile"] = _profile(train)
+        if args.profile:
+            out[kernels]["profile"] = {
+                "train_step": _profile(train, "device_time_total"),
+                "decode_32_tokens_batch_1": {
+                    sort: _profile(lambda: rollout(one, 1, 32), sort) for sort in ("self_cpu_time_total", "device_time_total")
+                },
+            }
     d, i = out["default"]["rl_step"], out["invariant"]["rl_step"]
     base = d["rollout_ms"] + d["old_logprob_ms"] + d["train_ms"]
     out["tax"] = round((i["rollout_ms"] + i["old_logprob_ms"] + i["train_ms"]) / base - 1, 4)
     out["tax_skipping_old_logprob"] = round((i["rollout_ms"] + i["train_ms"]) / base - 1, 4)
     out["backward_ratio"] = round(i["backward_ms"] / max(d["backward_ms"], 1e-9), 4)
+    out["equal_work"] = out["default"]["scored_tokens"] == out["invariant"]["scored_tokens"]
     return out
 
 
-def _profile(train) -> list[dict]:
-    """The top 15 ops of one training step by device time."""
+def _profile(fn, sort: str) -> list[dict]:
+    """The top 15 ops of one call of ``fn`` by ``sort`` (an attribute of torch's profiler events)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train()
+        fn()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:15]
-    return [{"op": e.key, "device_ms": round(e.device_time_total / 1e3, 3), "calls": e.count} for e in rows]
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, sort), reverse=True)[:15]
+    return [{"op": e.key, "device_ms": round(e.device_time_total / 1e3, 3),
+             "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count} for e in rows]
 
 
 def _headline(results: dict, args) -> list[dict]:
     rows = []
     for name, r in results.items():
         label = f"Qwen2.5-VL-{name.upper()} dims, {args.layers} layers"
-        tokens = r["invariant"]["scored_tokens"], r["default"]["scored_tokens"]
-        if abs(tokens[0] - tokens[1]) <= 0.01 * max(tokens):  # else the two steps did different work: no tax row
+        if r["equal_work"]:  # else the two steps did different work: no tax row
             rows.append({"metric": f"RL step tax, old-log-prob forward skipped ({label})",
                          "ours": round(100 * r["tax_skipping_old_logprob"], 1), "peer": PEER_TAX, "unit": "%"})
             rows.append({"metric": f"RL step tax, nothing skipped ({label})", "ours": round(100 * r["tax"], 1),
@@ -195,8 +218,10 @@ def main(argv=None) -> dict:
     results = {}
     for name in args.models:
         model = build_model(name, args.layers, args.vision_depth, device)
+        if name != "tiny":
+            only_scorable_draws(model, processor)
         results[name] = _measure(model, processor, args, device)
-        print(f"{name}: tax {results[name]['tax']:.3f}, skipping the old-log-prob forward "
+        print(f"{name}: equal work {results[name]['equal_work']}, tax {results[name]['tax']:.3f}, skipping the old-log-prob forward "
               f"{results[name]['tax_skipping_old_logprob']:.3f}", flush=True)
         del model
         if device == "cuda":
@@ -205,6 +230,7 @@ def main(argv=None) -> dict:
         "command": command_line(), "headline": _headline(results, args), "results": results,
         "setup": {"layers": args.layers, "vision_depth": args.vision_depth, "prompts": args.prompts,
                   "samples_per_prompt": args.samples, "new_tokens": args.new_tokens, "image_side": args.image_side,
+                  "temperature": args.temperature,
                   "dtype": "float32" if args.dry_run else "bfloat16", "dry_run": args.dry_run, "reps": args.reps},
     }
     write_result(args.out, "on_policy.json", data)
