@@ -205,9 +205,10 @@ def _headline(results: dict, args) -> list[dict]:
                          "ours": round(100 * r["tax_skipping_old_logprob"], 1), "peer": PEER_TAX, "unit": "%"})
             rows.append({"metric": f"RL step tax, nothing skipped ({label})", "ours": round(100 * r["tax"], 1),
                          "peer": PEER_TAX, "unit": "%"})
-        for b, ms in r["invariant"]["decode_ms_per_step"].items():
-            rows.append({"metric": f"decode step at batch {b}, invariant vs default ({label})", "ours": ms,
-                         "peer": r["default"]["decode_ms_per_step"][b], "unit": "ms"})
+        b = max(r["invariant"]["decode_ms_per_step"], key=int)  # the largest decode batch (the others: the guide)
+        rows.append({"metric": f"decode step at batch {b}, invariant vs default ({label})",
+                     "ours": r["invariant"]["decode_ms_per_step"][b], "peer": r["default"]["decode_ms_per_step"][b],
+                     "unit": "ms"})
     return rows
 
 
