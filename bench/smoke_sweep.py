@@ -69,6 +69,10 @@ def summarize(name: str, steps: list[dict], report: dict | None, seconds: float,
         by_50=[round(sum(rewards[i : i + 50]) / len(rewards[i : i + 50]), 3) for i in range(0, len(rewards), 50)],
         gates_failed=report is not None and not all(g["ok"] for g in report.get("gates", [])),
         curve=[round(r, 4) for r in rewards],
+        # rollout vs training log-probs at every step (0 and 0 under the invariant kernels; None if not recorded)
+        max_abs_delta=max((s["max_abs_delta"] for s in steps if "max_abs_delta" in s), default=None),
+        tokens_differing=max((s["tokens_differing"] for s in steps if "tokens_differing" in s), default=None),
+        steps_with_any_difference=sum(s.get("max_abs_delta", 0) > 0 or s.get("tokens_differing", 0) > 0 for s in steps),
     )
 
 

@@ -314,11 +314,13 @@ def test_the_sweep_summarizes_the_steps_a_run_wrote(tmp_path):
     assert sweep.tuning_of({"set": {"LR_FLOOR": 0.3}, "tuning": {"background_rate": 0.8}}) == {"LR_FLOOR": 0.3, "background_rate": 0.8}
     with pytest.raises(ValueError, match="unknown smoke tuning"):
         sweep.tuning_of({"set": {"LR_FLOR": 0.3}})
-    lines = [json.dumps({"step": i + 1, "reward_mean": 0.1 * (i % 11)}) for i in range(20)]
+    lines = [json.dumps({"step": i + 1, "reward_mean": 0.1 * (i % 11), "max_abs_delta": 2e-6 * (i == 4),
+                         "tokens_differing": 3 * (i == 4)}) for i in range(20)]
     (tmp_path / "s.jsonl").write_text("\n".join(lines) + '\n{"step": 21, "rew')  # the last line cut by a kill
     steps = sweep.read_steps(tmp_path / "s.jsonl")
     summary = sweep.summarize("x", steps, None, 1.0, "killed at the deadline")
     assert summary["steps"] == 20 and summary["start"] == 0.0 and not summary["gates_failed"]
+    assert (summary["max_abs_delta"], summary["tokens_differing"], summary["steps_with_any_difference"]) == (2e-6, 3, 1)
     failed = sweep.summarize("x", [], {"gates": [{"ok": True}, {"ok": False}]}, 1.0, 1)
     assert failed["gates_failed"] and failed["steps"] == 0
 
