@@ -26,8 +26,9 @@ def test_other_resize_settings_are_named(processor):
     training = RLBatch.from_messages(question, processor=processor)
     report = check_layout_parity(rollout, training, tokenizer=processor.tokenizer)
     assert report.first.diagnosis == (
-        "sample 1, image #0: rollout 12 placeholder tokens (grid 1×6×8, resized 112×84, min_pixels 3136, max_pixels 12544) "
-        "vs training 54 placeholder tokens (grid 1×12×18, resized 252×168, min_pixels 3136, max_pixels 50176): "
+        "sample 1, image #0: rollout 12 placeholder tokens (grid 1×6×8, resized 112×84 from 336×224, min_pixels 3136, "
+        "max_pixels 12544) vs training 54 placeholder tokens (grid 1×12×18, resized 252×168 from 336×224, min_pixels 3136, "
+        "max_pixels 50176): "
         "the rollout resized with other settings (the recorded resize settings differ)"
     )
     text = report.first.describe()

@@ -90,21 +90,3 @@ def test_point_form_does_not_change_the_score(x, y, as_type):
     assert torch.equal(action_match([{"action": "click", "point_2d": as_type([x, y])}], target), plain)
     assert plain.item() == (1.0 if 0 <= x <= 10 and 0 <= y <= 10 else 0.5)
 
-
-def test_episode_grounding_never_uses_another_screen_size(processor):
-    """screen_size is an episode's last screenshot: an earlier screen's coordinates need their own
-    size, else they were converted with the wrong one (issue 31, D-12)."""
-    from PIL import Image
-
-    from rlk_mm.grounding import parse_grounding
-    from rlk_mm.schema import RLBatch, SchemaError, Step, Trajectory
-
-    click = '{"action": "click", "point_2d": [28, 28]}'
-    steps = [Step(Image.new("RGB", (224, 168), (9, 9, 9)), click), Step(Image.new("RGB", (112, 84)), "done")]
-    batch = RLBatch.from_trajectories([Trajectory("g", "Click.", steps)], processor=processor)
-    with pytest.raises(SchemaError, match=r"screen_size is the size of its last image \(#1\), not of image #0"):
-        parse_grounding(batch, 0, processor=processor, image=0)
-    first = parse_grounding(batch, 0, processor=processor, image=0, original_size=(224, 168))
-    assert first.regions[0].absolute == (28.0, 28.0)
-    with pytest.raises(SchemaError, match=r"original_size 168x224 cannot have been resized to the image's 224x168"):
-        parse_grounding(batch, 0, processor=processor, image=0, original_size=(168, 224))

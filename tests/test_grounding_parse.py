@@ -234,7 +234,7 @@ def test_actions():
 def test_bad_input_errors_name_the_argument_sample_and_span(processor, prompt):
     batch = batch_of(processor, prompt, ['{"point_2d": [98, 70]}'], targets=[(0, [0, 0, 10, 10])])
     g = parse_grounding(batch, 0, processor=processor)
-    bad_region = type(g.regions[0])("point", g.regions[0].span, (98.0, 70.0), (400.0, 75.0))
+    bad_region = type(g.regions[0])("point", g.regions[0].span, (98.0, 70.0), (400.0, 75.0), 0)
     s = g.regions[0].span
     cases = [
         (lambda: parse_grounding(batch, 0, processor=processor, convention="qwen9"), SchemaError, "convention='qwen9'"),
@@ -272,5 +272,5 @@ def test_targets_outside_the_image_and_missing_targets_are_refused(processor, pr
     with pytest.raises(SchemaError, match=r"sample 1, span \[\d+, \d+\): a predicted box but the sample has no bbox_targets"):
         grounding_rewards(two, gs)
     plain = RLBatch(**{k: getattr(batch, k) for k in RLBatch.model_fields if k not in ("screen_size",)})
-    with pytest.raises(SchemaError, match="sample 0: the original image size is unknown"):
+    with pytest.raises(SchemaError, match=r"sample 0, image #0: its original size is unknown: .* or with screen_size"):
         parse_grounding(plain, 0, processor=processor)

@@ -58,9 +58,13 @@ def test_geo3k_from_messages_equals_the_processor_batch(processor, geo3k_dir):
     _equal_batches(from_messages, own)
     assert from_messages.media_ids == own.media_ids  # derived from the content part of the key
     ip = processor.image_processor
-    for key, own_key, grid in zip(from_messages.media_cache_keys, own.media_cache_keys, own.image_grid_thw.tolist()):
+    originals = [image.size for sample in samples for image in sample.images]
+    for key, own_key, grid, (width, height) in zip(from_messages.media_cache_keys, own.media_cache_keys,
+                                                   own.image_grid_thw.tolist(), originals, strict=True):
         assert key.startswith(own_key + "#")
-        assert key_settings(key) == ResizeSettings(ip.size["shortest_edge"], ip.size["longest_edge"], grid[1] * 14, grid[2] * 14)
+        assert key_settings(key) == ResizeSettings(ip.size["shortest_edge"], ip.size["longest_edge"], grid[1] * 14, grid[2] * 14,
+                                                   original_height=height, original_width=width)
+    assert from_messages.media_original_sizes() == originals
 
 
 def test_other_settings_same_size_give_another_key(processor, geo3k_dir):

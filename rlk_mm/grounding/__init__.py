@@ -7,6 +7,7 @@ from .parse import (
     Convention,
     Found,
     Grounding,
+    ImageSize,
     ParseFailure,
     Region,
     check_values,
@@ -27,7 +28,8 @@ from .rewards import (
 )
 
 __all__ = [
-    "ACTIONS", "CONVENTION_SYSTEM", "Convention", "Found", "Grounding", "GroundingMetric", "GroundingRewards", "ParseFailure",
+    "ACTIONS", "CONVENTION_SYSTEM", "Convention", "Found", "Grounding", "GroundingMetric", "GroundingRewards", "ImageSize",
+    "ParseFailure",
     "Region", "action_match", "box_giou", "box_iou", "check_values", "find_regions", "grounding_rewards", "parse_action",
     "parse_grounding", "point_in_box", "token_bytes",
 ]

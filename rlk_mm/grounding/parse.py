@@ -32,8 +32,8 @@ from ..schema.checks import int_arg, sample_index
 from ..schema.coordinates import size_arg
 
 __all__ = [
-    "check_values", "Convention", "CONVENTION_SYSTEM", "find_regions", "Found", "Grounding", "parse_grounding",
-    "ParseFailure", "Region", "token_bytes",
+    "check_values", "Convention", "CONVENTION_SYSTEM", "find_regions", "Found", "Grounding", "ImageSize",
+    "parse_grounding", "ParseFailure", "Region", "token_bytes",
 ]
 
 
@@ -148,15 +148,27 @@ def check_values(kind: str, values: tuple[float, ...], system, resized_size) -> 
 
 # ----------------------------------------------------------------------------- a batch's tokens
 @dataclass(frozen=True)
+class ImageSize:
+    """An image that a ``Grounding``'s coordinates refer to: its index among the sample's images
+    (0-based), its original ``(width, height)`` in pixels and its ``(width, height)`` as the
+    processor resized it."""
+
+    image: int
+    original: tuple[int, int]
+    resized: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class Region:
     """A parsed box (x1, y1, x2, y2) or point (x, y): the token span of its coordinates
-    (positions in the sample), the values as written (in ``Grounding.system``) and in
-    pixels of the original image."""
+    (positions in the sample), the values as written (in ``Grounding.system``), in pixels of
+    the original image, and that image (its index among the sample's images, ``Grounding.size_of``)."""
 
     kind: str
     span: Span
     values: tuple[float, ...]
     absolute: tuple[float, ...]
+    image: int
 
 
 @dataclass(frozen=True)
@@ -169,15 +181,46 @@ class ParseFailure:
 
 @dataclass(frozen=True)
 class Grounding:
-    """What ``parse_grounding`` read from one sample."""
+    """What ``parse_grounding`` read from one sample; ``images``: the images its coordinates refer
+    to, in the sample's order (one, or in an episode each screenshot its actions answer)."""
 
     sample: int
     convention: Convention
     system: CoordinateSystem  # of Region.values
-    original_size: tuple[int, int]  # (width, height) of the image, pixels
-    resized_size: tuple[int, int]  # (width, height) as the processor resized it
+    images: tuple[ImageSize, ...]
     regions: tuple[Region, ...]
     failures: tuple[ParseFailure, ...]
+
+    def size_of(self, image: int) -> ImageSize:
+        """The sizes of the sample's image ``image`` (a ``Region.image``)."""
+        image = int_arg("image", image, min=0)
+        for size in self.images:
+            if size.image == image:
+                return size
+        raise SchemaError(f"sample {self.sample}: image={image} is not one its coordinates refer to "
+                          f"(images {[s.image for s in self.images]}): pass a Region's image")
+
+    @property
+    def original_size(self) -> tuple[int, int]:
+        """``(width, height)`` of the original image the coordinates refer to (several images: their
+        common size, refused where they differ)."""
+        return self._one_size().original
+
+    @property
+    def resized_size(self) -> tuple[int, int]:
+        """``(width, height)`` of that image as the processor resized it (``original_size``'s rule)."""
+        return self._one_size().resized
+
+    def _one_size(self) -> ImageSize:
+        if not self.images:
+            raise SchemaError(f"sample {self.sample} has no loss spans, so no image its coordinates refer to")
+        sizes = {(s.original, s.resized) for s in self.images}
+        if len(sizes) > 1:
+            named = ", ".join(f"#{s.image} {s.original[0]}x{s.original[1]}" for s in self.images)
+            raise SchemaError(f"sample {self.sample}: its coordinates refer to images of different sizes ({named}): no one "
+                              "image size holds for the whole sample; read each Region's size with size_of(region.image), "
+                              "or build one sample per step (RLBatch.from_trajectories(history=k))")
+        return self.images[0]
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -212,31 +255,63 @@ def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     return out
 
 
-def _image_of(batch: RLBatch, b: int, image: Optional[int]) -> int:
-    """The batch-wide media index of sample ``b``'s image ``image`` (its only image by default)."""
+def _sample_images(batch: RLBatch, b: int) -> list[int]:
+    """The batch-wide media indices of sample ``b``'s images, in the sample's order."""
     if batch.media_sample is None:
-        items = []
-    else:
-        mine = (batch.media_sample == b) & (batch.media_modality == int(Modality.IMAGE))
-        items = torch.nonzero(mine).flatten().tolist()
-    if image is None:
-        if len(items) != 1:
-            raise SchemaError(f"sample {b} has {len(items)} images: pass image= (0..{len(items) - 1}) to say which one the "
-                              "coordinates refer to" if items else f"sample {b} has no image: coordinates need one")
-        return items[0]
-    image = int_arg("image", image, min=0)
-    if image >= len(items):
-        raise SchemaError(f"image={image}, but sample {b} has {len(items)} images")
-    return items[image]
+        return []
+    mine = (batch.media_sample == b) & (batch.media_modality == int(Modality.IMAGE))
+    return torch.nonzero(mine).flatten().tolist()
 
 
-def _check_aspect(b: int, original: tuple[int, int], resized: tuple[int, int], factor: int) -> None:
+def _answered(batch: RLBatch, b: int, items: list[int], loss: Span) -> int:
+    """The image (index among the sample's images ``items``) shown last before ``loss``: the
+    screenshot an action answers."""
+    before = [items.index(s.media_index) for s in batch.modality_spans_of(b)
+              if s.modality is Modality.IMAGE and s.end <= loss.start]
+    if not before:
+        raise SchemaError(f"sample {b}, loss span [{loss.start}, {loss.end}): no image precedes it, so it answers no "
+                          f"screenshot: pass image= (0..{len(items) - 1}) to name the one its coordinates refer to")
+    return before[-1]
+
+
+def _check_aspect(where: str, original: tuple[int, int], resized: tuple[int, int], factor: int) -> None:
     """The resized image keeps the original's aspect up to the resize's rounding to ``factor``
     (each side within ``factor`` of one common scale): a swapped or foreign size is refused."""
     (ow, oh), (rw, rh) = original, resized
     if abs(rh - oh * rw / ow) > factor * (1 + oh / ow) + 1e-9:
-        raise SchemaError(f"sample {b}: original_size {ow}x{oh} cannot have been resized to the image's {rw}x{rh} (another "
+        raise SchemaError(f"{where}: original_size {ow}x{oh} cannot have been resized to the image's {rw}x{rh} (another "
                           "aspect ratio): pass the (width, height) of the image the processor resized")
+
+
+def _original(batch: RLBatch, b: int, image: int, items: list[int], given, recorded: list) -> tuple[int, int]:
+    """The original size of sample ``b``'s image ``image``: ``given`` (the caller's), else the size
+    the batch records for it, else, for the sample's last image, ``screen_size``; a given or
+    screen size other than the recorded one is refused, and so is an unknown size."""
+    where, item = f"sample {b}, image #{image}", items[image]
+    own = recorded[item]
+    last = batch.screen_size is not None and image == len(items) - 1
+    screen = tuple(batch.screen_size[b].tolist()) if last else None
+    if given is not None:
+        given = size_arg("original_size", given)
+        if own is not None and given != own:
+            raise SchemaError(f"{where}: original_size={given[0]}x{given[1]}, but the batch records {own[0]}x{own[1]} for "
+                              f"that image (media_cache_keys[{item}]): leave original_size out, or pass the recorded size")
+        return given
+    if own is not None:
+        if screen is not None and screen != own:
+            raise SchemaError(f"{where}: screen_size[{b}] is {screen[0]}x{screen[1]}, but the batch records {own[0]}x{own[1]} "
+                              f"for that image, the sample's last (media_cache_keys[{item}]): build the batch with "
+                              "screen_size the original size of each sample's last image")
+        return own
+    if screen is not None:
+        return screen
+    why = "the batch records no size for it (built from a processor's output, not from the images)"
+    if batch.screen_size is not None:
+        why += f", and screen_size is the size of the sample's last image (#{len(items) - 1})"
+    build = " or with screen_size (each sample's last image's size)" if image == len(items) - 1 else ""
+    raise SchemaError(f"{where}: its original size is unknown: {why}: pass image={image} with original_size=(width, height) "
+                      f"of that image, or build the batch with RLBatch.from_messages or from_trajectories (which record "
+                      f"each image's size){build}")
 
 
 def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", image: Optional[int] = None,
@@ -245,12 +320,27 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
 
     ``processor``: the batch's processor (its tokenizer decodes the tokens; its image
     processor's ``patch_size`` gives the resized size from ``image_grid_thw``). ``image``: which
-    of the sample's images the coordinates refer to (default: its only image).
-    ``original_size``: that image's (width, height) in pixels (default: ``batch.screen_size``,
-    which is the size of the sample's last image: for another image pass its size). A size
-    whose aspect the resized image does not keep is refused.
+    of the sample's images (0-based) the coordinates refer to. By default its only image; in an
+    episode (a batch with ``action_spans``, ``RLBatch.from_trajectories``) with several
+    screenshots, each loss span's own: the screenshot shown last before it, the one that action
+    answers (``Region.image`` names it). ``original_size``: the named image's (width, height) in
+    pixels; by default the size the batch records for that image (``RLBatch.media_original_sizes``:
+    ``from_trajectories`` and ``from_messages`` record each image's), else, for the sample's last
+    image, ``batch.screen_size``.
     Each region's span covers the tokens holding its coordinates' characters; malformed or
-    out-of-range output becomes a ``ParseFailure`` over the tokens it covers."""
+    out-of-range output becomes a ``ParseFailure`` over the tokens it covers.
+
+    Raises
+    ------
+    SchemaError
+        Naming the sample and the image: ``image`` beyond the sample's images, or none given for a
+        sample of several images outside an episode; an image whose original size is unknown (pass
+        ``image=`` with ``original_size=``); ``original_size`` (or ``screen_size``) other than the
+        size the batch records for that image, or not of the resized image's aspect;
+        ``original_size`` without ``image=`` where the actions answer several screenshots.
+    TypeError, ValueError
+        ``batch`` not an ``RLBatch``, ``processor`` not a Qwen-VL processor, ``image`` not an int
+        >= 0, ``original_size`` not two ints >= 1, ``sample`` out of range."""
     batch = batch_arg("batch", batch)
     b = sample_index(sample, batch.num_samples, "batch")
     convention = Convention.parse(convention, "convention", SchemaError)
@@ -259,23 +349,37 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
     patch = getattr(getattr(processor, "image_processor", None), "patch_size", None)
     if tokenizer is None or patch is None:
         raise TypeError(f"processor must be a Qwen-VL processor (with .tokenizer and .image_processor.patch_size), got {type(processor).__name__}")
-    item = _image_of(batch, b, image)
-    _, grid_h, grid_w = batch.media_grid_thw[item].tolist()
-    resized = (grid_w * int(patch), grid_h * int(patch))
-    if original_size is None:
-        if batch.screen_size is None:
-            raise SchemaError(f"sample {b}: the original image size is unknown: pass original_size=(width, height) or build "
-                              "the batch with screen_size")
-        images = torch.nonzero((batch.media_sample == b) & (batch.media_modality == int(Modality.IMAGE))).flatten().tolist()
-        if item != images[-1]:
-            raise SchemaError(f"sample {b}: screen_size is the size of its last image (#{len(images) - 1}), not of image "
-                              f"#{images.index(item)}: pass original_size=(width, height) of that image")
-        original_size = batch.screen_size[b].tolist()
-    original = size_arg("original_size", original_size)
-    _check_aspect(b, original, resized, int(patch) * batch.spatial_merge_size)
+    items = _sample_images(batch, b)
+    if not items:
+        raise SchemaError(f"sample {b} has no image: coordinates refer to one; parse a sample with an image")
+    losses = batch.loss_spans_of(b)
+    if image is not None:
+        image = int_arg("image", image, min=0)
+        if image >= len(items):
+            raise SchemaError(f"image={image}, but sample {b} has {len(items)} images: pass image= 0..{len(items) - 1}")
+        answered = [image] * len(losses)
+    elif len(items) == 1:
+        image, answered = 0, [0] * len(losses)
+    elif batch.action_spans is None:
+        raise SchemaError(f"sample {b} has {len(items)} images: pass image= (0..{len(items) - 1}) to say which one the "
+                          "coordinates refer to")
+    else:
+        answered = [_answered(batch, b, items, loss) for loss in losses]
+        if original_size is not None and len(set(answered)) > 1:
+            raise SchemaError(f"sample {b}: original_size is one image's size, but its actions answer the screenshots "
+                              f"{sorted(set(answered))}: pass image= with it, or leave it out (the batch records each "
+                              "screenshot's size)")
+    recorded = batch.media_original_sizes()
+    images = {}
+    for i in sorted({*answered, *([] if image is None else [image])}):
+        _, grid_h, grid_w = batch.media_grid_thw[items[i]].tolist()
+        resized = (grid_w * int(patch), grid_h * int(patch))
+        original = _original(batch, b, i, items, original_size, recorded)
+        _check_aspect(f"sample {b}, image #{i}", original, resized, int(patch) * batch.spatial_merge_size)
+        images[i] = ImageSize(i, original, resized)
     tokens = batch.sample_tokens(b).tolist()
     regions, failures = [], []
-    for loss in batch.loss_spans_of(b):
+    for loss, i in zip(losses, answered):
         pieces = token_bytes(tokenizer, tokens[loss.start : loss.end])
         ends = torch.tensor([len(p) for p in pieces]).cumsum(0)
 
@@ -285,12 +389,13 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
             return Span(loss.start + first, loss.start + last + 1)
 
         for found in find_regions(b"".join(pieces), convention):
-            reason = found.reason or check_values(found.kind, found.values, system, resized)
+            reason = found.reason or check_values(found.kind, found.values, system, images[i].resized)
             if reason:
                 failures.append(ParseFailure(span(found.lo, found.hi), reason))
                 continue
             values = torch.tensor(found.values, dtype=torch.float64)
             convert = convert_boxes if found.kind == "box" else convert_points
-            absolute = convert(values, system, CoordinateSystem.ABSOLUTE, original_size=original, resized_size=resized)
-            regions.append(Region(found.kind, span(found.lo, found.hi), found.values, tuple(absolute.tolist())))
-    return Grounding(b, convention, system, original, resized, tuple(regions), tuple(failures))
+            absolute = convert(values, system, CoordinateSystem.ABSOLUTE, original_size=images[i].original,
+                               resized_size=images[i].resized)
+            regions.append(Region(found.kind, span(found.lo, found.hi), found.values, tuple(absolute.tolist()), i))
+    return Grounding(b, convention, system, tuple(images.values()), tuple(regions), tuple(failures))

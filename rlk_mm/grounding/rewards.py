@@ -130,7 +130,7 @@ def _check_region(b: int, r: Region, size: tuple[int, int]) -> None:
         raise SchemaError(f"{where}: {r.kind} {list(r.absolute)} is not finite")
     xs, ys = r.absolute[0::2], r.absolute[1::2]
     if any(not 0 <= x <= size[0] for x in xs) or any(not 0 <= y <= size[1] for y in ys):
-        raise SchemaError(f"{where}: {r.kind} {list(r.absolute)} lies outside the {size[0]}x{size[1]} image (screen_size); "
+        raise SchemaError(f"{where}: {r.kind} {list(r.absolute)} lies outside the {size[0]}x{size[1]} image #{r.image}; "
                           "parse_grounding records such output as a failure")
     if r.kind == "box" and (r.absolute[0] > r.absolute[2] or r.absolute[1] > r.absolute[3]):
         raise SchemaError(f"{where}: box {list(r.absolute)} has x1 > x2 or y1 > y2")
@@ -146,6 +146,8 @@ def _targets_absolute(batch: RLBatch, groundings: list[Grounding]) -> tuple[Tens
     out = torch.empty_like(targets)
     for b, g in enumerate(groundings):
         mine = owner == b
+        if not bool(mine.any()):
+            continue
         out[mine] = convert_boxes(targets[mine], system, CoordinateSystem.ABSOLUTE, original_size=g.original_size,
                                   resized_size=g.resized_size)
         size = torch.tensor(g.original_size, dtype=torch.float64).repeat(2)
@@ -174,7 +176,7 @@ def grounding_rewards(batch, groundings: Sequence[Grounding], *, metric="iou", f
     for b, g in enumerate(groundings):
         mine: list[tuple[Span, float]] = [(f.span, failure_reward) for f in g.failures]
         for r in g.regions:
-            _check_region(b, r, g.original_size)
+            _check_region(b, r, g.size_of(r.image).original)
             if r.kind == want:
                 if not bool((owner == b).any()):
                     raise SchemaError(f"sample {b}, span [{r.span.start}, {r.span.end}): a predicted {r.kind} but the sample "

@@ -26,7 +26,7 @@ __all__ = [
     "chat_markers", "check_image_size", "check_plain_text", "check_response_unpadded", "check_unpadded",
     "check_vocabulary", "coordinate_system_arg", "id_matrix", "vl_processor_arg",
     "mask_matrix", "multi_modal_inputs", "padded_positions", "PaddedPositions", "per_sample_targets",
-    "per_sample_values", "processor_outputs", "screen_sizes", "str_list", "token_rows", "unpad",
+    "per_sample_values", "processor_limits", "processor_outputs", "screen_sizes", "str_list", "token_rows", "unpad",
 ]
 
 #: the most extreme width/height ratio the Qwen-VL image processors accept
@@ -303,6 +303,17 @@ def vl_processor_arg(processor):
                         f"an image processor and a chat template; got {type(processor).__name__}, which lacks "
                         f"{', '.join(missing)}")
     return processor
+
+
+def processor_limits(processor) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the processor's image processor."""
+    ip = processor.image_processor
+    size = getattr(ip, "size", None) or {}
+    low = size.get("shortest_edge") or getattr(ip, "min_pixels", None)
+    high = size.get("longest_edge") or getattr(ip, "max_pixels", None)
+    if not low or not high:
+        raise ValueError(f"processor: its image processor {type(ip).__name__} names no min/max pixels (size shortest_edge/longest_edge)")
+    return int(low), int(high)
 
 
 def chat_markers(processor) -> tuple[str, ...]:

@@ -22,8 +22,9 @@ from ._assemble import SAMPLE_FIELDS, assemble, present_fields, sample_parts
 from ._validate import check, schema_error
 from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices
 from .choice import Choice
+from .coordinates import size_arg
 from .io import BatchFileError
-from .media import token_counts
+from .media import key_settings, token_counts
 from .messages import fields_from_messages
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
@@ -260,6 +261,22 @@ class RLBatch(BaseModel):
                 rows = int(self.media_grid_thw[g].prod())
                 out[g] = pixels[start : start + rows]
                 start += rows
+        return out
+
+    def media_original_sizes(self) -> list[Optional[tuple[int, int]]]:
+        """Each media item's original ``(width, height)`` in pixels, the size it was resized from,
+        as its builder recorded it with its resize settings (``key_settings`` of its cache key:
+        ``from_trajectories`` and ``from_messages`` record it, ``select``, ``concat``, ``save`` and
+        ``load`` keep it); None where none is recorded (a batch built from a processor's output,
+        or a caller-given key that names no settings)."""
+        out: list[Optional[tuple[int, int]]] = []
+        for g, key in enumerate(self.media_cache_keys):
+            try:
+                settings = key_settings(key)
+            except ValueError:  # a caller-given key holding the separator but no settings tag: it records nothing
+                settings = None
+            size = None if settings is None else settings.original_size
+            out.append(None if size is None else size_arg(f"media_cache_keys[{g}]: the recorded original size", size))
         return out
 
     def _common(self) -> dict:

@@ -8,9 +8,11 @@
   batches built by differently configured processors never compare equal.
 - ``media_cache_key`` hashes the vision-tower input of one item (its processed pixel
   rows and grid) together with the fingerprint: equal key ⇒ identical vision input.
-- ``ResizeSettings`` are the resize settings an item was processed with (``from_messages``
-  records them): ``settings_key`` appends them to its cache key, readable, so equal keys
-  also mean equal settings, and ``key_settings`` reads them back (drift diagnosis).
+- ``ResizeSettings`` are the resize settings an item was processed with, and the original
+  size it was resized from (``from_messages`` and ``from_trajectories`` record them):
+  ``settings_key`` appends them to its cache key, readable, so equal keys also mean equal
+  settings, and ``key_settings`` reads them back (drift diagnosis, and the original size
+  that ``parse_grounding`` converts coordinates to, through ``RLBatch.media_original_sizes``).
 """
 
 from __future__ import annotations
@@ -266,8 +268,10 @@ def default_media_id(cache_key: str, modality: str) -> str:
 @dataclass(frozen=True)
 class ResizeSettings:
     """The resize settings one media item was processed with: the requested pixel limits
-    (``total_pixels``: a video's budget over all frames), the size it was resized to and,
-    for a video, the frame rate of its frames and the indices of the frames used."""
+    (``total_pixels``: a video's budget over all frames), the size it was resized to, for a
+    video the frame rate of its frames and the indices of the frames used, and the size of
+    the image (or frame) it was resized from (``original_size``), which coordinates in
+    original pixels refer to."""
 
     min_pixels: int
     max_pixels: int
@@ -276,6 +280,15 @@ class ResizeSettings:
     total_pixels: Optional[int] = None
     fps: Optional[float] = None
     frames: Optional[tuple[int, ...]] = None
+    original_height: Optional[int] = None
+    original_width: Optional[int] = None
+
+    @property
+    def original_size(self) -> Optional[tuple[int, int]]:
+        """``(width, height)`` of the image it was resized from; None where not recorded."""
+        if self.original_width is None or self.original_height is None:
+            return None
+        return self.original_width, self.original_height
 
     def tag(self) -> str:
         """``name=value`` pairs joined by ``;`` (frames as ``0,1,2``), the given fields only."""
@@ -300,8 +313,11 @@ class ResizeSettings:
             raise ValueError(f"{tag!r} is not a ResizeSettings tag (name=value pairs joined by ';')") from None
 
     def describe(self) -> str:
-        """For people: "resized 336×224, max_pixels 12544" (min, total, fps, frames as given)."""
-        parts = [f"resized {self.resized_width}×{self.resized_height}", f"min_pixels {self.min_pixels}", f"max_pixels {self.max_pixels}"]
+        """For people: "resized 336×224 from 400×267, min_pixels 3136, max_pixels 12544" (the original
+        size, total, fps and frames as given)."""
+        origin = "" if self.original_size is None else f" from {self.original_width}×{self.original_height}"
+        parts = [f"resized {self.resized_width}×{self.resized_height}{origin}", f"min_pixels {self.min_pixels}",
+                 f"max_pixels {self.max_pixels}"]
         if self.total_pixels is not None:
             parts.append(f"total_pixels {self.total_pixels}")
         if self.fps is not None:

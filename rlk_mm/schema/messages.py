@@ -7,8 +7,9 @@ the item) and resized by ``qwen_vl_utils`` (its ``fetch_image`` for images; its
 frames once; qwen-vl-utils' ``fetch_video`` resizes a frame list twice and may pick another
 size), the chat template is
 applied, the processor is called with exactly those sizes (no second resize), and the
-processor output goes through ``fields_from_qwen_vl``. Every item's settings are
-recorded in its cache key (``media.settings_key``).
+processor output goes through ``fields_from_qwen_vl``. Every item's settings, and the
+size of the image (or frames) it was resized from, are recorded in its cache key
+(``media.settings_key``).
 
 ``qwen_vl_utils`` imports torchvision at import time, only for its video-file readers and
 its tensor resize. Where torchvision cannot be imported, ``vision_process()`` imports it
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy as np
 import torch
 
-from ._inputs import chat_markers, check_image_size, check_plain_text, vl_processor_arg
+from ._inputs import chat_markers, check_image_size, check_plain_text, processor_limits, vl_processor_arg
 from .media import ResizeSettings, settings_key
 from .qwen_vl import fields_from_qwen_vl
 
@@ -164,20 +165,22 @@ def _open_image(where: str, value) -> "Image.Image":
 
 # ----------------------------------------------------------------------------- media items
 def _fetch_image(vp, where: str, part: dict, limits: tuple[int, int], patch: int):
-    """qwen-vl-utils' ``fetch_image`` on the checked part: (resized RGB image, settings)."""
+    """qwen-vl-utils' ``fetch_image`` on the checked part: (resized RGB image, settings with its original size)."""
     _check_keys(where, part, IMAGE_KEYS)
     if part.get("image") is None:
         raise ValueError(f"{where}: an image part needs 'image' (a path, 'file://...', 'data:image/...;base64,...' or a PIL image)")
     low, high = _pixel_limits(where, part, limits)
     requested = _requested_size(where, part)
-    element = {"image": _open_image(where, part["image"]), "min_pixels": low, "max_pixels": high}
+    original = _open_image(where, part["image"])
+    element = {"image": original, "min_pixels": low, "max_pixels": high}
     if requested:
         element.update(resized_height=requested[0], resized_width=requested[1])
     try:
         image = vp.fetch_image(element, image_patch_size=patch)
     except (ValueError, AssertionError, OSError) as error:
         raise ValueError(f"{where}: qwen-vl-utils could not resize it: {error}") from None
-    return image, ResizeSettings(low, high, image.height, image.width)
+    return image, ResizeSettings(low, high, image.height, image.width, original_height=original.height,
+                                 original_width=original.width)
 
 
 def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: int, temporal: int):
@@ -230,18 +233,8 @@ def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: in
     from PIL import Image
 
     resized = [frames[i].resize((width, height), Image.BICUBIC) for i in indices]
-    return resized, ResizeSettings(low, high, height, width, total, fps, tuple(indices))
-
-
-def _processor_limits(processor) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of the processor's image processor."""
-    ip = processor.image_processor
-    size = getattr(ip, "size", None) or {}
-    low = size.get("shortest_edge") or getattr(ip, "min_pixels", None)
-    high = size.get("longest_edge") or getattr(ip, "max_pixels", None)
-    if not low or not high:
-        raise ValueError(f"processor: its image processor {type(ip).__name__} names no min/max pixels (size shortest_edge/longest_edge)")
-    return int(low), int(high)
+    return resized, ResizeSettings(low, high, height, width, total, fps, tuple(indices), original_height=frames[0].height,
+                                   original_width=frames[0].width)
 
 
 def _conversation_list(conversations, markers: Sequence[str]) -> list:
@@ -316,8 +309,9 @@ def fields_from_messages(
     ``assistant_turns=True`` scores every assistant message of a conversation (its content
     tokens and its ``<|im_end|>``, as a response is scored) besides the appended
     ``responses``; for a finished conversation pass ``add_generation_prompt=False``. The other
-    arguments are ``from_qwen_vl``'s. Each item's cache key ends with its settings
-    (``media.key_settings`` reads them). Errors name the conversation and the item.
+    arguments are ``from_qwen_vl``'s. Each item's cache key ends with its settings and its
+    original size (``media.key_settings`` reads them; ``RLBatch.media_original_sizes`` the
+    sizes). Errors name the conversation and the item.
 
     Raises
     ------
@@ -334,7 +328,7 @@ def fields_from_messages(
     if not isinstance(add_generation_prompt, bool):
         raise TypeError(f"add_generation_prompt must be a bool, got {type(add_generation_prompt).__name__}")
     vp = vision_process()
-    limits = _processor_limits(processor)
+    limits = processor_limits(processor)
     ip = processor.image_processor
     images, videos, fps = [], [], []
     image_settings, video_settings = [], []

@@ -17,7 +17,10 @@ Loss spans are the action spans (the action's tokens and its ``<|im_end|>``): th
 screenshots and observations are never scored. ``turn_rewards`` hold each step's reward, on
 its action span; ``group_ids`` each episode's group (episodes of one task). Each distinct
 screenshot is processed once and named by its content key (``media_cache_keys``), so equal
-screenshots, within an episode's windows or across episodes, share one vision-tower input.
+screenshots, within an episode's windows or across episodes, share one vision-tower input;
+the key ends with its resize settings and original size (``media.settings_key``), so each
+action's coordinates convert with the size of the screenshot it answers
+(``RLBatch.media_original_sizes``, ``parse_grounding``).
 ``step_group_index`` gives the GiGPO step groups: actions taken from identical states.
 """
 
@@ -31,9 +34,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 from ._build import LayoutInfo, build
-from ._inputs import chat_markers, check_image_size, check_plain_text, vl_processor_arg
+from ._inputs import chat_markers, check_image_size, check_plain_text, processor_limits, vl_processor_arg
 from .checks import int_arg, sequence_arg
-from .media import content_key
+from .media import ResizeSettings, content_key, settings_key
 from .spans import SchemaError, Span, SpanTable
 
 if TYPE_CHECKING:  # Pillow is the [vl] extra's: imported where screenshots are read, not with the schema
@@ -109,10 +112,12 @@ def _check_trajectories(trajectories, markers: Sequence[str]) -> list[Trajectory
 
 
 class _Screens:
-    """Each distinct screenshot processed once: its pixel rows, grid and content key."""
+    """Each distinct screenshot processed once: its pixel rows, grid and cache key (its content
+    key with its resize settings and original size, ``media.settings_key``)."""
 
     def __init__(self, processor, info: LayoutInfo):
         self.image_processor, self.info = processor.image_processor, info
+        self.limits = processor_limits(processor)
         self.index: dict[bytes, int] = {}
         self.rows: list[Tensor] = []
         self.grids: list[Tensor] = []
@@ -124,9 +129,12 @@ class _Screens:
         if digest not in self.index:
             out = self.image_processor(images=[image], return_tensors="pt")
             grid = out["image_grid_thw"][0].long()
+            patch = int(self.image_processor.patch_size)
+            settings = ResizeSettings(*self.limits, int(grid[1]) * patch, int(grid[2]) * patch,
+                                      original_height=image.height, original_width=image.width)
             self.rows.append(out["pixel_values"])
             self.grids.append(grid)
-            self.keys.append(content_key(out["pixel_values"], grid.tolist(), "image", self.info.fingerprint))
+            self.keys.append(settings_key(content_key(out["pixel_values"], grid.tolist(), "image", self.info.fingerprint), settings))
             self.index[digest] = len(self.keys) - 1
         return self.index[digest]
 
@@ -196,8 +204,9 @@ def fields_from_trajectories(trajectories: Sequence[Trajectory], *, processor, h
     sample per step with the last k screenshots, its own action scored. ``processor``: a
     Qwen-VL processor (its chat template, tokenizer and image processor). Sets action
     spans (= loss spans), ``turn_rewards`` (the step rewards), ``group_ids`` (each episode's
-    ``group_id``, else its id), ``screen_size`` (each sample's last screenshot) and one
-    media id per screenshot, ``<episode id>/step<t>``.
+    ``group_id``, else its id), ``screen_size`` (each sample's last screenshot), one media id
+    per screenshot, ``<episode id>/step<t>``, and each screenshot's original size and resize
+    settings in its cache key (``RLBatch.media_original_sizes`` reads the sizes).
 
     Raises
     ------
@@ -207,7 +216,9 @@ def fields_from_trajectories(trajectories: Sequence[Trajectory], *, processor, h
         Naming the episode, step and field: two episodes with one id; episodes of one group with
         another task or first screenshot; a task, action or observation holding a chat marker
         (``<|im_start|>``, ``<|image_pad|>``, ...); a screenshot of a zero side or an aspect ratio
-        above 200; an empty action, a non-finite reward; an action whose tokens straddle its turn."""
+        above 200; an empty action, a non-finite reward; an action whose tokens straddle its turn.
+    ValueError
+        The processor's image processor names no min/max pixels (recorded with each screenshot)."""
     processor = vl_processor_arg(processor)
     trajectories = _check_trajectories(trajectories, chat_markers(processor))
     if history is not None:
