@@ -291,6 +291,15 @@ def test_tiny_model_is_deterministic_and_sizes_are_the_callers():
     assert big.config.text_config.rope_parameters["mrope_section"] == [4, 6, 6]
     with pytest.raises(ValueError, match="num_heads"):
         F.tiny_qwen2_5_vl(hidden_size=60)
+    # the rotary base: the checkpoints' 1e6 unless given; the width section's highest frequency
+    assert big.config.text_config.rope_parameters["rope_theta"] == 1e6
+    inv_freq = big.model.language_model.rotary_emb.inv_freq
+    assert float(inv_freq[10]) < 2e-4  # 1e6 ** -0.625: adjacent image columns differ by < 2e-4 rad
+    low = F.tiny_qwen2_5_vl(rope_theta=10.0)
+    assert low.config.text_config.rope_parameters["rope_theta"] == 10.0
+    for bad in (0.5, float("nan"), float("inf"), "10"):
+        with pytest.raises((ValueError, TypeError), match="rope_theta"):
+            F.tiny_qwen2_5_vl(rope_theta=bad)
 
 
 # --------------------------------------------------------------------------- samples

@@ -345,3 +345,23 @@ def test_colour_diagnostics_split_the_reward_by_colour_and_prompt_kind():
     assert colour_diagnostics([], []) == dict.fromkeys(got, None)
     with pytest.raises(ValueError, match="one reward per answer"):
         colour_diagnostics(rewards[:2], samples)
+
+
+def test_the_supervised_probe_scores_the_right_candidate_and_writes_its_curve(tmp_path):
+    """bench/supervised_probe.py: on the point task the right candidate is the only one the
+    task's own reward pays (the probe asks the policy the task's question); a run writes its
+    accuracy curve, one value per evaluation, each a share."""
+    import random
+
+    from bench import supervised_probe
+    from rlk_mm.smoke.tasks.point import point_reward
+
+    for sample, texts, right in supervised_probe.examples("point", random.Random(0), 6, "t"):
+        paid = [point_reward('{"point_2d": [%s]}' % t, sample) for t in texts]
+        assert paid == [float(i == right) for i in range(len(texts))]
+    for sample, texts, right in supervised_probe.examples("point-single", random.Random(1), 6, "t"):
+        assert len(set(texts)) == 3 and texts[right] == sample.answer
+    data = supervised_probe.main(["--task", "video", "--steps", "2", "--eval-every", "1", "--eval-prompts", "4",
+                                  "--prompts", "2", "--size", "64,1,1,32", "--out", str(tmp_path)])
+    assert (tmp_path / "supervised_probe_video.json").is_file() and data["chance"] == 0.25
+    assert [s for s, _ in data["curve"]] == [0, 1, 2] and all(0 <= a <= 1 for _, a in data["curve"])

@@ -28,8 +28,8 @@ from .base import Task, draw_shape, numbered_draw
 
 __all__ = [
     "JSON_CONVENTIONS", "OUTCOMES", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES",
-    "answer_syntax", "draw_screen", "point_diagnostics", "point_outcome", "point_reward", "point_sample", "point_task",
-    "resized_size",
+    "answer_syntax", "draw_screen", "mask_centre", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
+    "point_task", "resized_size",
 ]
 
 SCREEN_SIZES = ((90, 80), (96, 72), (80, 96), (72, 90))
@@ -69,7 +69,8 @@ def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image,
     return image, masks
 
 
-def _centre(mask: np.ndarray) -> tuple[float, float]:
+def mask_centre(mask: np.ndarray) -> tuple[float, float]:
+    """(x, y) in pixels of a [height, width] bool mask's centre of mass (pixel centres at +0.5)."""
     ys, xs = np.nonzero(mask)
     return float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
 
@@ -83,7 +84,7 @@ def point_sample(rng: random.Random, sample_id: str, convention: Convention, shu
     rewarded = rng.choice(sorted(masks)) if shuffled else colour
     system = CONVENTION_SYSTEM[convention]
     resized = resized_size(size)
-    centre = convert_points(torch.tensor(_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE,
+    centre = convert_points(torch.tensor(mask_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE,
                             system,
                             original_size=size, resized_size=resized)
     text = (PROMPT_1000 if system is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)

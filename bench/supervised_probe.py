@@ -1,0 +1,164 @@
+"""Can the smoke policy learn a smoke task at all? Supervised steps on the task's right
+answers, and every ``--eval-every`` steps the share of held-out prompts whose right answer the
+policy scores highest among the task's candidate answers (chance: one over their number).
+
+A task that GRPO does not learn but this probe learns points at the RL loop (exploration,
+reward, schedule); a task this probe does not learn either is beyond the policy as built.
+Candidates: ``colour``: the four answer colours; ``point``: a point at the centre of each of
+the screen's three shapes; ``point-single``: one shape on the screen, in one of the three
+strips, and the same point moved to each strip; ``video``: the four directions.
+
+    python -m bench.supervised_probe --task point --steps 800 --device cuda --out $OUT
+    python -m bench.supervised_probe --task point --size 512,8,4,256 --rope-theta 10 --out $OUT
+
+Writes ``supervised_probe_TASK.json`` (settings and the accuracy curve) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from rlk_mm import RLBatch
+from rlk_mm.fixtures import Sample, processor_inputs
+from rlk_mm.fixtures.palette import ANSWER_COLOURS
+from rlk_mm.grounding import CONVENTION_SYSTEM, Convention
+from rlk_mm.schema import CoordinateSystem, convert_points
+from rlk_mm.smoke.policy import TINY_MODEL, load_policy, policy_logprobs
+from rlk_mm.smoke.tasks import colour, point, video
+from rlk_mm.smoke.tasks.base import draw_shape
+
+from .common import DEFAULT_OUT, command_line, write_result
+
+SIZE_KEYS = ("hidden_size", "num_layers", "vision_depth", "vision_hidden_size")
+SYSTEM = CONVENTION_SYSTEM[Convention.QWEN2_5_VL]
+
+
+def _point_text(x: float, y: float, size, resized) -> str:
+    """A point in an original screen's pixels as the answer's "x, y" (the model's pixels)."""
+    p = convert_points(torch.tensor((x, y), dtype=torch.float64), CoordinateSystem.ABSOLUTE, SYSTEM,
+                       original_size=size, resized_size=resized)
+    return ", ".join(str(int(round(v))) for v in p.tolist())
+
+
+def point_candidates(sample: Sample) -> tuple[list[str], int]:
+    """The centre of each shape of a point-task screen, and the index of the named one."""
+    names = sorted(sample.meta["masks"])
+    texts = [_point_text(*point.mask_centre(sample.meta["masks"][c]), sample.meta["size"], sample.meta["resized"])
+             for c in names]
+    return texts, names.index(sample.meta["colour"])
+
+
+def single_shape_sample(rng: random.Random, sample_id: str) -> tuple[Sample, list[str], int]:
+    """One shape in one of three strips; the candidates: its centre moved to each strip."""
+    size = rng.choice(point.SCREEN_SIZES)
+    width, height = size
+    image = Image.new("RGB", size, tuple(rng.randrange(225, 256) for _ in range(3)))
+    edges = [round(i * width / 3) for i in range(4)]
+    name, strip = rng.choice(list(ANSWER_COLOURS)), rng.randrange(3)
+    span = edges[strip + 1] - edges[strip]
+    w, h = rng.randrange(int(0.75 * span), span - 1), rng.randrange(int(0.55 * height), int(0.85 * height))
+    x, y = edges[strip] + rng.randrange(1, span - w), rng.randrange(1, height - h - 1)
+    draw_shape(ImageDraw.Draw(image), rng, (x, y, x + w - 1, y + h - 1), ANSWER_COLOURS[name])
+    cx, cy = point.mask_centre((np.asarray(image, dtype=np.int16) == np.array(ANSWER_COLOURS[name])).all(-1))
+    resized = point.resized_size(size)
+    texts = [_point_text(cx + edges[k] - edges[strip], cy, size, resized) for k in range(3)]
+    prompt = point.PROMPT.format(colour=name)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    return Sample(sample_id, messages, images=[image], answer=texts[strip]), texts, strip
+
+
+def examples(task: str, rng: random.Random, n: int, stream: str) -> list[tuple[Sample, list[str], int]]:
+    """``n`` (sample, candidate answers, index of the right one) of ``task``."""
+    if task == "point-single":
+        return [single_shape_sample(rng, f"{stream}-{i}") for i in range(n)]
+    if task == "point":
+        return [(s, *point_candidates(s)) for s in point.point_task().batch(rng, n, stream)]
+    if task == "video":
+        return [(s, list(video.DIRECTIONS), video.DIRECTIONS.index(s.answer))
+                for s in video.video_direction_task().batch(rng, n, stream)]
+    labels = list(ANSWER_COLOURS)
+    return [(s, labels, labels.index(s.answer)) for s in colour.colour_task().batch(rng, n, stream)]
+
+
+def _parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=("colour", "point", "point-single", "video"), default="point")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3, the warm-up's)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--size", default=",".join(str(TINY_MODEL[k]) for k in SIZE_KEYS),
+                    help="policy sizes: hidden, layers, vision blocks, vision width (default: the smoke policy's)")
+    ap.add_argument("--rope-theta", type=float, default=1e6, help="the LM's rotary base (default 1e6, Qwen2.5-VL's)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    sizes = [int(v) for v in args.size.split(",")]
+    if len(sizes) != 4 or min(sizes) < 1 or args.steps < 0 or args.eval_every < 1:
+        ap.error("--size takes 4 positive integers (hidden, layers, vision blocks, vision width); --steps >= 0, "
+                 "--eval-every >= 1")
+    args.sizes = dict(zip(SIZE_KEYS, sizes))
+    return args
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    torch.manual_seed(args.seed)
+    policy = load_policy(None, args.seed, torch.device(args.device), torch.float32,
+                         tiny={**args.sizes, "rope_theta": args.rope_theta})
+    model = policy.model
+    model.requires_grad_(True)
+    model.get_input_embeddings().weight.requires_grad_(False)  # as the smoke warm-up trains
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+
+    def answer_logprobs(samples: list[Sample], answers: list[str]) -> torch.Tensor:
+        """Each answer's summed log-prob (its tokens and EOS) after its prompt."""
+        responses = [policy.tokenizer.encode(point_or_word(a)) + policy.eos_ids for a in answers]
+        inputs = processor_inputs(policy.processor, samples, padding_side="left")
+        batch = RLBatch.from_qwen_vl(inputs, processor=policy.processor, responses=responses)
+        per_token = policy_logprobs(policy, model, batch, 1.0)
+        return torch.stack([t.sum() for t in per_token.split([len(r) for r in responses])])
+
+    point_or_word = (lambda a: '{"point_2d": [%s]}' % a) if args.task.startswith("point") else (lambda a: a)
+    held_out = examples(args.task, random.Random(f"{args.seed}:eval"), args.eval_prompts, "eval")
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            samples = [s for s, texts, _ in held_out for _ in texts]
+            scores = answer_logprobs(samples, [t for _, texts, _ in held_out for t in texts])
+        right, start = 0, 0
+        for _, texts, index in held_out:
+            right += int(scores[start : start + len(texts)].argmax()) == index
+            start += len(texts)
+        return right / len(held_out)
+
+    rng, curve, t0 = random.Random(f"{args.seed}:train"), [], time.perf_counter()
+    for step in range(args.steps + 1):
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append([step, round(accuracy(), 4)])
+            print(f"step {step}: held-out accuracy {curve[-1][1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if step == args.steps:
+            break
+        batch = examples(args.task, rng, args.prompts, f"train{step}")
+        loss = -answer_logprobs([s for s, _, _ in batch], [texts[i] for _, texts, i in batch]).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    data = {"command": command_line(), "task": args.task, "chance": round(1 / len(held_out[0][1]), 4),
+            "settings": {"steps": args.steps, "lr": args.lr, "prompts": args.prompts, "eval_prompts": args.eval_prompts,
+                         "sizes": args.sizes, "rope_theta": args.rope_theta, "device": args.device, "seed": args.seed},
+            "curve": curve, "seconds": round(time.perf_counter() - t0, 1)}
+    write_result(args.out, f"supervised_probe_{args.task}.json", data)
+    return data
+
+
+if __name__ == "__main__":
+    main()
