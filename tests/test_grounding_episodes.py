@@ -59,6 +59,10 @@ def test_a_click_on_the_first_224x168_screen_comes_back_as_28_28(processor, epis
     assert [(s.image, s.original, s.resized) for s in g.images] == [(0, FIRST, FIRST), (1, SECOND, SECOND)]
     first = parse_grounding(episode, 0, processor=processor, image=0)  # the caller names the first screen
     assert first.regions[0].absolute == (28.0, 28.0) and first.original_size == FIRST
+    # image= keeps the actions that answer that screenshot: the other is never converted with its size
+    assert [(r.image, r.absolute) for r in first.regions] == [(0, (28.0, 28.0))]
+    second = parse_grounding(episode, 0, processor=processor, image=1)
+    assert [(r.image, r.absolute) for r in second.regions] == [(1, (28.0, 28.0))]
     assert parse_grounding(episode, 0, processor=processor, image=0, original_size=FIRST).regions[0].absolute == (28.0, 28.0)
     for history in (1, 2):  # one sample per step: its own action, with its own screenshot
         steps = RLBatch.from_trajectories([Trajectory("g", "Click the button.", [
@@ -83,6 +87,26 @@ def test_the_recorded_sizes_travel_with_select_concat_save_and_load(processor, e
         got = parse_grounding(batch, b, processor=processor)
         assert [(r.absolute, r.image) for r in got.regions] == [(r.absolute, r.image) for r in want.regions]
         assert got.images == want.images
+
+
+def test_naming_one_screenshot_of_an_episode_keeps_its_own_actions(processor):
+    """A resized first screen (448x336) and a 112x84 one: by default each click converts with its
+    own screenshot's factor; image=1 returns the second click only, never the first one
+    converted with the second screen's factor."""
+    steps = [Step(screen((448, 336), 1), click(28, 28), 1.0, "Clicked."), Step(screen(SECOND, 2), click(28, 28), 0.5)]
+    batch = RLBatch.from_trajectories([Trajectory("g2", "Click the button.", steps)], processor=processor)
+    h, w = vision_process().smart_resize(336, 448, factor=28, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    both = parse_grounding(batch, 0, processor=processor)
+    assert [(r.image, r.absolute) for r in both.regions] == [(0, (28 * 448 / w, 28 * 336 / h)), (1, (28.0, 28.0))]
+    assert [(r.image, r.absolute) for r in parse_grounding(batch, 0, processor=processor, image=1).regions] == \
+        [(1, (28.0, 28.0))]
+
+
+def _older_screens(processor):
+    """history=2 on a 3-step episode: the last step's sample shows two screenshots, scores one action."""
+    steps = [Step(screen(FIRST, 1), click(28, 28), 1.0, "Clicked."), Step(screen(SECOND, 2), click(28, 28), 0.5, "Ok."),
+             Step(screen(SECOND, 3), click(14, 14), 0.5)]
+    return RLBatch.from_trajectories([Trajectory("g3", "Click the button.", steps)], processor=processor, history=2)
 
 
 def test_from_messages_records_each_images_original_size(processor):
@@ -243,6 +267,9 @@ BAD = [
      r"media_cache_keys\[0\]: the recorded original size\[1\]=0 is out of range"),
     ("size_of an image not parsed", lambda p, e, t: parse_grounding(e, 0, processor=p, image=0).size_of(1), SchemaError,
      r"sample 0: image=1 is not one its coordinates refer to \(images \[0\]\)"),
+    ("a screenshot no scored action answers", lambda p, e, t: parse_grounding(_older_screens(p), 2, processor=p, image=0),
+     SchemaError, r"sample 2: no scored action answers screenshot 0: name the screenshot an action answers, or leave "
+                  r"image= out"),
     ("one size of a sample of several", lambda p, e, t: parse_grounding(e, 0, processor=p).original_size, SchemaError,
      r"sample 0: its coordinates refer to images of different sizes \(#0 224x168, #1 112x84\)"),
 ]

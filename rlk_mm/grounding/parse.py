@@ -323,7 +323,8 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
     of the sample's images (0-based) the coordinates refer to. By default its only image; in an
     episode (a batch with ``action_spans``, ``RLBatch.from_trajectories``) with several
     screenshots, each loss span's own: the screenshot shown last before it, the one that action
-    answers (``Region.image`` names it). ``original_size``: the named image's (width, height) in
+    answers (``Region.image`` names it); there ``image`` keeps only the actions that answer
+    that screenshot. ``original_size``: the named image's (width, height) in
     pixels; by default the size the batch records for that image (``RLBatch.media_original_sizes``:
     ``from_trajectories`` and ``from_messages`` record each image's), else, for the sample's last
     image, ``batch.screen_size``.
@@ -337,7 +338,8 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
         sample of several images outside an episode; an image whose original size is unknown (pass
         ``image=`` with ``original_size=``); ``original_size`` (or ``screen_size``) other than the
         size the batch records for that image, or not of the resized image's aspect;
-        ``original_size`` without ``image=`` where the actions answer several screenshots.
+        ``original_size`` without ``image=`` where the actions answer several screenshots; in an
+        episode, ``image`` naming a screenshot no scored action answers.
     TypeError, ValueError
         ``batch`` not an ``RLBatch``, ``processor`` not a Qwen-VL processor, ``image`` not an int
         >= 0, ``original_size`` not two ints >= 1, ``sample`` out of range."""
@@ -357,6 +359,11 @@ def parse_grounding(batch, sample: int, *, processor, convention="qwen2_5_vl", i
         image = int_arg("image", image, min=0)
         if image >= len(items):
             raise SchemaError(f"image={image}, but sample {b} has {len(items)} images: pass image= 0..{len(items) - 1}")
+        if batch.action_spans is not None and len(items) > 1:  # an episode: only the actions that answer `image`
+            losses = [loss for loss in losses if _answered(batch, b, items, loss) == image]
+            if not losses:
+                raise SchemaError(f"sample {b}: no scored action answers screenshot {image}: name the screenshot an "
+                                  "action answers, or leave image= out (each action converts with its own)")
         answered = [image] * len(losses)
     elif len(items) == 1:
         image, answered = 0, [0] * len(losses)
