@@ -24,8 +24,8 @@ diagnose() {  # NAME GPU TASK smoke-options...
         --out "$OUT/point_diagnosis/$name" --task "$task" --threads 1 --device cuda --warmup-steps 100 \
         --temperature 0.7 "$@" > "$OUT/point_diagnosis/$name.log" 2>&1 || true
 }
-diagnose old-task 0 point --steps 100 &
-diagnose old-control 1 point-shuffled --steps 100 &
+diagnose old-task 0 point --steps 100 --lr 3e-3 --lr-warmup-steps 40 &
+diagnose old-control 1 point-shuffled --steps 100 --lr 3e-3 --lr-warmup-steps 40 &
 diagnose new-task 2 point --steps 250 --lr 1e-3 --lr-warmup-steps 20 --prompts 32 --samples 8 &
 diagnose new-control 3 point-shuffled --steps 250 --lr 1e-3 --lr-warmup-steps 20 --prompts 32 --samples 8 &
 "$PYTHON" -m bench.smoke_sweep bench/configs/smoke_tasks_gpu.json --out "$OUT/smoke_tasks" \

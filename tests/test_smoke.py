@@ -132,7 +132,7 @@ def test_default_smoke_learns_on_the_gpu(tmp_path):
 def test_point_task_stays_on_policy_after_warm_up_on_the_gpu(tmp_path):
     """The setting whose default-kernel rollout drifted past the contract: 200 steps after 100
     warm-up steps, every step bitwise (max |Δ| 0, no token differs)."""
-    args = smoke.parse_args(["--device", "cuda", "--task", "point", "--steps", "200", "--warmup-steps", "100",
+    args = smoke.parse_args(["--device", "cuda", "--task", "point", "--steps", "200", "--warmup-steps", "100", "--lr", "3e-3",
                              "--quiet", "--out", str(tmp_path)])
     smoke.run_smoke(args)
     report = json.loads((tmp_path / "smoke_report.json").read_text())
@@ -238,6 +238,27 @@ def test_task_options_that_do_not_fit_are_refused(argv, message):
         check_args(smoke.parse_args(argv))
     assert task_name(smoke.parse_args([])) == "colour" and task_name(smoke.parse_args(["--data", "."])) == "geo3k"
     assert task_name(smoke.parse_args(["--task", "video-direction"])) == "video-direction"
+
+
+def test_the_point_tasks_run_with_their_own_settings_unless_given():
+    """The point task's JSON answers lose their format at the colour task's lr of 3e-3 (the cause
+    of its falling reward): --task point and point-shuffled default to lr 1e-3, 20 ramp steps,
+    100 warm-up steps and temperature 0.7; an option given on the command line wins; the other
+    tasks keep the options' defaults, and the report's command line names what ran."""
+    from rlk_mm.smoke.options import OPTION_DEFAULTS, parser, resolve_task_settings, to_argv
+    from rlk_mm.smoke.tasks.point import POINT_SETTINGS
+
+    picked = lambda a: {k: getattr(a, k) for k in OPTION_DEFAULTS}  # noqa: E731
+    for task in ("point", "point-shuffled"):
+        assert picked(smoke.parse_args(["--task", task])) == POINT_SETTINGS == \
+            {"lr": 1e-3, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7}
+    given = smoke.parse_args(["--task", "point", "--lr", "3e-3", "--warmup-steps", "0"])
+    assert (given.lr, given.warmup_steps, given.lr_warmup_steps) == (3e-3, 0, 20)
+    for argv in ([], ["--task", "video-direction"], ["--data", "."]):
+        assert picked(smoke.parse_args(argv)) == OPTION_DEFAULTS
+    assert "--lr" in to_argv(smoke.parse_args(["--task", "point"]))
+    raw = parser().parse_args(["--task", "point"])  # the sub-command path fills them in before the run
+    assert raw.lr is None and resolve_task_settings(raw).lr == 1e-3
 
 
 def test_geo3k_without_data_reads_the_sample_in_the_package():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .. import command
-from .options import add_arguments, check_args, parser
+from .options import add_arguments, check_args, parser, resolve_task_settings
 from .train import run_smoke
 
 __all__ = ["add_smoke_parser", "main"]
@@ -25,7 +25,7 @@ def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    check_args(args)
+    check_args(resolve_task_settings(args))
     return run_smoke(args)
 
 

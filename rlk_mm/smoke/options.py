@@ -11,14 +11,17 @@ from pathlib import Path
 from .. import command
 from ..command import UsageError
 from ..schema.checks import MIN_TEMPERATURE
-from .tasks import DATA_TASKS, TASKS
+from .tasks import DATA_TASKS, TASK_SETTINGS, TASKS
 
 __all__ = [
-    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "parse_args", "parser", "task_name",
-    "to_argv",
+    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "OPTION_DEFAULTS", "parse_args",
+    "parser", "resolve_task_settings", "task_name", "to_argv",
 ]
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
+OPTION_DEFAULTS = {"temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "warmup_steps": 40}
+"""The defaults of the options a task may set otherwise (``tasks.TASK_SETTINGS``): they parse as
+None and ``resolve_task_settings`` fills them in."""
 IMAGE_SWAP_MIN_PROMPTS = 5
 """With 5 or more prompts, the 4 first-image sizes force two same-size images in different groups."""
 
@@ -49,14 +52,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--break", dest="break_mode", choices=BREAKS, help="inject a known bug to see the gates or the learning check catch it")
     p.add_argument("--prompts", type=count(1), default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=count(2), default=4, help="answers per prompt, the GRPO group size (default 4; GRPO compares at least 2)")
-    p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False), default=0.75,
-                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 0.75)")
-    p.add_argument("--lr", type=positive, default=3e-3,
-                   help="peak Adam learning rate of the GRPO steps (default 3e-3; see --lr-warmup-steps and LR_FLOOR)")
-    p.add_argument("--lr-warmup-steps", type=count(0), default=40, help="GRPO steps over which the learning rate ramps up linearly (default 40)")
+    p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False),
+                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 0.75, "
+                        "point tasks 0.7)")
+    p.add_argument("--lr", type=positive,
+                   help="peak Adam learning rate of the GRPO steps (default 3e-3, point tasks 1e-3; see --lr-warmup-steps "
+                        "and LR_FLOOR)")
+    p.add_argument("--lr-warmup-steps", type=count(0),
+                   help="GRPO steps over which the learning rate ramps up linearly (default 40, point tasks 20)")
     p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.0,
                    help="weight of the k3 KL to the warm-up policy (default 0: no reference forward)")
-    p.add_argument("--warmup-steps", type=count(0), default=40, help="supervised warm-up steps with shuffled labels (default 40)")
+    p.add_argument("--warmup-steps", type=count(0),
+                   help="supervised warm-up steps with shuffled labels (default 40, point tasks 100)")
     p.add_argument("--warmup-lr", type=positive, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
     p.add_argument("--kernels", default="invariant", choices=("invariant", "default"),
                    help="kernels of rollout and training: invariant (batch_invariant(): rollout log-probs equal the "
@@ -71,6 +78,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def task_name(args) -> str:
     """The task to run: `--task`, else geo3k with `--data`, else colour."""
     return args.task or ("geo3k" if args.data else "colour")
+
+
+def resolve_task_settings(args) -> argparse.Namespace:
+    """Fill the options left out (None) with the task's settings (``tasks.TASK_SETTINGS``), else
+    ``OPTION_DEFAULTS``; options given on the command line stay. Returns ``args``."""
+    settings = TASK_SETTINGS.get(task_name(args), {})
+    for name, default in OPTION_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, settings.get(name, default))
+    return args
 
 
 def check_args(args) -> None:
@@ -105,4 +122,5 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return parser().parse_args(argv)
+    """The smoke options of ``argv``, the task's settings filled in."""
+    return resolve_task_settings(parser().parse_args(argv))

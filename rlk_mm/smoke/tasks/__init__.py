@@ -16,11 +16,11 @@ from ...fixtures import GEO3K_SAMPLE_DIR
 from .base import Task, draw_shape, numbered_draw
 from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
 from .geo3k import geo3k_reward, geo3k_task
-from .point import POINT_TASKS, point_reward, point_task
+from .point import POINT_SETTINGS, POINT_TASKS, point_reward, point_task
 from .video import DIRECTIONS, VIDEO_FRAMES, VIDEO_TASKS, direction_clip, direction_sample, video_direction_task
 
 __all__ = [
-    "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
+    "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASK_SETTINGS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
     "colour_task", "direction_clip", "direction_sample", "draw_shape", "geo3k_reward", "geo3k_task", "numbered_draw",
     "point_reward", "point_task", "video_direction_task",
 ]
@@ -41,5 +41,8 @@ TASKS: dict[str, Callable[[Optional[Path], Any], Task]] = {
 """`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`; None: the
 defaults) -> Task. A new task registers here.
 Geo3K without `--data` reads the 3-problem sample in the package (`fixtures.GEO3K_SAMPLE_DIR`)."""
+TASK_SETTINGS: dict[str, dict[str, float]] = {name: POINT_SETTINGS for name in POINT_TASKS}
+"""`--task` name -> the smoke options (argparse dests) it runs with unless given on the command
+line; the others take the options' own defaults."""
 DATA_TASKS = ("geo3k",)
 """The tasks that read `--data` (the others refuse it)."""
