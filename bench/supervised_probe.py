@@ -20,54 +20,36 @@ import argparse
 import random
 import time
 
-import numpy as np
 import torch
-from PIL import Image, ImageDraw
 
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import Sample, processor_inputs
 from rlk_mm.fixtures.palette import ANSWER_COLOURS
-from rlk_mm.grounding import CONVENTION_SYSTEM, Convention
-from rlk_mm.schema import CoordinateSystem, convert_points
+from rlk_mm.grounding import Convention
 from rlk_mm.smoke.policy import TINY_MODEL, load_policy, policy_logprobs
 from rlk_mm.smoke.tasks import colour, point, video
-from rlk_mm.smoke.tasks.base import draw_shape
 
 from .common import DEFAULT_OUT, command_line, write_result
 
 SIZE_KEYS = ("hidden_size", "num_layers", "vision_depth", "vision_hidden_size")
-SYSTEM = CONVENTION_SYSTEM[Convention.QWEN2_5_VL]
-
-
-def _point_text(x: float, y: float, size, resized) -> str:
-    """A point in an original screen's pixels as the answer's "x, y" (the model's pixels)."""
-    p = convert_points(torch.tensor((x, y), dtype=torch.float64), CoordinateSystem.ABSOLUTE, SYSTEM,
-                       original_size=size, resized_size=resized)
-    return ", ".join(str(int(round(v))) for v in p.tolist())
 
 
 def point_candidates(sample: Sample) -> tuple[list[str], int]:
     """The centre of each shape of a point-task screen, and the index of the named one."""
     names = sorted(sample.meta["masks"])
-    texts = [_point_text(*point.mask_centre(sample.meta["masks"][c]), sample.meta["size"], sample.meta["resized"])
-             for c in names]
+    convention = Convention(sample.meta["convention"])
+    texts = [point.answer_point(point.mask_centre(sample.meta["masks"][c]), sample.meta["size"], convention) for c in names]
     return texts, names.index(sample.meta["colour"])
 
 
 def single_shape_sample(rng: random.Random, sample_id: str) -> tuple[Sample, list[str], int]:
     """One shape in one of three strips; the candidates: its centre moved to each strip."""
-    size = rng.choice(point.SCREEN_SIZES)
-    width, height = size
-    image = Image.new("RGB", size, tuple(rng.randrange(225, 256) for _ in range(3)))
-    edges = [round(i * width / 3) for i in range(4)]
-    name, strip = rng.choice(list(ANSWER_COLOURS)), rng.randrange(3)
-    span = edges[strip + 1] - edges[strip]
-    w, h = rng.randrange(int(0.75 * span), span - 1), rng.randrange(int(0.55 * height), int(0.85 * height))
-    x, y = edges[strip] + rng.randrange(1, span - w), rng.randrange(1, height - h - 1)
-    draw_shape(ImageDraw.Draw(image), rng, (x, y, x + w - 1, y + h - 1), ANSWER_COLOURS[name])
-    cx, cy = point.mask_centre((np.asarray(image, dtype=np.int16) == np.array(ANSWER_COLOURS[name])).all(-1))
-    resized = point.resized_size(size)
-    texts = [_point_text(cx + edges[k] - edges[strip], cy, size, resized) for k in range(3)]
+    size, strip = rng.choice(point.SCREEN_SIZES), rng.randrange(3)
+    image, masks = point.draw_screen(rng, size, strips=[strip])
+    (name, mask), = masks.items()
+    cx, cy = point.mask_centre(mask)
+    edges = [round(i * size[0] / 3) for i in range(4)]
+    texts = [point.answer_point((cx + edges[k] - edges[strip], cy), size, Convention.QWEN2_5_VL) for k in range(3)]
     prompt = point.PROMPT.format(colour=name)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     return Sample(sample_id, messages, images=[image], answer=texts[strip]), texts, strip

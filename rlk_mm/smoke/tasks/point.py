@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from .base import Task, draw_shape, numbered_draw
 
 __all__ = [
     "JSON_CONVENTIONS", "OUTCOMES", "POINT_SETTINGS", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES",
-    "answer_syntax", "draw_screen", "mask_centre", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
+    "answer_point", "answer_syntax", "draw_screen", "mask_centre", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
     "point_task", "resized_size",
 ]
 
@@ -48,16 +49,17 @@ def resized_size(size: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
-def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image, dict[str, np.ndarray]]:
-    """A light screen with three large shapes of distinct colours, one per vertical third; each
-    colour's pixel mask ([height, width] bool)."""
+def draw_screen(rng: random.Random, size: tuple[int, int], strips: Sequence[int] = (0, 1, 2),
+                ) -> tuple[Image.Image, dict[str, np.ndarray]]:
+    """A light screen with large shapes of distinct colours, one in each of the vertical thirds
+    ``strips`` (all three by default); each colour's pixel mask ([height, width] bool)."""
     width, height = size
     background = tuple(rng.randrange(225, 256) for _ in range(3))
     image = Image.new("RGB", size, background)
     draw = ImageDraw.Draw(image)
     edges = [round(i * width / 3) for i in range(4)]  # the thirds: one image-token column each once resized
-    colours = rng.sample(list(ANSWER_COLOURS), 3)
-    for i, colour in enumerate(colours):
+    colours = rng.sample(list(ANSWER_COLOURS), len(strips))
+    for i, colour in zip(strips, colours):
         strip = edges[i + 1] - edges[i]
         w = rng.randrange(int(0.75 * strip), strip - 1)  # large shapes: a point in the right strip mostly hits
         h = rng.randrange(int(0.55 * height), int(0.85 * height))
@@ -67,6 +69,14 @@ def draw_screen(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image,
     pixels = np.asarray(image, dtype=np.int16)
     masks = {c: (pixels == np.array(ANSWER_COLOURS[c])).all(-1) for c in colours}
     return image, masks
+
+
+def answer_point(point: tuple[float, float], size: tuple[int, int], convention: Convention) -> str:
+    """A point in a screen's original pixels as the answer writes it: "x, y" in the convention's
+    coordinates of the screen as the processor resizes it, rounded to integers."""
+    p = convert_points(torch.tensor(point, dtype=torch.float64), CoordinateSystem.ABSOLUTE, CONVENTION_SYSTEM[convention],
+                       original_size=size, resized_size=resized_size(size))
+    return ", ".join(str(int(round(v))) for v in p.tolist())
 
 
 def mask_centre(mask: np.ndarray) -> tuple[float, float]:
@@ -82,16 +92,11 @@ def point_sample(rng: random.Random, sample_id: str, convention: Convention, shu
     image, masks = draw_screen(rng, size)
     colour = rng.choice(sorted(masks))
     rewarded = rng.choice(sorted(masks)) if shuffled else colour
-    system = CONVENTION_SYSTEM[convention]
-    resized = resized_size(size)
-    centre = convert_points(torch.tensor(mask_centre(masks[colour]), dtype=torch.float64), CoordinateSystem.ABSOLUTE,
-                            system,
-                            original_size=size, resized_size=resized)
-    text = (PROMPT_1000 if system is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)
+    text = (PROMPT_1000 if CONVENTION_SYSTEM[convention] is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    answer = ", ".join(str(int(round(v))) for v in centre.tolist())
+    answer = answer_point(mask_centre(masks[colour]), size, convention)
     meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=masks[rewarded], masks=masks,
-                size=size, resized=resized)
+                size=size, resized=resized_size(size))
     return Sample(sample_id, messages, images=[image], answer=answer, meta=meta)
 
 
