@@ -357,6 +357,13 @@ BAD = [
     bad("qwen.position_ids (B, 3, L) for (3, B, L)",
         lambda c: qwen(c, position_ids=padded_positions(c).transpose(0, 1).contiguous()), SchemaError,
         r"position_ids: .*\(3, B, L\).*sample \d, position \d+ .*t, h, w"),
+    bad("qwen.position_ids shifted", lambda c: qwen(c, position_ids=padded_positions(c) + 1), SchemaError,
+        r"position_ids: sample 0, position 0 \(token \d+\) has t/h/w positions \[1, 1, 1\] but the model computes "
+        r"\[0, 0, 0\].*allow_position_drift=True"),
+    bad("qwen.position_ids 1-D with images", lambda c: qwen(c, position_ids=text_positions(c)), SchemaError,
+        r"position_ids: sample 0, position \d+ \(token 151655\) has t/h/w positions .* but the model computes"),
+    bad("qwen.allow_position_drift str", lambda c: qwen(c, position_ids=padded_positions(c), allow_position_drift="yes"),
+        TypeError, r"allow_position_drift must be True or False, got str"),
     bad("qwen.group_ids str", lambda c: qwen(c, group_ids="abc"), TypeError, r"group_ids must be a list .* got str"),
     bad("qwen.group_ids None item", lambda c: qwen(c, group_ids=["a", None, "b"]), TypeError,
         r"group_ids\[1\] is None"),
@@ -415,6 +422,12 @@ BAD = [
     bad("lists.position_ids shape",
         lambda c: lists(c, position_ids=[c.batch.sample_positions(b)[:, 1:] for b in range(3)]), SchemaError,
         r"position_ids: sample 0 has shape \(3, \d+\), expected \(3, \d+\)"),
+    bad("lists.position_ids one token off",
+        lambda c: lists(c, position_ids=[c.batch.sample_positions(0), edited(c.batch.sample_positions(1), (2, 7), 0),
+                                         c.batch.sample_positions(2)]),
+        SchemaError, r"position_ids: sample 1, position 7 \(token \d+\) has t/h/w positions \[\d+, \d+, 0\] but the model"),
+    bad("verl.position_ids shifted response", lambda c: verl(c, position_ids=shifted_response(c)), SchemaError,
+        r"position_ids: sample 2, position \d+ \(token \d+\) has t/h/w positions .* but the model computes"),
     bad("lists.media_cache_keys str", lambda c: lists(c, media_cache_keys="abc"), TypeError,
         r"media_cache_keys must be a list of str, got str"),
     bad("lists.media_cache_keys shared by other pixels", lambda c: lists(c, media_cache_keys=["k", "k", "z"]),
@@ -658,6 +671,19 @@ def padded_positions(ctx) -> torch.Tensor:
     return pos
 
 
+def text_positions(ctx) -> torch.Tensor:
+    """(B, L) 1-D positions over the real tokens: what a rollout without M-RoPE uses."""
+    return (ctx.out["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+
+
+def shifted_response(ctx) -> torch.Tensor:
+    """verl's positions with sample 2's response one further on than the model puts it."""
+    pos = ctx.verl["position_ids"].clone()
+    R = ctx.verl["responses"].shape[1]
+    pos[2, :, -R:] += 1
+    return pos
+
+
 def merge_inputs(items: list[dict]) -> dict:
     return {key: torch.cat([d[key] for d in items]) for key in items[0]}
 
@@ -717,6 +743,13 @@ UNUSUAL = [
             lambda c, b: b.num_samples == 2),
     unusual("empty batch", lambda c: RLBatch.from_token_lists([], [], processor=c.p),
             lambda c, b: b.num_samples == 0 and b.num_tokens == 0),
+    unusual("the model's own positions pass", lambda c: (qwen(c, position_ids=padded_positions(c)), verl(c)),
+            lambda c, r: all(torch.equal(b.position_ids, c.batch.position_ids) for b in r)),
+    unusual("drifted positions recorded as given when allowed",
+            lambda c: qwen(c, position_ids=text_positions(c), allow_position_drift=True),
+            lambda c, b: all(torch.equal(b.sample_positions(s)[:, : int(c.out["attention_mask"][s].sum())],
+                                         torch.arange(int(c.out["attention_mask"][s].sum())).expand(3, -1))
+                             for s in range(3))),
     unusual("empty response", lambda c: lists(c, response_token_ids=[[], *c.resp[1:]]),
             lambda c, b: b.loss_spans_of(0) == [] and int(b.prompt_lengths[0]) == len(c.prompts[0])),
     unusual("select of no samples", lambda c: c.batch.select([]),
@@ -962,3 +995,20 @@ if __name__ == "__main__":  # the tally of BAD + UNUSUAL for the version of rlk_
         if kind != "ok":
             print(f"{kind:8} {case.name}: {detail[:160]}")
     print(dict(tally), "of", len(BAD) + len(UNUSUAL), "inputs, from", PACKAGE_DIR)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=text_or_image_prompts(), pick=st.integers(0, 10_000), row=st.integers(0, 2), delta=st.sampled_from([-1, 1, 5]))
+def test_caller_positions_that_differ_from_the_model_are_refused_at_their_token(processor, data, pick, row, delta):
+    """One t/h/w position changed anywhere is refused naming its sample and token; the same
+    positions are recorded exactly with allow_position_drift=True."""
+    prompts, responses, grids = data
+    batch = build_lists(processor, prompts, responses, grids)
+    positions = [batch.sample_positions(b).clone() for b in range(batch.num_samples)]
+    b = pick % len(positions)
+    t = pick // len(positions) % positions[b].shape[1]
+    positions[b][row, t] += delta if int(positions[b][row, t]) + delta >= 0 else 1  # positions stay >= 0
+    with pytest.raises(SchemaError, match=rf"position_ids: sample {b}, position {t} \(token \d+\) has t/h/w positions"):
+        build_lists(processor, prompts, responses, grids, position_ids=positions)
+    drifted = build_lists(processor, prompts, responses, grids, position_ids=positions, allow_position_drift=True)
+    assert torch.equal(drifted.position_ids, torch.cat(positions, dim=1))

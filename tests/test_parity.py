@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlk_mm import BatchFileError, Modality, RLBatch, Span, SpanTable
+from rlk_mm import BatchFileError, Modality, RLBatch, SchemaError, Span, SpanTable
 from rlk_mm.cli import main as cli_main
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text
 from rlk_mm.parity import LayoutParityError, check_layout_parity, compare_logprobs
@@ -177,11 +177,16 @@ def test_from_verl_matches_processor_path(verl_case):
                               responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"],
                               group_ids=["u0", "u1", "u2"])
     assert check_layout_parity(batch, c["reference"]).ok
-    # the same tensors with 1-D (B, L) positions: drift found in the first image
-    one_d = RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"],
-                              responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"])
-    report = check_layout_parity(one_d, c["reference"])
+    # the same tensors with 1-D (B, L) positions are refused: the model computes others there ...
     image = next(s for s in c["reference"].modality_spans_of(0) if s.modality == Modality.IMAGE)
+    with pytest.raises(SchemaError, match=rf"position_ids: sample 0, position {image.start + 1} .*allow_position_drift=True"):
+        RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"],
+                          responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"])
+    # ... and recorded when the rollout really used them: the drift is found in the first image
+    one_d = RLBatch.from_verl(c["input_ids"], c["attention"], c["text_pos"], processor=c["processor"],
+                              responses=c["resp"], response_mask=c["resp_mask"], multi_modal_inputs=c["mm"],
+                              allow_position_drift=True)
+    report = check_layout_parity(one_d, c["reference"])
     assert (report.first.field, report.first.sample, report.first.position) == ("position_ids.t", 0, image.start + 1)
     # a response mask that skips a token makes the loss spans differ there
     partial = c["resp_mask"].clone()

@@ -13,12 +13,12 @@ sync), where the schema's checks run on them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from ..schema import Modality, SchemaError, mrope_positions
-from ..schema._inputs import check_vocabulary, id_matrix, mask_matrix, multi_modal_inputs, padded_positions, unpad
+from ..schema._inputs import check_positions, check_vocabulary, id_matrix, mask_matrix, multi_modal_inputs, padded_positions, unpad
 from ..schema.checks import INTEGER_DTYPES, tensor_arg
 
 __all__ = ["MediaTokens", "check_padded_micro_batch"]
@@ -100,7 +100,9 @@ def check_padded_micro_batch(micro_batch: Mapping, model_tokens: MediaTokens) ->
         start = int(torch.nonzero(real[b])[0])
         spans = _media_spans(row, b, media[b], model_tokens)
         expected = mrope_positions(row, spans, model_tokens.merge_size, model_tokens.tokens_per_second)
-        _compare_positions(read.per_sample[b], expected, b, start, row, positions.ndim == 2)
+        hint = (" (1-D positions (B, L) are for text-only rows: a row with media needs the M-RoPE positions, (B, 4, L) "
+                "as EasyR1 stores them)" if positions.ndim == 2 else "")
+        check_positions(key("position_ids"), read.per_sample[b], expected, b, row, start=start, hint=hint)
         if positions.ndim == 3 and positions.shape[1] == 4:  # verl's text row: 0, 1, ... over the real tokens
             text = positions[b, 0][real[b]]
             wrong = torch.nonzero(text != torch.arange(text.numel()))
@@ -146,16 +148,3 @@ def _runs(row: Tensor, token: int) -> list[tuple[int, int]]:
     edges = torch.diff(torch.cat([hit.new_zeros(1), hit, hit.new_zeros(1)]))
     starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def _compare_positions(given: Tensor, expected: Tensor, b: int, start: int, row: Sequence, one_d: bool) -> None:
-    wrong = torch.nonzero((given != expected).any(0))
-    if not wrong.numel():
-        return
-    t = int(wrong[0])
-    hint = (" (1-D positions (B, L) are for text-only rows: a row with media needs the M-RoPE positions, (B, 4, L) "
-            "as EasyR1 stores them)" if one_d else "")
-    raise ValueError(
-        f"{key('position_ids')}: sample {b}, position {start + t} (token {int(row[t])}) has t/h/w positions "
-        f"{given[:, t].tolist()} but the model computes {expected[:, t].tolist()} there{hint}: pass the positions "
-        "get_rope_index computes for these tokens and grids")

@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ._assemble import SampleParts, assemble
-from ._inputs import coordinate_system_arg, per_sample_targets, per_sample_values, screen_sizes, str_list
-from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, float_arg, int_arg, sequence_arg, tensor_arg
+from ._inputs import check_positions, coordinate_system_arg, per_sample_targets, per_sample_values, screen_sizes, str_list
+from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, float_arg, int_arg, sequence_arg, tensor_arg
 from .coordinates import CoordinateSystem
 from .media import (
     MediaItem,
@@ -238,6 +238,10 @@ def _media_pool(mod: Modality, grids, pixels, seconds, info: LayoutInfo) -> _Med
     return _MediaPool(mod, grids, pixels, seconds)
 
 
+_DRIFT_FIX = (", or, if the rollout really ran with these positions, pass allow_position_drift=True to record them "
+              "(check_layout_parity then reports the drift)")
+
+
 def _recorded_positions(position_ids, B: int) -> list[Tensor]:
     """Per-sample (3, L) int positions a framework used (shapes checked per sample later)."""
     items = sequence_arg("position_ids", position_ids, "per-sample (3, L) int tensors")
@@ -262,6 +266,7 @@ def build(
     pixel_values_videos: Optional[Tensor] = None,
     second_per_grid_ts: Optional[Tensor] = None,
     position_ids: Optional[Sequence[Tensor]] = None,
+    allow_position_drift: bool = False,
     loss_masks: Optional[Sequence[Tensor]] = None,
     group_ids=None,
     rewards=None,
@@ -279,7 +284,9 @@ def build(
 
     Loss spans are the responses (EOS included), or the runs of ``loss_masks`` (one bool per
     prompt + response token; the prompt length then ends at the first scored token).
-    ``position_ids``: per-sample (3, L) positions to record instead of computing them.
+    ``position_ids``: per-sample (3, L) positions to record instead of computing them; they
+    must equal the computed ones unless ``allow_position_drift`` (a rollout that really used
+    other positions, recorded so that ``check_layout_parity`` reports the drift).
     ``media_per_sample``: how many items of each modality each sample's inputs hold
     (``media_source`` names them in errors). ``bbox_targets`` / ``point_targets`` (per
     sample), ``screen_size`` and ``coordinate_system``: the grounding fields
@@ -303,6 +310,7 @@ def build(
             raise SchemaError(f"{name} given without coordinate_system: say which system the coordinates are in "
                               f"({', '.join(c.value for c in CoordinateSystem)})")
     positions = None if position_ids is None else _recorded_positions(position_ids, B)
+    allow_position_drift = bool_arg("allow_position_drift", allow_position_drift)
     has_responses = any(r is not None and r.numel() for r in responses)
     previous = _PreviousSample()
     parts: list[SampleParts] = []
@@ -325,12 +333,13 @@ def build(
             cursor = p.end
         if cursor < L:
             spans.append(Span(cursor, L))
+        pos = previous.positions(prompt, ids, placed, info)
         if positions is not None:
+            if positions[b].shape != (3, L):
+                raise SchemaError(f"position_ids: sample {b} has shape {tuple(positions[b].shape)}, expected (3, {L})")
+            if not allow_position_drift:
+                check_positions("position_ids", positions[b], pos, b, ids, fix=_DRIFT_FIX)
             pos = positions[b]
-            if pos.shape != (3, L):
-                raise SchemaError(f"position_ids: sample {b} has shape {tuple(pos.shape)}, expected (3, {L})")
-        else:
-            pos = previous.positions(prompt, ids, placed, info)
         previous.remember(prompt, placed, keys)
         prompt_length = P
         if loss_masks is not None:

@@ -172,6 +172,22 @@ def padded_positions(position_ids, mask: Optional[Tensor], shape: tuple[int, int
     return PaddedPositions(layout, per_sample)
 
 
+def check_positions(name: str, given: Tensor, expected: Tensor, b: int, tokens: Tensor, *, start: int = 0,
+                    hint: str = "", fix: str = "") -> None:
+    """Refuses sample ``b``'s caller positions ``given`` (3, L) where they differ from the M-RoPE
+    positions the model computes (``expected``), naming the first differing token; ``start``
+    shifts the reported position (padding before the real tokens), ``hint`` explains a likely
+    cause and ``fix`` adds a way out to the message."""
+    wrong = torch.nonzero((given != expected).any(0))
+    if not wrong.numel():
+        return
+    t = int(wrong[0])
+    raise SchemaError(
+        f"{name}: sample {b}, position {start + t} (token {int(tokens[t])}) has t/h/w positions {given[:, t].tolist()} "
+        f"but the model computes {expected[:, t].tolist()} there{hint}: pass the positions get_rope_index computes "
+        f"for these tokens and grids{fix}")
+
+
 def per_sample_values(name: str, values, B: int) -> Optional[list]:
     """One value per sample: group ids as str (from str or int), rewards and costs as float
     (from real numbers, never bools, None or strings); None when ``values`` is None."""

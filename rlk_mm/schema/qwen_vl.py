@@ -42,6 +42,7 @@ def fields_from_qwen_vl(
     assistant_mask: Optional[Tensor] = None,
     assistant_turns: bool = False,
     position_ids: Optional[Tensor] = None,
+    allow_position_drift: bool = False,
     group_ids=None,
     rewards=None,
     costs=None,
@@ -67,8 +68,10 @@ def fields_from_qwen_vl(
       chat is scored as a response is, its content tokens and its ``<|im_end|>``
       (``schema.turns``), and the appended ``responses`` as well. Not with ``assistant_mask``.
     - ``position_ids``: the positions a framework actually used, to record instead of
-      computing them (e.g. a rollout that fell back to 1-D positions): ``(3, B, L)`` as
-      transformers' ``get_rope_index`` returns, or ``(B, L)``.
+      computing them: ``(3, B, L)`` as transformers' ``get_rope_index`` returns, or
+      ``(B, L)``. They must equal the positions the model computes; positions a rollout
+      really used that differ (e.g. it fell back to 1-D positions) are recorded with
+      ``allow_position_drift=True``, so that ``check_layout_parity`` reports the drift.
     - ``group_ids`` (str or int, one per sample: samples of one prompt share one),
       ``rewards``/``costs`` (finite numbers, one per sample), ``media_ids`` (str, one per
       media item, images first).
@@ -123,6 +126,7 @@ def fields_from_qwen_vl(
         pixel_values_videos=processor_output.get("pixel_values_videos"),
         second_per_grid_ts=processor_output.get("second_per_grid_ts"),
         position_ids=positions,
+        allow_position_drift=allow_position_drift,
         loss_masks=loss_masks,
         group_ids=group_ids,
         rewards=rewards,
@@ -273,6 +277,7 @@ def fields_from_token_lists(
     pixel_values_videos: Optional[Tensor] = None,
     second_per_grid_ts: Optional[Tensor] = None,
     position_ids: Optional[Sequence[Tensor]] = None,
+    allow_position_drift: bool = False,
     group_ids=None,
     rewards=None,
     costs=None,
@@ -288,7 +293,8 @@ def fields_from_token_lists(
     """The fields of an RLBatch (``RLBatch.from_token_lists``) from raw token lists as a rollout
     engine returns them: unpadded prompt ids (placeholders expanded; at least one token each)
     and generated ids (lists of int ids or 1-D int tensors). ``position_ids``: optional
-    per-sample (3, L) int positions the engine used. ``media_cache_keys``: keys to use instead
+    per-sample (3, L) int positions the engine used (checked against the model's; see
+    ``from_qwen_vl`` for ``allow_position_drift``). ``media_cache_keys``: keys to use instead
     of hashing the pixels (one per media item; equal keys must name equal content).
     ``assistant_turns=True``: the assistant turns inside the prompts are scored too, as
     ``from_qwen_vl`` scores them.
@@ -313,7 +319,7 @@ def fields_from_token_lists(
         prompts, resp, info, loss_masks=loss_masks,
         image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
         pixel_values=pixel_values, pixel_values_videos=pixel_values_videos,
-        second_per_grid_ts=second_per_grid_ts, position_ids=position_ids,
+        second_per_grid_ts=second_per_grid_ts, position_ids=position_ids, allow_position_drift=allow_position_drift,
         group_ids=group_ids, rewards=rewards, costs=costs,
         media_ids=media_ids, media_cache_keys=media_cache_keys,
         bbox_targets=bbox_targets, point_targets=point_targets, screen_size=screen_size, coordinate_system=coordinate_system,

@@ -34,6 +34,7 @@ def fields_from_verl(
     rewards=None,
     media_ids: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
+    allow_position_drift: bool = False,
 ) -> dict:
     """The fields of an RLBatch (``RLBatch.from_verl``) from verl-style tensors.
 
@@ -41,7 +42,8 @@ def fields_from_verl(
     right-padded response of width ``R`` = ``responses.shape[1]`` (``input_ids[:, -R:]``
     equals ``responses``); ``response_mask`` ``[B, R]`` marks scored response tokens (never
     padding); ``position_ids`` ``(B, 4, L)`` (verl's text row + M-RoPE), ``(B, 3, L)`` or
-    ``(B, L)`` are recorded as given; ``multi_modal_inputs`` holds each sample's own
+    ``(B, L)`` are recorded as given, and must equal the positions the model computes (see
+    ``from_qwen_vl`` for ``allow_position_drift``); ``multi_modal_inputs`` holds each sample's own
     ``pixel_values``/``image_grid_thw`` (verl's per-sample dicts). ``group_ids`` is verl's uid."""
     info = LayoutInfo.of(processor, tokens_per_second)
     input_ids = id_matrix("input_ids", input_ids)
@@ -89,7 +91,7 @@ def fields_from_verl(
         image_grid_thw=_cat("image_grid_thw"), video_grid_thw=_cat("video_grid_thw"),
         pixel_values=_cat("pixel_values"), pixel_values_videos=_cat("pixel_values_videos"),
         second_per_grid_ts=_cat("second_per_grid_ts"),
-        position_ids=positions, loss_masks=masks if R else None,
+        position_ids=positions, allow_position_drift=allow_position_drift, loss_masks=masks if R else None,
         group_ids=group_ids, rewards=rewards, media_ids=media_ids,
         media_per_sample=held, media_source="multi_modal_inputs",
     )
