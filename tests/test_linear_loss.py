@@ -246,8 +246,8 @@ def small_chunks(monkeypatch):
     """Chunks of 16 rows (the interpreter's row tile) on the Triton path: several per call."""
     original = triton_logprob.default_config
 
-    def config(dtype, device):
-        cfg = original(dtype, device)
+    def config(dtype, device, rows=None):
+        cfg = original(dtype, device, rows=rows)
         return type(cfg)(**{**cfg.__dict__, "linear_budget": 16 * V * torch.finfo(dtype).bits // 8})
 
     monkeypatch.setattr(triton_linear_loss, "default_config", config)

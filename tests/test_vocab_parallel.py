@@ -158,8 +158,8 @@ def _small_chunks():
     original = triton_linear_loss.default_config
     budgets = {"linear_budget": 16 * 384 * 4 * 2 - 1, "partials_budget": 16 * 22 * 4 * 3 * 2}
 
-    def config(dtype, device):
-        return type(original(dtype, device))(**{**original(dtype, device).__dict__, **budgets})
+    def config(dtype, device, rows=None):
+        return type(original(dtype, device, rows=rows))(**{**original(dtype, device, rows=rows).__dict__, **budgets})
 
     triton_linear_loss.default_config = triton_logprob.default_config = config
 
@@ -170,8 +170,8 @@ def _wide_tiles():
     from rlk_mm.ops._triton import logprob as triton_logprob
 
     original = triton_logprob.default_config
-    triton_logprob.default_config = lambda dtype, device: type(original(dtype, device))(
-        **{**original(dtype, device).__dict__, "block_n": 256})
+    triton_logprob.default_config = lambda dtype, device, rows=None: type(original(dtype, device, rows=rows))(
+        **{**original(dtype, device, rows=rows).__dict__, "block_n": 256})
     try:
         yield
     finally:

@@ -137,7 +137,7 @@ def loss_grads(
             total_parts = every.shape[1]
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             every[0], every[1], every[2], tgt, logp[s:], entropy[s:], lse[s:], m, total_parts,
-            WITH_ENTROPY=True, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+            WITH_ENTROPY=True, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
         )
         if not (need_hidden or need_weight or need_bias):
             continue

@@ -4,14 +4,16 @@ The selected log-prob (``logprob.py``), the fused policy loss (``linear_loss.py`
 sampling from hidden states (``sample_hidden.py``) all form logits the same way, so a
 token's log-prob is bitwise the same in each:
 
-* ``LogprobConfig`` / ``default_config``: tiles and budgets, a function of dtype and device only;
+* ``LogprobConfig`` / ``default_config``: tiles and budgets, a function of dtype and device (and
+  for a decode batch of the rows, with the same per-row arithmetic);
 * ``logits_tile``: one ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, ``(h[rows] · Wᵀ + b) / T``
   in an fp32 accumulator (``mma``: the dot product at the precision ``ieee`` picks);
 * ``forward_tiles_kernel`` / ``store_partials``: each tile reduced at once to per-(row,
   segment) partials (max, Σ exp(z - max), Σ exp(z - max)·(z - max)) and the target logit
   (optionally also storing the tile, relative to its segments' maxima);
-* ``combine_kernel``: each row's partials folded over the segments in vocabulary order, by
-  one thread (no cross-thread reduction whose tree would follow the launch);
+* ``combine_kernel``: each row's partials folded over the segments: lanes of interleaved
+  partials in vocabulary order, then the lanes in a fixed tree (elementwise steps only, no
+  cross-thread reduction whose tree would follow the launch);
 * ``Operands``: how kernels read hidden rows and W (tensor descriptors where alignment
   allows, else pointers with the row gather in the kernel); ``bias_arg``, ``accumulate_mm``.
 
@@ -20,7 +22,8 @@ columns from column 0 (``partial_columns``: a tile narrower than a segment, fp32
 interpreter's 32, makes partials of its own width, which divide the segment). A partial is
 reduced from its own columns only (a 256-column tile as two 128-column halves), so it does
 not depend on where its segment sits in a tile; every logit is one dot product over H in
-the same order; the combine folds a row's partials sequentially in global order 0, 1, 2, ...
+the same order; the combine folds a row's partials in an order fixed by their global index
+(lane ``j % LANES`` in order, then the lanes' tree).
 So a row's log-prob, entropy and log-sum-exp are the same whatever else is in the batch,
 wherever the row stands, and whichever ranks hold the vocabulary: a vocabulary shard that
 starts on the grid computes exactly its segments' partials, and the group folds the
@@ -57,14 +60,14 @@ __all__ = [
 class LogprobConfig:
     """Tiles, launch settings and workspace budgets of the selected-log-prob kernels.
 
-    Tiles depend on the dtype and device only (never on the number of rows), so a row's
-    reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
+    Tiles depend on the dtype and device (``block_m`` also on the rows, which leaves every
+    row's arithmetic as it is), so a row's reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
     where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
     ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
     says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
-    ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_unroll``: rows per
-    program and partials per unrolled step of the combine kernel."""
+    ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_lanes``: rows per
+    program and lanes (partials folded at once, a power of two) of the combine kernel."""
 
     block_m: int
     block_n: int
@@ -76,18 +79,23 @@ class LogprobConfig:
     partials_budget: int = 128 << 20
     dz_budget: int = 184 << 20
     linear_budget: int = 640 << 20
-    combine_block: int = 128
-    combine_unroll: int = 8
+    combine_block: int = 4
+    combine_lanes: int = 128
 
 
-def default_config(dtype: torch.dtype, device: torch.device) -> LogprobConfig:
-    """The tuned settings (``bench_logprob.py --sweep``): a function of dtype and device only."""
+def default_config(dtype: torch.dtype, device: torch.device, rows: Optional[int] = None) -> LogprobConfig:
+    """The tuned settings (``bench_logprob.py --sweep``) for dtype and device. 16-bit tiles
+    on CUDA take 64 rows instead of 128 when at most 64 are computed (``rows``: a decode
+    batch): one read of W instead of half-empty tiles, and the same arithmetic per row (each
+    warpgroup's tensor-core product covers 64 rows either way; ``test_logprob_gpu`` checks
+    the two bitwise), so the choice never changes a result."""
     if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
         return LogprobConfig(block_m=16, block_n=32, block_k=16, group_m=4, num_warps=1, num_stages=1,
-                             combine_block=16, combine_unroll=4)
+                             combine_block=4, combine_lanes=4)
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
         return LogprobConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
-    return LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    block_m = 64 if rows is not None and rows <= 64 else 128
+    return LogprobConfig(block_m=block_m, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def partial_columns(cfg: LogprobConfig) -> int:
@@ -210,44 +218,61 @@ def forward_tiles_kernel(
 
 
 @triton.jit
+def _fold(top, total, zsum, part_top, part_total, part_zsum, ok, WITH_ENTROPY: tl.constexpr):
+    """The running (max, Σ exp(z - max), Σ exp(z - max)·(z - max)) with another such triple
+    folded in: the max rescaling the sums as it grows (elementwise)."""
+    new_top = tl.maximum(top, part_top)
+    safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
+    old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
+    seen = ok & (part_top > -float("inf"))  # a segment masked whole adds nothing
+    part_shift = tl.where(seen, part_top - safe_top, 0.0)  # <= 0
+    old_scale = tl.exp(old_shift)
+    part_scale = tl.where(seen, tl.exp(part_shift), 0.0)
+    if WITH_ENTROPY:
+        zsum = old_scale * (zsum + old_shift * total) + part_scale * (part_zsum + part_shift * part_total)
+    total = old_scale * total + part_scale * part_total
+    return new_top, total, zsum
+
+
+@triton.jit
 def combine_kernel(
     part_max_ptr, part_sum_ptr, part_zsum_ptr, tgt_logit_ptr,
     logp_ptr, entropy_ptr, lse_ptr, n_rows, n_parts,
-    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, UNROLL: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, LANES: tl.constexpr,
 ):
     """Per row: log-sum-exp, log-prob and entropy from the partials ``[n_parts, n_rows]`` of
     the whole vocabulary (a shard's group passes the gathered partials of every shard).
 
-    Each row is one thread's sequential online sum over partials 0, 1, 2, ... in vocabulary
-    order (no cross-thread reduction, whose tree would follow the layout Triton picks for
-    this launch's row count): one pass, the running max rescaling the sums as it grows,
-    unrolled so that several partials' loads are in flight at once.
+    Partial ``j`` belongs to lane ``j % LANES``: each lane folds its partials in vocabulary
+    order (``_fold``, all lanes and ``BLOCK`` rows at once, so ``LANES`` partials' loads are in
+    flight per step), then the lanes fold pairwise in a fixed binary tree (lanes 2i and 2i + 1,
+    then their pairs, ...). Every step is elementwise, so a row's arithmetic is this sequence
+    whatever the launch's rows or the layout Triton picks: no cross-thread reduction tree.
     """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
-    top = tl.full((BLOCK,), -float("inf"), tl.float32)
-    total = tl.zeros((BLOCK,), tl.float32)
-    zsum = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
-    for j0 in range(0, n_parts, UNROLL):
-        for u in tl.static_range(UNROLL):
-            j_ok = ok & (offs * 0 + j0 + u < n_parts)
-            at = (j0 + u) * n_rows + offs
-            block_max = tl.load(part_max_ptr + at, mask=j_ok, other=-float("inf"))
-            block_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
-            new_top = tl.maximum(top, block_max)
-            safe_top = tl.where(new_top == -float("inf"), 0.0, new_top)  # no row value seen yet
-            old_shift = tl.where(total > 0, top - safe_top, 0.0)  # <= 0
-            seen = j_ok & (block_max > -float("inf"))  # a segment masked whole adds nothing
-            block_shift = tl.where(seen, block_max - safe_top, 0.0)  # <= 0
-            old_scale = tl.exp(old_shift)
-            block_scale = tl.where(seen, tl.exp(block_shift), 0.0)
-            if WITH_ENTROPY:
-                block_zsum = tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0)
-                zsum = old_scale * (zsum + old_shift * total) + block_scale * (block_zsum + block_shift * block_sum)
-            total = old_scale * total + block_scale * block_sum
-            top = new_top
-    top = tl.where(ok, top, 0.0)
-    total = tl.where(ok, total, 1.0)
+    lanes = tl.arange(0, LANES)
+    top = tl.full((BLOCK, LANES), -float("inf"), tl.float32)
+    total = tl.zeros((BLOCK, LANES), tl.float32)
+    zsum = tl.zeros((BLOCK, LANES), tl.float32)  # Σ exp(z - top) (z - top): entropy without cancellation
+    for j0 in range(0, n_parts, LANES):
+        j_ok = ok[:, None] & (j0 + lanes < n_parts)[None, :]
+        at = (j0 + lanes)[None, :] * n_rows + offs[:, None]
+        part_max = tl.load(part_max_ptr + at, mask=j_ok, other=-float("inf"))
+        part_sum = tl.load(part_sum_ptr + at, mask=j_ok, other=0.0)
+        part_zsum = part_sum
+        if WITH_ENTROPY:
+            part_zsum = tl.load(part_zsum_ptr + at, mask=j_ok, other=0.0)
+        top, total, zsum = _fold(top, total, zsum, part_max, part_sum, part_zsum, j_ok, WITH_ENTROPY)
+    for _ in tl.static_range(16):  # fold lane pairs until one lane is left (LANES <= 2^16)
+        if top.shape[1] > 1:
+            top_a, top_b = tl.split(tl.reshape(top, (BLOCK, top.shape[1] // 2, 2)))
+            total_a, total_b = tl.split(tl.reshape(total, (BLOCK, total.shape[1] // 2, 2)))
+            zsum_a, zsum_b = tl.split(tl.reshape(zsum, (BLOCK, zsum.shape[1] // 2, 2)))
+            top, total, zsum = _fold(top_a, total_a, zsum_a, top_b, total_b, zsum_b, ok[:, None], WITH_ENTROPY)
+    top = tl.where(ok, tl.reshape(top, (BLOCK,)), 0.0)
+    total = tl.where(ok, tl.reshape(total, (BLOCK,)), 1.0)
+    zsum = tl.reshape(zsum, (BLOCK,))
     log_total = tl.log(total)
     lse = top + log_total
     tl.store(lse_ptr + offs, lse, mask=ok)

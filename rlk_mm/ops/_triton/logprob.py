@@ -110,7 +110,7 @@ def forward(
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return logp, entropy, lse
-    cfg = config or default_config(weight.dtype, dev)
+    cfg = config or default_config(weight.dtype, dev, rows=n)
     cols = partial_columns(cfg)
     ops = Operands(hidden, weight, rows, cfg, all_rows)
     n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
@@ -140,7 +140,7 @@ def forward(
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             every[0], every[1], every[k - 1], tgt,
             logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, total_parts,
-            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
         )
     return logp, entropy, lse
 

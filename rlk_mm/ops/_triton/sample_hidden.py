@@ -19,11 +19,13 @@ Roofline of the plain path (one row chunk): the tiles kernel reads the head once
 ``block_m`` rows (2VH bytes in bf16, the same as the logits GEMM at B <= block_m) and never
 writes logits; beyond the GEMM its epilogue computes one exp per logit (the log-sum-exp
 partials ``selected_logprob`` computes anyway), one noise value per 32 logits and writes a
-noise block per row per tile. Then two small launches (the draw's finish, the combine) and two
-elementwise torch ops. So the plain path's cost over the GEMM is the tile kernel's speed at
-small B against cuBLAS's: its tiles are ``lm_head.default_config``'s, the selected log-prob's,
-and must stay so (the log-probs are ``selected_logprob``'s bitwise), so a faster small-B path
-is a change to that shared config, not to this module.
+noise block per row per tile. Then two small launches, each a few microseconds: the draw's
+finish (``finish_tiles`` tiles' scores per row compared at once) and the combine (lanes of
+partials at once, ``lm_head.combine_kernel``); and two elementwise torch ops. So the plain
+path's cost over the GEMM is the tile kernel's speed at small B against cuBLAS's: its tiles
+are ``lm_head.default_config``'s, the selected log-prob's, and must stay so (the log-probs
+are ``selected_logprob``'s bitwise); a decode batch of at most 64 rows takes 64-row tiles
+there, one read of W.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     the single device's result for the whole vocabulary."""
     B, (V, H) = hidden.shape[0], weight.shape
     dev = hidden.device
-    cfg = default_config(weight.dtype, dev)
+    cfg = default_config(weight.dtype, dev, rows=B)
     scfg = config or sampling_config(dev)
     assert cfg.block_n % _ref.NOISE_BLOCK == 0
     cols = partial_columns(cfg)
@@ -160,7 +162,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
                 cand = shard.gather_best(*_best_tile(best, best_block, best_z, n_vblocks, m))
                 n_cand = shard.world
             _finish_draw_kernel[(triton.cdiv(m, scfg.finish_rows),)](
-                *cand, seeds_s, steps_s, tokens[s:], z_tok, m, n_cand, BLOCK=scfg.finish_rows)
+                *cand, seeds_s, steps_s, tokens[s:], z_tok, m, n_cand, BLOCK=scfg.finish_rows, TILES=scfg.finish_tiles)
         else:
             z = z_buf[: m * V].view(m, V)
             if shard is not None:
@@ -174,7 +176,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
             total_parts = every.shape[1]
         combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
             every[0], every[1], every[0], z_tok, log_probs[s:], log_probs, lse, m, total_parts,
-            WITH_ENTROPY=False, BLOCK=cfg.combine_block, UNROLL=cfg.combine_unroll,
+            WITH_ENTROPY=False, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
         )
     if draw:  # a NaN or +inf logit (from hidden, weight or bias) makes its row's log-prob non-finite
         sampled.copy_(log_probs)
@@ -193,18 +195,23 @@ def _best_tile(best: Tensor, best_block: Tensor, best_z: Tensor, n_tiles: int, m
 
 @triton.jit
 def _finish_draw_kernel(best_ptr, best_block_ptr, best_z_ptr, seeds_ptr, steps_ptr, tok_ptr, z_tok_ptr,
-                        n_rows, n_vblocks, BLOCK: tl.constexpr):
+                        n_rows, n_vblocks, BLOCK: tl.constexpr, TILES: tl.constexpr):
     """Per row: the tile with the best noise block (the first on a tie, as the block draw over
     the whole row), then the token by Gumbel-max inside that block, and its logit."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
     best = tl.full([BLOCK], -float("inf"), tl.float64)
     tile = tl.zeros([BLOCK], tl.int32)
-    for j in range(0, n_vblocks):
-        score = tl.load(best_ptr + j * n_rows + offs, mask=ok, other=-float("inf"))
-        better = score > best
-        tile = tl.where(better, j, tile)
-        best = tl.where(better, score, best)
+    tiles = tl.arange(0, TILES)
+    for j0 in range(0, n_vblocks, TILES):  # TILES tiles' scores at once; a later chunk wins only if better
+        j = j0 + tiles
+        scores = tl.load(best_ptr + j[None, :] * n_rows + offs[:, None], mask=ok[:, None] & (j < n_vblocks)[None, :],
+                         other=-float("inf"))
+        chunk_best = tl.max(scores, 1)
+        first = tl.min(tl.where(scores == chunk_best[:, None], j[None, :], 2**31 - 1), 1)  # the first on a tie
+        better = chunk_best > best
+        tile = tl.where(better, first, tile)
+        best = tl.where(better, chunk_best, best)
     at = tile.to(tl.int64) * n_rows + offs
     block = tl.load(best_block_ptr + at, mask=ok, other=0)
     lanes = tl.arange(0, NOISE_BLOCK)

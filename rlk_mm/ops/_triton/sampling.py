@@ -77,8 +77,8 @@ class SamplingConfig:
     top-k candidate slots (blocks x k) a row merges in registers (more: the bisection).
     ``block_warps``: warps of launch 1; ``row_warps``: of launch 2, whose programs hold the
     row's finish (the candidates' merge: its registers set the warps that avoid spills).
-    ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row
-    chunk; ``finish_rows``: rows per program of its draw's last step."""
+    ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
+    ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
 
     split_block: int
     sub_block: int
@@ -87,15 +87,17 @@ class SamplingConfig:
     block_warps: int
     row_warps: int
     logits_budget: int = 512 << 20
-    finish_rows: int = 32
+    finish_rows: int = 8
+    finish_tiles: int = 256
 
 
 def default_config(device: torch.device) -> SamplingConfig:
     """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
     if device.type == "cuda":
-        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=8,
-                              row_warps=16)
-    return SamplingConfig(split_block=32, sub_block=8, row_block=64, candidate_cap=32, block_warps=1, row_warps=1)
+        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=4,
+                              row_warps=4)
+    return SamplingConfig(split_block=32, sub_block=8, row_block=64, candidate_cap=32, block_warps=1, row_warps=1,
+                          finish_tiles=4)
 
 
 # ------------------------------------------------------------------ the RNG (as _torch.sampling)
