@@ -185,13 +185,13 @@ def host_syncs(fn) -> int | None:
     for _ in range(2):  # first calls may sync once (lazy set-up), a step of a rollout does not
         fn()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    torch.cuda.set_sync_debug_mode("warn")  # outside the catch: setting the mode may warn once itself
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
