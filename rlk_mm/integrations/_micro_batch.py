@@ -95,13 +95,13 @@ def check_padded_micro_batch(micro_batch: Mapping, model_tokens: MediaTokens) ->
     except SchemaError as error:
         raise SchemaError(f"{key('position_ids')}: {error}") from None
     media = multi_modal_inputs(micro_batch.get("multi_modal_inputs"), B)
+    hint = (" (1-D positions (B, L) are for text-only rows: a row with media needs the M-RoPE positions, (B, 4, L) "
+            "as EasyR1 stores them)" if positions.ndim == 2 else "")
     for b in range(B):
         row = unpad(ids[b], real[b], key("attention_mask"), b)
         start = int(torch.nonzero(real[b])[0])
         spans = _media_spans(row, b, media[b], model_tokens)
         expected = mrope_positions(row, spans, model_tokens.merge_size, model_tokens.tokens_per_second)
-        hint = (" (1-D positions (B, L) are for text-only rows: a row with media needs the M-RoPE positions, (B, 4, L) "
-                "as EasyR1 stores them)" if positions.ndim == 2 else "")
         check_positions(key("position_ids"), read.per_sample[b], expected, b, row, start=start, hint=hint)
         if positions.ndim == 3 and positions.shape[1] == 4:  # verl's text row: 0, 1, ... over the real tokens
             text = positions[b, 0][real[b]]

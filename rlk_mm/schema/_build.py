@@ -333,13 +333,14 @@ def build(
             cursor = p.end
         if cursor < L:
             spans.append(Span(cursor, L))
-        pos = previous.positions(prompt, ids, placed, info)
-        if positions is not None:
-            if positions[b].shape != (3, L):
-                raise SchemaError(f"position_ids: sample {b} has shape {tuple(positions[b].shape)}, expected (3, {L})")
-            if not allow_position_drift:
-                check_positions("position_ids", positions[b], pos, b, ids, fix=_DRIFT_FIX)
+        if positions is None:
+            pos = previous.positions(prompt, ids, placed, info)
+        else:
             pos = positions[b]
+            if pos.shape != (3, L):
+                raise SchemaError(f"position_ids: sample {b} has shape {tuple(pos.shape)}, expected (3, {L})")
+            if not allow_position_drift:
+                check_positions("position_ids", pos, previous.positions(prompt, ids, placed, info), b, ids, fix=_DRIFT_FIX)
         previous.remember(prompt, placed, keys)
         prompt_length = P
         if loss_masks is not None:

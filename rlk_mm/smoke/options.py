@@ -37,6 +37,16 @@ def control_report(text: str) -> str:
     return text
 
 
+def _defaults(name: str) -> str:
+    """The help text's defaults of an option a task may set: "default 0.75, point tasks 0.7"."""
+    by_task = {}
+    for task, settings in TASK_SETTINGS.items():
+        if name in settings:
+            by_task.setdefault(settings[name], []).append(task)
+    tasks = "; ".join(f"{', '.join(names)}: {value:g}" for value, names in by_task.items())
+    return f"default {OPTION_DEFAULTS[name]:g}" + (f"; {tasks}" if tasks else "")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     count, positive = command.int_at_least, command.number(0, open_low=True)
     p.add_argument("--task", choices=sorted(TASKS), help="the smoke task (default: colour, or geo3k with --data)")
@@ -53,17 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=count(1), default=16, help="prompts per step (default 16)")
     p.add_argument("--samples", type=count(2), default=4, help="answers per prompt, the GRPO group size (default 4; GRPO compares at least 2)")
     p.add_argument("--temperature", type=command.number(MIN_TEMPERATURE, open_low=False),
-                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; default 0.75, "
-                        "point tasks 0.7)")
+                   help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; "
+                        f"{_defaults('temperature')})")
     p.add_argument("--lr", type=positive,
-                   help="peak Adam learning rate of the GRPO steps (default 3e-3, point tasks 1e-3; see --lr-warmup-steps "
-                        "and LR_FLOOR)")
+                   help=f"peak Adam learning rate of the GRPO steps ({_defaults('lr')}; see --lr-warmup-steps and LR_FLOOR)")
     p.add_argument("--lr-warmup-steps", type=count(0),
-                   help="GRPO steps over which the learning rate ramps up linearly (default 40, point tasks 20)")
+                   help=f"GRPO steps over which the learning rate ramps up linearly ({_defaults('lr_warmup_steps')})")
     p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.0,
                    help="weight of the k3 KL to the warm-up policy (default 0: no reference forward)")
     p.add_argument("--warmup-steps", type=count(0),
-                   help="supervised warm-up steps with shuffled labels (default 40, point tasks 100)")
+                   help=f"supervised warm-up steps with shuffled labels ({_defaults('warmup_steps')})")
     p.add_argument("--warmup-lr", type=positive, default=2e-3, help="Adam learning rate of the warm-up (default 2e-3)")
     p.add_argument("--kernels", default="invariant", choices=("invariant", "default"),
                    help="kernels of rollout and training: invariant (batch_invariant(): rollout log-probs equal the "

@@ -61,8 +61,8 @@ class LogprobConfig:
     """Tiles, launch settings and workspace budgets of the selected-log-prob kernels.
 
     Tiles depend on the dtype and device (``block_m`` also on the rows, which leaves every
-    row's arithmetic as it is), so a row's reduction order is fixed. ``tma``: read tiles with the copy engine (tensor descriptors)
-    where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
+    row's arithmetic as it is), so a row's reduction order is fixed. ``tma``: read tiles with
+    the copy engine (tensor descriptors) where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
     ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
     says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
