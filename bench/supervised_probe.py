@@ -4,12 +4,12 @@ policy scores highest among the task's candidate answers (chance: one over their
 
 A task that GRPO does not learn but this probe learns points at the RL loop (exploration,
 reward, schedule); a task this probe does not learn either is beyond the policy as built.
-Candidates: ``colour``: the four answer colours; ``point``: a point at the centre of each of
-the screen's three shapes; ``point-single``: one shape on the screen, in one of the three
-strips, and the same point moved to each strip; ``video``: the four directions.
+Candidates: ``colour``: the four answer colours; ``point``: the centre of the screen's one
+shape moved to each of the three strips; ``point-three``: the centre of each of the screen's
+three shapes; ``video``: the four directions.
 
     python -m bench.supervised_probe --task point --steps 800 --device cuda --out $OUT
-    python -m bench.supervised_probe --task point --size 512,8,4,256 --rope-theta 10 --out $OUT
+    python -m bench.supervised_probe --task point-three --size 512,8,4,256 --rope-theta 10 --out $OUT
 
 Writes ``supervised_probe_TASK.json`` (settings and the accuracy curve) to ``--out``.
 """
@@ -35,32 +35,27 @@ SIZE_KEYS = ("hidden_size", "num_layers", "vision_depth", "vision_hidden_size")
 
 
 def point_candidates(sample: Sample) -> tuple[list[str], int]:
-    """The centre of each shape of a point-task screen, and the index of the named one."""
-    names = sorted(sample.meta["masks"])
+    """``point-three``: the centre of each shape of the screen, and the index of the named one;
+    ``point`` (one shape): its centre moved to each third, and the index of its own third."""
     convention = Convention(sample.meta["convention"])
-    texts = [point.answer_point(point.mask_centre(sample.meta["masks"][c]), sample.meta["size"], convention) for c in names]
-    return texts, names.index(sample.meta["colour"])
-
-
-def single_shape_sample(rng: random.Random, sample_id: str) -> tuple[Sample, list[str], int]:
-    """One shape in one of three strips; the candidates: its centre moved to each strip."""
-    size, strip = rng.choice(point.SCREEN_SIZES), rng.randrange(3)
-    image, masks = point.draw_screen(rng, size, strips=[strip])
-    (name, mask), = masks.items()
-    cx, cy = point.mask_centre(mask)
-    edges = [round(i * size[0] / 3) for i in range(4)]
-    texts = [point.answer_point((cx + edges[k] - edges[strip], cy), size, Convention.QWEN2_5_VL) for k in range(3)]
-    prompt = point.PROMPT.format(colour=name)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    return Sample(sample_id, messages, images=[image], answer=texts[strip]), texts, strip
+    masks = sample.meta["masks"]
+    if len(masks) == 3:
+        names = sorted(masks)
+        texts = [point.answer_point(point.mask_centre(masks[c]), sample.meta["size"], convention) for c in names]
+        return texts, names.index(sample.meta["colour"])
+    mask = masks[sample.meta["colour"]]
+    (cx, cy), width = point.mask_centre(mask), sample.meta["size"][0]
+    edges = [round(i * width / 3) for i in range(4)]
+    own = next(k for k in range(3) if mask[:, edges[k]:edges[k + 1]].any())
+    texts = [point.answer_point((cx + edges[k] - edges[own], cy), sample.meta["size"], convention) for k in range(3)]
+    return texts, own
 
 
 def examples(task: str, rng: random.Random, n: int, stream: str) -> list[tuple[Sample, list[str], int]]:
     """``n`` (sample, candidate answers, index of the right one) of ``task``."""
-    if task == "point-single":
-        return [single_shape_sample(rng, f"{stream}-{i}") for i in range(n)]
-    if task == "point":
-        return [(s, *point_candidates(s)) for s in point.point_task().batch(rng, n, stream)]
+    if task.startswith("point"):
+        shapes = 3 if task == "point-three" else 1
+        return [(s, *point_candidates(s)) for s in point.point_task(shapes=shapes).batch(rng, n, stream)]
     if task == "video":
         return [(s, list(video.DIRECTIONS), video.DIRECTIONS.index(s.answer))
                 for s in video.video_direction_task().batch(rng, n, stream)]
@@ -70,7 +65,7 @@ def examples(task: str, rng: random.Random, n: int, stream: str) -> list[tuple[S
 
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", choices=("colour", "point", "point-single", "video"), default="point")
+    ap.add_argument("--task", choices=("colour", "point", "point-three", "video"), default="point")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate (default 2e-3, the warm-up's)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")

@@ -5,6 +5,7 @@ whose four gates pass on CPU."""
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,16 @@ from rlk_mm import smoke
 from rlk_mm.fixtures import processor_inputs
 from rlk_mm.fixtures.palette import ANSWER_COLOURS
 from rlk_mm.smoke.tasks import TASKS
-from rlk_mm.smoke.tasks.point import OUTCOMES, point_diagnostics, point_outcome, point_reward, point_task, resized_size
+from rlk_mm.smoke.tasks.point import (
+    OUTCOMES,
+    STRIP_SHADES,
+    moved_mask,
+    point_diagnostics,
+    point_outcome,
+    point_reward,
+    point_task,
+    resized_size,
+)
 
 GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
 
@@ -65,18 +75,20 @@ def test_reward_reads_the_convention_and_never_clamps():
         point_task("qwen9")
 
 
-def test_the_shuffled_control_rewards_a_random_shape():
-    samples = point_task(shuffled=True).batch(random.Random(2), 60, "t")
+def test_the_three_shape_control_rewards_a_random_shape():
+    samples = point_task(shuffled=True, shapes=3).batch(random.Random(2), 60, "t")
     same = sum(s.meta["rewarded"] == s.meta["colour"] for s in samples)
     assert 5 < same < 40  # about a third: the rewarded shape is independent of the one asked for
     other = next(s for s in samples if s.meta["rewarded"] != s.meta["colour"])
     # clicking the named shape is not rewarded
     assert point_reward(point_task().answer_text(other.answer), other) == 0.0
-    assert {"point", "point-shuffled"} <= set(TASKS) and TASKS["point"](None).name == "point"
+    assert {"point-three", "point-three-shuffled"} <= set(TASKS) and TASKS["point-three"](None).name == "point-three"
+    with pytest.raises(ValueError, match=r"shapes=2: a point screen holds 1 shape \(point\) or 3"):
+        point_task(shapes=2)
 
 
 def test_each_shape_fills_most_of_its_third_and_the_thirds_are_token_columns(processor):
-    samples = point_task().batch(random.Random(3), 24, "t")
+    samples = point_task(shapes=3).batch(random.Random(3), 24, "t")
     grids = processor_inputs(processor, samples, padding_side="left")["image_grid_thw"]
     assert {tuple(g) for g in grids.tolist()} == {(1, 6, 6)}  # 84 x 84 resized: 3 x 3 tokens after the 2 x 2 merge
     for s in samples:
@@ -91,7 +103,7 @@ def test_each_shape_fills_most_of_its_third_and_the_thirds_are_token_columns(pro
 
 
 def test_outcomes_say_where_each_answer_lands():
-    task = point_task()
+    task = point_task(shapes=3)
     s = task.batch(random.Random(4), 1, "t")[0]
     x, y = (int(v) for v in s.answer.split(", "))
     other = next(c for c in s.meta["masks"] if c != s.meta["rewarded"])
@@ -140,3 +152,64 @@ def test_point_smoke_gates_pass_on_cpu(tmp_path):
     assert code == 0, report.get("learning")
     assert report["task"] == "point" and {g["name"]: g["ok"] for g in report["gates"]} == dict.fromkeys(GATES, True)
     assert len(report["steps"]) == 1 and report["steps"][0]["response_tokens"] > 1
+
+
+def test_the_tiny_policy_cannot_tell_columns_apart_by_their_rotary_positions():
+    """The cause the strip greys answer: in the smoke policy's M-RoPE the width section takes the
+    lowest frequencies, so the next image column turns a query by under 2e-4 rad (the next row
+    by 0.03, the next text token by 1): an untrained 2-layer policy does not learn where a
+    shape is from its position, even supervised (bench/results/smoke_tasks_h200.json)."""
+    from rlk_mm.fixtures import tiny_qwen2_5_vl
+    from rlk_mm.smoke.policy import TINY_MODEL
+
+    rotary = tiny_qwen2_5_vl(0, **TINY_MODEL).model.language_model.rotary_emb
+    # (t, h, w) of an image token, the next column, the next row, and a text token one further
+    positions = torch.tensor([[[5, 5, 5, 6]], [[5, 5, 6, 6]], [[5, 6, 5, 6]]])
+    cos, sin = rotary(torch.zeros(1, 1, TINY_MODEL["hidden_size"] // 4), positions)
+    angle = torch.atan2(sin, cos)[0]
+    turn = (angle[1:] - angle[:1]).abs().amax(-1)
+    assert turn[0] < 2e-4 and 0.01 < turn[1] < 0.05 and turn[2] == pytest.approx(1.0)
+
+
+def test_each_third_has_its_own_grey_behind_the_shapes():
+    """The tiny policy tells places apart only by what they look like (its M-RoPE width section
+    turns adjacent columns by under 2e-4 rad): every pixel outside the shapes is its third's grey."""
+    for s in point_task().batch(random.Random(5), 12, "t") + point_task(shapes=3).batch(random.Random(5), 12, "t"):
+        pixels = np.asarray(s.images[0])
+        shapes = sum(s.meta["masks"].values()).astype(bool)
+        edges = [round(k * s.meta["size"][0] / 3) for k in range(4)]
+        for k, grey in enumerate(STRIP_SHADES):
+            third = pixels[:, edges[k]:edges[k + 1]][~shapes[:, edges[k]:edges[k + 1]]]
+            assert third.size and (third == grey).all(), (s.id, k)
+
+
+def test_point_draws_one_shape_in_a_random_third_and_its_control_rewards_a_place():
+    samples = point_task().batch(random.Random(6), 60, "t")
+    thirds = []
+    for s in samples:
+        (colour, mask), = s.meta["masks"].items()
+        assert s.meta["rewarded"] == colour and s.meta["mask"] is mask
+        assert point_reward(point_task().answer_text(s.answer), s) == 1.0
+        edges = [round(k * s.meta["size"][0] / 3) for k in range(4)]
+        thirds.append(next(k for k in range(3) if mask[:, edges[k]:edges[k + 1]].any()))
+    assert set(thirds) == {0, 1, 2}
+    controls = point_task(shuffled=True).batch(random.Random(6), 60, "t")
+    moved = 0
+    for s in controls:
+        (colour, shape), = s.meta["masks"].items()
+        rewarded = s.meta["mask"]
+        assert rewarded.sum() == shape.sum()  # the same shape, moved whole along x
+        shift = int(rewarded.any(0).nonzero()[0][0] - shape.any(0).nonzero()[0][0])
+        assert np.array_equal(rewarded, moved_mask(shape, shift))
+        moved += shift != 0
+    assert 20 < moved < 60  # about two thirds go to another third: the reward ignores what is drawn
+    assert {"point", "point-shuffled"} <= set(TASKS) and TASKS["point-shuffled"](None).name == "point-shuffled"
+
+
+@pytest.mark.parametrize("shift", [-30, -1, 0, 1, 29, 200])
+def test_moved_mask_drops_what_leaves_the_image(shift):
+    mask = np.zeros((4, 90), bool)
+    mask[1:3, 30:60] = True
+    out = moved_mask(mask, shift)
+    cols = [c + shift for c in range(30, 60) if 0 <= c + shift < 90]
+    assert out.sum() == 2 * len(cols) and all(out[1:3, c].all() for c in cols)

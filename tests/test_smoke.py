@@ -240,25 +240,30 @@ def test_task_options_that_do_not_fit_are_refused(argv, message):
     assert task_name(smoke.parse_args(["--task", "video-direction"])) == "video-direction"
 
 
-def test_the_point_tasks_run_with_their_own_settings_unless_given():
-    """The point task's JSON answers lose their format at the colour task's lr of 3e-3 (the cause
-    of its falling reward): --task point and point-shuffled default to lr 1e-3, 20 ramp steps,
-    100 warm-up steps and temperature 0.7; an option given on the command line wins; the other
+def test_the_point_and_video_tasks_run_with_their_own_settings_unless_given():
+    """At the colour task's lr of 3e-3 the point task's JSON answers lose their format and the
+    video policy never reads the motion (the causes of their falling rewards): the point tasks
+    default to lr 5e-4, 20 ramp steps, 100 warm-up steps, temperature 0.7 and 400 steps, the
+    video tasks to lr 5e-4 and 450 steps; an option given on the command line wins; the other
     tasks keep the options' defaults, and the report's command line names what ran."""
     from rlk_mm.smoke.options import OPTION_DEFAULTS, parser, resolve_task_settings, to_argv
     from rlk_mm.smoke.tasks.point import POINT_SETTINGS
+    from rlk_mm.smoke.tasks.video import VIDEO_SETTINGS
 
     picked = lambda a: {k: getattr(a, k) for k in OPTION_DEFAULTS}  # noqa: E731
-    for task in ("point", "point-shuffled"):
+    for task in ("point", "point-shuffled", "point-three", "point-three-shuffled"):
         assert picked(smoke.parse_args(["--task", task])) == POINT_SETTINGS == \
-            {"lr": 1e-3, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7}
-    given = smoke.parse_args(["--task", "point", "--lr", "3e-3", "--warmup-steps", "0"])
-    assert (given.lr, given.warmup_steps, given.lr_warmup_steps) == (3e-3, 0, 20)
-    for argv in ([], ["--task", "video-direction"], ["--data", "."]):
-        assert picked(smoke.parse_args(argv)) == OPTION_DEFAULTS
+            {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
+    for task in ("video-direction", "video-direction-shuffled"):
+        assert picked(smoke.parse_args(["--task", task])) == {**OPTION_DEFAULTS, "lr": 5e-4, "steps": 450} == \
+            {**OPTION_DEFAULTS, **VIDEO_SETTINGS}
+    given = smoke.parse_args(["--task", "point", "--lr", "3e-3", "--warmup-steps", "0", "--steps", "9"])
+    assert (given.lr, given.warmup_steps, given.lr_warmup_steps, given.steps) == (3e-3, 0, 20, 9)
+    for argv in ([], ["--task", "geo3k"], ["--data", "."]):
+        assert picked(smoke.parse_args(argv)) == OPTION_DEFAULTS and smoke.parse_args(argv).steps == 170
     assert "--lr" in to_argv(smoke.parse_args(["--task", "point"]))
     raw = parser().parse_args(["--task", "point"])  # the sub-command path fills them in before the run
-    assert raw.lr is None and resolve_task_settings(raw).lr == 1e-3
+    assert raw.lr is None and resolve_task_settings(raw).lr == 5e-4
 
 
 def test_geo3k_without_data_reads_the_sample_in_the_package():
@@ -282,7 +287,7 @@ def test_tasks_are_one_package_and_the_old_modules_warn():
     from rlk_mm.smoke.tasks import base, point
 
     assert set(tasks.TASKS) == {"colour", "geo3k", "video-direction", "video-direction-shuffled", "point",
-                                "point-shuffled"}
+                                "point-shuffled", "point-three", "point-three-shuffled"}
     assert smoke.COLOURS is ANSWER_COLOURS and list(ANSWER_COLOURS) == ["red", "green", "blue", "yellow"]
     assert all(SHAPE_COLOURS[name] == rgb for name, rgb in ANSWER_COLOURS.items())  # one palette
     for old, new, name in (("task", base, "Task"), ("point_task", point, "point_reward")):
@@ -377,11 +382,10 @@ def test_the_supervised_probe_scores_the_right_candidate_and_writes_its_curve(tm
     from bench import supervised_probe
     from rlk_mm.smoke.tasks.point import point_reward
 
-    for sample, texts, right in supervised_probe.examples("point", random.Random(0), 6, "t"):
-        paid = [point_reward('{"point_2d": [%s]}' % t, sample) for t in texts]
-        assert paid == [float(i == right) for i in range(len(texts))]
-    for sample, texts, right in supervised_probe.examples("point-single", random.Random(1), 6, "t"):
-        assert len(set(texts)) == 3 and texts[right] == sample.answer
+    for task in ("point-three", "point"):
+        for sample, texts, right in supervised_probe.examples(task, random.Random(0), 6, "t"):
+            paid = [point_reward('{"point_2d": [%s]}' % t, sample) for t in texts]
+            assert paid == [float(i == right) for i in range(len(texts))] and texts[right] == sample.answer
     data = supervised_probe.main(["--task", "video", "--steps", "2", "--eval-every", "1", "--eval-prompts", "4",
                                   "--prompts", "2", "--size", "64,1,1,32", "--out", str(tmp_path)])
     assert (tmp_path / "supervised_probe_video.json").is_file() and data["chance"] == 0.25

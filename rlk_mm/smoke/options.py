@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
-OPTION_DEFAULTS = {"temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "warmup_steps": 40}
+OPTION_DEFAULTS = {"steps": 170, "temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "warmup_steps": 40}
 """The defaults of the options a task may set otherwise (``tasks.TASK_SETTINGS``): they parse as
 None and ``resolve_task_settings`` fills them in."""
 IMAGE_SWAP_MIN_PROMPTS = 5
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Geo3K folder (problems.jsonl + images); implies --task geo3k "
                         "(which reads the 3-problem sample in rlk_mm/fixtures/geo3k_sample without it)")
     p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
-    p.add_argument("--steps", type=count(1), default=170, help="GRPO steps (default 170)")
+    p.add_argument("--steps", type=count(1), help=f"GRPO steps ({_defaults('steps')})")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
     p.add_argument("--device", type=command.device, default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="model dtype (default float32)")

@@ -3,7 +3,8 @@
 ``base``: `Task` (prompts, reward, warm-up answer and response length of a task) and the
 helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`, else the
 package's 3-problem sample),
-``video`` (video-direction and its shuffled control) and ``point`` (grounding: point and its shuffled control).
+``video`` (video-direction and its shuffled control) and ``point`` (grounding: point and point-single, each
+with its shuffled control).
 A new task registers in `TASKS`.
 """
 
@@ -17,7 +18,7 @@ from .base import Task, draw_shape, numbered_draw
 from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
 from .geo3k import geo3k_reward, geo3k_task
 from .point import POINT_SETTINGS, POINT_TASKS, point_reward, point_task
-from .video import DIRECTIONS, VIDEO_FRAMES, VIDEO_TASKS, direction_clip, direction_sample, video_direction_task
+from .video import DIRECTIONS, VIDEO_FRAMES, VIDEO_SETTINGS, VIDEO_TASKS, direction_clip, direction_sample, video_direction_task
 
 __all__ = [
     "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASK_SETTINGS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
@@ -41,7 +42,9 @@ TASKS: dict[str, Callable[[Optional[Path], Any], Task]] = {
 """`--task` name -> factory(the `--data` folder or None, the run's `SmokeTuning`; None: the
 defaults) -> Task. A new task registers here.
 Geo3K without `--data` reads the 3-problem sample in the package (`fixtures.GEO3K_SAMPLE_DIR`)."""
-TASK_SETTINGS: dict[str, dict[str, float]] = {name: POINT_SETTINGS for name in POINT_TASKS}
+TASK_SETTINGS: dict[str, dict[str, float]] = {
+    **{name: POINT_SETTINGS for name in POINT_TASKS}, **{name: VIDEO_SETTINGS for name in VIDEO_TASKS},
+}
 """`--task` name -> the smoke options (argparse dests) it runs with unless given on the command
 line; the others take the options' own defaults."""
 DATA_TASKS = ("geo3k",)

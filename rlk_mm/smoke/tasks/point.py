@@ -1,13 +1,17 @@
-"""The grounding smoke task (`--task point`): click the named shape on a synthetic screen.
+"""The grounding smoke tasks (`--task point`, `--task point-three`): click a shape on a synthetic screen.
 
-A screen holds three coloured shapes (square, circle or triangle), one per vertical strip;
-the prompt names one colour and asks for a point in the model's convention (Qwen2.5-VL:
+A screen is three vertical strips, each on its own grey (``STRIP_SHADES``: the tiny policy's
+only cue to where a shape lies). ``point`` draws one coloured shape (square, circle or
+triangle) in a random strip; ``point-three`` one in every strip, of distinct colours. The
+prompt names the colour and asks for a point in the model's convention (Qwen2.5-VL:
 ``{"point_2d": [x, y]}`` in pixels of the smart-resized image). The reward reads the point
 with ``rlk_mm.grounding`` (the parser of ``parse_grounding``), converts it to the original
-image's pixels, and is 1 when that pixel belongs to the shape (its drawn pixels, not its
-box); malformed or out-of-range answers score 0, never clamped. ``point-shuffled`` is the
-control: the same prompts, but the rewarded shape is drawn at random, independent of the
-one the prompt names, so only a position prior can be learned.
+image's pixels, and is 1 when that pixel belongs to the rewarded shape (its drawn pixels, not
+its box); malformed or out-of-range answers score 0, never clamped. Each has a ``-shuffled``
+control whose reward ignores what is drawn, so only a position prior can be learned:
+``point-shuffled`` rewards the shape moved to a random strip, ``point-three-shuffled`` a random
+one of the three shapes. The tiny policy learns ``point``; ``point-three`` (binding the
+colour word to a place) it does not learn even when supervised on the right points.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from ...schema import CoordinateSystem, convert_points
 from .base import Task, draw_shape, numbered_draw
 
 __all__ = [
-    "JSON_CONVENTIONS", "OUTCOMES", "POINT_SETTINGS", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES",
-    "answer_point", "answer_syntax", "draw_screen", "mask_centre", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
+    "JSON_CONVENTIONS", "OUTCOMES", "POINT_SETTINGS", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES", "STRIP_SHADES",
+    "answer_point", "answer_syntax", "draw_screen", "mask_centre", "moved_mask", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
     "point_task", "resized_size",
 ]
 
@@ -49,15 +53,25 @@ def resized_size(size: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
+STRIP_SHADES = (250, 160, 70)
+"""The grey of each vertical third's background, left to right. The tiny policy has no other
+cue to where a token lies: its only sense of place is M-RoPE, whose width and height sections
+take the lowest rotary frequencies (at the checkpoints' base of 1e6, under 2e-4 rad between
+adjacent columns). On plain screens it stays at chance even when supervised on the right
+points; with the shades it learns them (``bench/results/smoke_tasks_h200.json``)."""
+
+
 def draw_screen(rng: random.Random, size: tuple[int, int], strips: Sequence[int] = (0, 1, 2),
                 ) -> tuple[Image.Image, dict[str, np.ndarray]]:
-    """A light screen with large shapes of distinct colours, one in each of the vertical thirds
-    ``strips`` (all three by default); each colour's pixel mask ([height, width] bool)."""
+    """A screen of three vertical thirds shaded ``STRIP_SHADES``, with large shapes of distinct
+    colours, one in each of the thirds ``strips`` (all three by default); each colour's pixel
+    mask ([height, width] bool)."""
     width, height = size
-    background = tuple(rng.randrange(225, 256) for _ in range(3))
-    image = Image.new("RGB", size, background)
+    image = Image.new("RGB", size)
     draw = ImageDraw.Draw(image)
     edges = [round(i * width / 3) for i in range(4)]  # the thirds: one image-token column each once resized
+    for i, grey in enumerate(STRIP_SHADES):
+        draw.rectangle((edges[i], 0, edges[i + 1] - 1, height - 1), fill=(grey,) * 3)
     colours = rng.sample(list(ANSWER_COLOURS), len(strips))
     for i, colour in zip(strips, colours):
         strip = edges[i + 1] - edges[i]
@@ -85,17 +99,37 @@ def mask_centre(mask: np.ndarray) -> tuple[float, float]:
     return float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
 
 
-def point_sample(rng: random.Random, sample_id: str, convention: Convention, shuffled: bool) -> Sample:
+def moved_mask(mask: np.ndarray, shift: int) -> np.ndarray:
+    """``mask`` moved ``shift`` pixels to the right (left when negative); what leaves the image is dropped."""
+    out = np.zeros_like(mask)
+    width = mask.shape[1]
+    if shift >= 0:
+        out[:, shift:] = mask[:, : width - shift]
+    else:
+        out[:, :shift] = mask[:, -shift:]
+    return out
+
+
+def point_sample(rng: random.Random, sample_id: str, convention: Convention, shuffled: bool, shapes: int = 1) -> Sample:
     """One prompt; ``answer`` is the target's centre in the convention's coordinates ("x, y"),
-    ``meta`` the rewarded mask and the sizes the reward needs."""
+    ``meta`` the rewarded mask and the sizes the reward needs. ``shapes``: 1 (in a random third;
+    the control rewards that shape moved to a random third: a place, not what is drawn) or 3
+    (one per third; the control rewards a random one of them)."""
     size = rng.choice(SCREEN_SIZES)
-    image, masks = draw_screen(rng, size)
+    strips = [rng.randrange(3)] if shapes == 1 else (0, 1, 2)
+    image, masks = draw_screen(rng, size, strips)
     colour = rng.choice(sorted(masks))
-    rewarded = rng.choice(sorted(masks)) if shuffled else colour
+    rewarded, mask = colour, masks[colour]
+    if shuffled and shapes == 1:
+        edges = [round(i * size[0] / 3) for i in range(4)]
+        mask = moved_mask(mask, edges[rng.randrange(3)] - edges[strips[0]])
+    elif shuffled:
+        rewarded = rng.choice(sorted(masks))
+        mask = masks[rewarded]
     text = (PROMPT_1000 if CONVENTION_SYSTEM[convention] is CoordinateSystem.NORMALIZED_1000 else PROMPT).format(colour=colour)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     answer = answer_point(mask_centre(masks[colour]), size, convention)
-    meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=masks[rewarded], masks=masks,
+    meta = dict(convention=convention.value, colour=colour, rewarded=rewarded, mask=mask, masks=masks,
                 size=size, resized=resized_size(size))
     return Sample(sample_id, messages, images=[image], answer=answer, meta=meta)
 
@@ -163,29 +197,36 @@ class PointTask(Task):
         return point_diagnostics(texts, rewards, self.convention)
 
 
-def point_task(convention="qwen2_5_vl", *, shuffled: bool = False) -> Task:
+def point_task(convention="qwen2_5_vl", *, shuffled: bool = False, shapes: int = 1) -> Task:
     """The point task in a JSON convention (``qwen2_5_vl`` by default, ``ui_tars_1_5``,
-    ``qwen3_vl``); ``shuffled``: the shuffled-target control."""
+    ``qwen3_vl``): ``shapes`` 1 (``point``: click the one shape) or 3 (``point-three``: click
+    the named one of three); ``shuffled``: the shuffled-target control."""
+    if shapes not in (1, 3):
+        raise ValueError(f"shapes={shapes!r}: a point screen holds 1 shape (point) or 3 (point-three)")
     convention = Convention.parse(convention, "convention")
     if convention not in JSON_CONVENTIONS:
         raise ValueError(f"convention={convention.value}: the point task answers in JSON "
                          "(qwen2_5_vl, ui_tars_1_5, qwen3_vl); "
                          "the rollout decodes with skip_special_tokens, which would drop Qwen2-VL's <|box_start|> tags")
-    name = "point-shuffled" if shuffled else "point"
-    draw = numbered_draw(name, lambda rng, sample_id: point_sample(rng, sample_id, convention, shuffled))
+    name = "point" + ("-three" if shapes == 3 else "") + ("-shuffled" if shuffled else "")
+    draw = numbered_draw(name, lambda rng, sample_id: point_sample(rng, sample_id, convention, shuffled, shapes))
     # '{"point_2d": [x, y]}' is 13-15 tokens, and EOS
     return PointTask(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18,
                      convention=convention)
 
 
-POINT_SETTINGS = {"lr": 1e-3, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7}
-"""The smoke options the point tasks run with unless given: at the colour task's lr of 3e-3 the
+POINT_SETTINGS = {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
+"""The smoke options the point tasks run with unless given. At the colour task's lr of 3e-3 the
 JSON answers lose their format (parsable share 0.95 -> 0 by step 41, KL to the warm-up policy
-3.7; ``bench/results/point_diagnosis_h200.json``), and every group's reward spread is then 0."""
+3.7; ``bench/results/point_diagnosis_h200.json``) and every group's reward spread is then 0; at
+1e-3 one seed of three still lost it by step 120; at 5e-4 all three learn within 400 steps
+(``bench/results/smoke_tasks_h200.json``)."""
 
 POINT_TASKS = {
     "point": lambda data, tuning=None: point_task(),
     "point-shuffled": lambda data, tuning=None: point_task(shuffled=True),
+    "point-three": lambda data, tuning=None: point_task(shapes=3),
+    "point-three-shuffled": lambda data, tuning=None: point_task(shuffled=True, shapes=3),
 }
 """The `--task` entries of this module (in `tasks.TASKS`)."""
 
