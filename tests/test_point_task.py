@@ -12,6 +12,7 @@ import torch
 from rlk_mm import smoke
 from rlk_mm.fixtures import processor_inputs
 from rlk_mm.fixtures.palette import ANSWER_COLOURS
+from rlk_mm.grounding import Convention
 from rlk_mm.smoke.tasks import TASKS
 from rlk_mm.smoke.tasks.point import (
     OUTCOMES,
@@ -20,6 +21,7 @@ from rlk_mm.smoke.tasks.point import (
     point_diagnostics,
     point_outcome,
     point_reward,
+    point_sample,
     point_task,
     resized_size,
 )
@@ -83,8 +85,11 @@ def test_the_three_shape_control_rewards_a_random_shape():
     # clicking the named shape is not rewarded
     assert point_reward(point_task().answer_text(other.answer), other) == 0.0
     assert {"point-three", "point-three-shuffled"} <= set(TASKS) and TASKS["point-three"](None).name == "point-three"
-    with pytest.raises(ValueError, match=r"shapes=2: a point screen holds 1 shape \(point\) or 3"):
-        point_task(shapes=2)
+    for bad in (2, 0, True, "3", None):
+        with pytest.raises(ValueError, match=rf"shapes={bad!r}: a point screen holds 1 shape \(point\) or 3"):
+            point_task(shapes=bad)
+        with pytest.raises(ValueError, match=r"a point screen holds 1 shape"):
+            point_sample(random.Random(0), "x", Convention.QWEN2_5_VL, False, bad)
 
 
 def test_each_shape_fills_most_of_its_third_and_the_thirds_are_token_columns(processor):

@@ -110,11 +110,17 @@ def moved_mask(mask: np.ndarray, shift: int) -> np.ndarray:
     return out
 
 
+def _check_shapes(shapes) -> None:
+    if isinstance(shapes, bool) or shapes not in (1, 3):
+        raise ValueError(f"shapes={shapes!r}: a point screen holds 1 shape (point) or 3 (point-three)")
+
+
 def point_sample(rng: random.Random, sample_id: str, convention: Convention, shuffled: bool, shapes: int = 1) -> Sample:
     """One prompt; ``answer`` is the target's centre in the convention's coordinates ("x, y"),
     ``meta`` the rewarded mask and the sizes the reward needs. ``shapes``: 1 (in a random third;
     the control rewards that shape moved to a random third: a place, not what is drawn) or 3
     (one per third; the control rewards a random one of them)."""
+    _check_shapes(shapes)
     size = rng.choice(SCREEN_SIZES)
     strips = [rng.randrange(3)] if shapes == 1 else (0, 1, 2)
     image, masks = draw_screen(rng, size, strips)
@@ -201,8 +207,7 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False, shapes: int =
     """The point task in a JSON convention (``qwen2_5_vl`` by default, ``ui_tars_1_5``,
     ``qwen3_vl``): ``shapes`` 1 (``point``: click the one shape) or 3 (``point-three``: click
     the named one of three); ``shuffled``: the shuffled-target control."""
-    if shapes not in (1, 3):
-        raise ValueError(f"shapes={shapes!r}: a point screen holds 1 shape (point) or 3 (point-three)")
+    _check_shapes(shapes)
     convention = Convention.parse(convention, "convention")
     if convention not in JSON_CONVENTIONS:
         raise ValueError(f"convention={convention.value}: the point task answers in JSON "
@@ -219,8 +224,8 @@ POINT_SETTINGS = {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "tempe
 """The smoke options the point tasks run with unless given. At the colour task's lr of 3e-3 the
 JSON answers lose their format (parsable share 0.95 -> 0 by step 41, KL to the warm-up policy
 3.7; ``bench/results/point_diagnosis_h200.json``) and every group's reward spread is then 0; at
-1e-3 one seed of three still lost it by step 120; at 5e-4 all three learn within 400 steps
-(``bench/results/smoke_tasks_h200.json``)."""
+1e-3 one seed of three still lost it at step 122 (parsable share 0.98 -> 0); at 5e-4 all three
+learn within 400 steps (``bench/results/smoke_tasks_h200.json``)."""
 
 POINT_TASKS = {
     "point": lambda data, tuning=None: point_task(),
