@@ -45,7 +45,7 @@ def point_candidates(sample: Sample) -> tuple[list[str], int]:
         return texts, names.index(sample.meta["colour"])
     mask = masks[sample.meta["colour"]]
     (cx, cy), width = point.mask_centre(mask), sample.meta["size"][0]
-    edges = [round(i * width / 3) for i in range(4)]
+    edges = point.third_edges(width)
     own = next(k for k in range(3) if mask[:, edges[k]:edges[k + 1]].any())
     texts = [point.answer_point((cx + edges[k] - edges[own], cy), sample.meta["size"], convention) for k in range(3)]
     return texts, own

@@ -24,6 +24,7 @@ from rlk_mm.smoke.tasks.point import (
     point_sample,
     point_task,
     resized_size,
+    third_edges,
 )
 
 GATES = ("(a) layout parity", "(b) log-prob consistency", "(c) loss masking", "(d) on-policy ratio")
@@ -182,7 +183,7 @@ def test_each_third_has_its_own_grey_behind_the_shapes():
     for s in point_task().batch(random.Random(5), 12, "t") + point_task(shapes=3).batch(random.Random(5), 12, "t"):
         pixels = np.asarray(s.images[0])
         shapes = sum(s.meta["masks"].values()).astype(bool)
-        edges = [round(k * s.meta["size"][0] / 3) for k in range(4)]
+        edges = third_edges(s.meta["size"][0])
         for k, grey in enumerate(STRIP_SHADES):
             third = pixels[:, edges[k]:edges[k + 1]][~shapes[:, edges[k]:edges[k + 1]]]
             assert third.size and (third == grey).all(), (s.id, k)
@@ -195,7 +196,7 @@ def test_point_draws_one_shape_in_a_random_third_and_its_control_rewards_a_place
         (colour, mask), = s.meta["masks"].items()
         assert s.meta["rewarded"] == colour and s.meta["mask"] is mask
         assert point_reward(point_task().answer_text(s.answer), s) == 1.0
-        edges = [round(k * s.meta["size"][0] / 3) for k in range(4)]
+        edges = third_edges(s.meta["size"][0])
         thirds.append(next(k for k in range(3) if mask[:, edges[k]:edges[k + 1]].any()))
     assert set(thirds) == {0, 1, 2}
     controls = point_task(shuffled=True).batch(random.Random(6), 60, "t")

@@ -3,7 +3,7 @@
 ``base``: `Task` (prompts, reward, warm-up answer and response length of a task) and the
 helpers the drawn tasks share; ``colour`` (the default), ``geo3k`` (`--data DIR`, else the
 package's 3-problem sample),
-``video`` (video-direction and its shuffled control) and ``point`` (grounding: point and point-single, each
+``video`` (video-direction and its shuffled control) and ``point`` (grounding: point and point-three, each
 with its shuffled control).
 A new task registers in `TASKS`.
 """

@@ -34,7 +34,7 @@ from .base import Task, draw_shape, numbered_draw
 __all__ = [
     "JSON_CONVENTIONS", "OUTCOMES", "POINT_SETTINGS", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES", "STRIP_SHADES",
     "answer_point", "answer_syntax", "draw_screen", "mask_centre", "moved_mask", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
-    "point_task", "resized_size",
+    "point_task", "resized_size", "third_edges",
 ]
 
 SCREEN_SIZES = ((90, 80), (96, 72), (80, 96), (72, 90))
@@ -53,12 +53,17 @@ def resized_size(size: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
+def third_edges(width: int) -> list[int]:
+    """The x edges of a screen's vertical thirds (4 values): one image-token column each once resized."""
+    return [round(i * width / 3) for i in range(4)]
+
+
 STRIP_SHADES = (250, 160, 70)
-"""The grey of each vertical third's background, left to right. The tiny policy has no other
-cue to where a token lies: its only sense of place is M-RoPE, whose width and height sections
-take the lowest rotary frequencies (at the checkpoints' base of 1e6, under 2e-4 rad between
-adjacent columns). On plain screens it stays at chance even when supervised on the right
-points; with the shades it learns them (``bench/results/smoke_tasks_h200.json``)."""
+"""The grey of each vertical third's background, left to right: the tiny policy's only cue to
+where a token lies, since its M-RoPE gives the width and height axes the lowest rotary
+frequencies (``tests/test_point_task.py`` measures how little an image column turns a query).
+Without the shades it does not learn the points even when supervised on them
+(``bench/results/smoke_tasks_h200.json``)."""
 
 
 def draw_screen(rng: random.Random, size: tuple[int, int], strips: Sequence[int] = (0, 1, 2),
@@ -69,7 +74,7 @@ def draw_screen(rng: random.Random, size: tuple[int, int], strips: Sequence[int]
     width, height = size
     image = Image.new("RGB", size)
     draw = ImageDraw.Draw(image)
-    edges = [round(i * width / 3) for i in range(4)]  # the thirds: one image-token column each once resized
+    edges = third_edges(width)
     for i, grey in enumerate(STRIP_SHADES):
         draw.rectangle((edges[i], 0, edges[i + 1] - 1, height - 1), fill=(grey,) * 3)
     colours = rng.sample(list(ANSWER_COLOURS), len(strips))
@@ -127,7 +132,7 @@ def point_sample(rng: random.Random, sample_id: str, convention: Convention, shu
     colour = rng.choice(sorted(masks))
     rewarded, mask = colour, masks[colour]
     if shuffled and shapes == 1:
-        edges = [round(i * size[0] / 3) for i in range(4)]
+        edges = third_edges(size[0])
         mask = moved_mask(mask, edges[rng.randrange(3)] - edges[strips[0]])
     elif shuffled:
         rewarded = rng.choice(sorted(masks))
@@ -221,11 +226,9 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False, shapes: int =
 
 
 POINT_SETTINGS = {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
-"""The smoke options the point tasks run with unless given. At the colour task's lr of 3e-3 the
-JSON answers lose their format (parsable share 0.95 -> 0 by step 41, KL to the warm-up policy
-3.7; ``bench/results/point_diagnosis_h200.json``) and every group's reward spread is then 0; at
-1e-3 one seed of three still lost it at step 122 (parsable share 0.98 -> 0); at 5e-4 all three
-learn within 400 steps (``bench/results/smoke_tasks_h200.json``)."""
+"""The smoke options the point tasks run with unless given: at higher learning rates the JSON
+answers lose their format, after which every group's reward spread is 0
+(``bench/results/point_diagnosis_h200.json``, ``bench/results/smoke_tasks_h200.json``)."""
 
 POINT_TASKS = {
     "point": lambda data, tuning=None: point_task(),

@@ -72,11 +72,9 @@ def video_direction_task(*, shuffled: bool = False) -> Task:
 
 
 VIDEO_SETTINGS = {"lr": 5e-4, "steps": 450}
-"""The smoke options the video tasks run with unless given. At the colour task's lr of 3e-3 the
-policy never reads the motion (seed 0's reward fell to 0.002 in 440 s on an H200), and even
-supervised on the right words at 2e-3 it stays at chance for 1,200 steps, while at 5e-4 it
-answers every held-out clip right by step 300 (``bench/results/smoke_tasks_h200.json``). Under
-GRPO the motion is found late, between steps 250 and 400, and not on every seed."""
+"""The smoke options the video tasks run with unless given: at higher learning rates the policy
+never reads the motion, and it reads it only late in a run, on some seeds
+(``bench/results/smoke_tasks_h200.json``, ``bench/results/video_probe_cpu.json``)."""
 
 VIDEO_TASKS = {
     "video-direction": lambda data, tuning=None: video_direction_task(),
