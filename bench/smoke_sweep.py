@@ -12,8 +12,9 @@ so a run cut off by `--deadline` still reports its curve.
         [--gpus 4 --per-gpu 6]
 
 CONFIGS.json: a list of {"name": str, "device": "cuda" | "cpu", "args": [smoke options],
-"tuning": {SmokeTuning field: value}}; earlier configs' "set" ({"LR_FLOOR": 0.3}: the module
-constants a field replaces) is read as "tuning". Writes DIR/sweep.json, DIR/NAME.log (the
+"tuning": {SmokeTuning field: value}}; earlier configs' "set" ({"TINY_MODEL": ...}: the module
+constants a field replaces) is read as "tuning", and their learning-rate floor ("LR_FLOOR" or
+"lr_floor" there) as the option --lr-floor. Writes DIR/sweep.json, DIR/NAME.log (the
 run's output), DIR/NAME.steps.jsonl and DIR/NAME/ (the run's report and pictures).
 
 A config may also name its "variant" (the settings it tries), its "role" ("task" or "control")
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from rlk_mm.smoke import SmokeTuning
 
-__all__ = ["MARGIN", "RUNNER", "main", "margins", "read_steps", "run_one", "summarize", "tuning_of"]
+__all__ = ["args_of", "MARGIN", "RUNNER", "main", "margins", "read_steps", "run_one", "summarize", "tuning_of"]
 
 #: the subprocess: ``python -c RUNNER TUNING_JSON STEPS_JSONL smoke-options...``
 RUNNER = """
@@ -51,11 +52,23 @@ with open(steps_file, "a") as steps:
 """
 
 
+LR_FLOOR_KEYS = ("LR_FLOOR", "lr_floor")
+"""Names earlier configs gave the learning-rate floor as a tuning: the option ``--lr-floor`` now."""
+
+
 def tuning_of(cfg: dict) -> dict:
-    """The run's ``SmokeTuning`` settings (``"tuning"``, or an earlier config's ``"set"``), checked."""
-    values = {**cfg.get("set", {}), **cfg.get("tuning", {})}
+    """The run's ``SmokeTuning`` settings (``"tuning"``, or an earlier config's ``"set"``), checked;
+    an earlier config's learning-rate floor is left to ``args_of``."""
+    values = {k: v for k, v in {**cfg.get("set", {}), **cfg.get("tuning", {})}.items() if k not in LR_FLOOR_KEYS}
     SmokeTuning.from_mapping(values)  # refuse an unknown or bad setting before any run starts
     return values
+
+
+def args_of(cfg: dict) -> list[str]:
+    """The run's smoke options: ``"args"``, and ``--lr-floor`` where the config sets it as a tuning."""
+    given = {**cfg.get("set", {}), **cfg.get("tuning", {})}
+    floors = [given[k] for k in LR_FLOOR_KEYS if k in given]
+    return [*cfg.get("args", []), *(["--lr-floor", str(floors[-1])] if floors else [])]
 
 
 def summarize(name: str, steps: list[dict], report: dict | None, seconds: float, code) -> dict:
@@ -129,7 +142,7 @@ def run_one(cfg: dict, out: Path, threads: int, deadline: float, gpu: int | None
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     run_dir, steps_path = out / cfg["name"], out / f"{cfg['name']}.steps.jsonl"
-    argv = ["--device", cfg.get("device", "cpu"), "--out", str(run_dir), *cfg.get("args", [])]
+    argv = ["--device", cfg.get("device", "cpu"), "--out", str(run_dir), *args_of(cfg)]
     steps_path.unlink(missing_ok=True)
     start = time.time()
     with open(out / f"{cfg['name']}.log", "w") as log:
@@ -143,7 +156,7 @@ def run_one(cfg: dict, out: Path, threads: int, deadline: float, gpu: int | None
     report_path = run_dir / "smoke_report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
     result = summarize(cfg["name"], read_steps(steps_path), report, time.time() - start, code)
-    result.update(device=cfg.get("device", "cpu"), args=cfg.get("args", []), tuning=tuning_of(cfg))
+    result.update(device=cfg.get("device", "cpu"), args=args_of(cfg), tuning=tuning_of(cfg))
     print(json.dumps(result), flush=True)
     return result
 

@@ -86,8 +86,8 @@ def int_at_least(low: int):
     return parse
 
 
-def number(low: float, *, open_low: bool):
-    """An argparse type: a finite number > ``low`` (``open_low``) or >= ``low``."""
+def number(low: float, *, open_low: bool, high: float = math.inf):
+    """An argparse type: a finite number > ``low`` (``open_low``) or >= ``low``, and <= ``high``."""
 
     def parse(text: str) -> float:
         try:
@@ -96,6 +96,8 @@ def number(low: float, *, open_low: bool):
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not math.isfinite(value) or (value <= low if open_low else value < low):
             raise argparse.ArgumentTypeError(f"{text} is not a number {'>' if open_low else '>='} {low:g}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{text} is not a number <= {high:g}")
         return value
 
     return parse

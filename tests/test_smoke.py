@@ -244,7 +244,8 @@ def test_the_point_and_video_tasks_run_with_their_own_settings_unless_given():
     """At the colour task's lr of 3e-3 the point task's JSON answers lose their format and the
     video policy never reads the motion (the causes of their falling rewards): the point tasks
     default to lr 5e-4, 20 ramp steps, 100 warm-up steps, temperature 0.7 and 400 steps, the
-    video tasks to lr 5e-4 and 450 steps; an option given on the command line wins; the other
+    video tasks to lr 5e-4, 450 steps and a learning-rate floor of 0.5 (the motion is found
+    late: a rate decayed to 0.1 of the peak by then finds it on fewer seeds); an option given on the command line wins; the other
     tasks keep the options' defaults, and the report's command line names what ran."""
     from rlk_mm.smoke.options import OPTION_DEFAULTS, parser, resolve_task_settings, to_argv
     from rlk_mm.smoke.tasks.point import POINT_SETTINGS
@@ -252,11 +253,12 @@ def test_the_point_and_video_tasks_run_with_their_own_settings_unless_given():
 
     picked = lambda a: {k: getattr(a, k) for k in OPTION_DEFAULTS}  # noqa: E731
     for task in ("point", "point-shuffled", "point-three", "point-three-shuffled"):
-        assert picked(smoke.parse_args(["--task", task])) == POINT_SETTINGS == \
-            {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
+        assert picked(smoke.parse_args(["--task", task])) == {**OPTION_DEFAULTS, **POINT_SETTINGS} == \
+            {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400, "lr_floor": 0.1}
     for task in ("video-direction", "video-direction-shuffled"):
-        assert picked(smoke.parse_args(["--task", task])) == {**OPTION_DEFAULTS, "lr": 5e-4, "steps": 450} == \
+        assert picked(smoke.parse_args(["--task", task])) == {**OPTION_DEFAULTS, "lr": 5e-4, "steps": 450, "lr_floor": 0.5} == \
             {**OPTION_DEFAULTS, **VIDEO_SETTINGS}
+    assert smoke.parse_args(["--task", "video-direction", "--lr-floor", "1"]).lr_floor == 1.0
     given = smoke.parse_args(["--task", "point", "--lr", "3e-3", "--warmup-steps", "0", "--steps", "9"])
     assert (given.lr, given.warmup_steps, given.lr_warmup_steps, given.steps) == (3e-3, 0, 20, 9)
     for argv in ([], ["--task", "geo3k"], ["--data", "."]):
@@ -305,17 +307,20 @@ def test_tuning_is_a_config_the_run_takes():
     from rlk_mm.smoke.tasks.colour import BACKGROUND_RATE
 
     default = smoke.SmokeTuning()
-    assert default.lr_floor == smoke.LR_FLOOR and dict(default.tiny_model) == smoke.TINY_MODEL
+    assert dict(default.tiny_model) == smoke.TINY_MODEL
     assert default.background_rate == BACKGROUND_RATE and default == smoke.SmokeTuning.from_mapping({})
-    old_style = smoke.SmokeTuning.from_mapping({"LR_FLOOR": 0.3, "TINY_MODEL": {"hidden_size": 64, "num_layers": 1}})
-    assert old_style == smoke.SmokeTuning(lr_floor=0.3, tiny_model={"hidden_size": 64, "num_layers": 1})
+    old_style = smoke.SmokeTuning.from_mapping({"TINY_MODEL": {"hidden_size": 64, "num_layers": 1}})
+    assert old_style == smoke.SmokeTuning(tiny_model={"hidden_size": 64, "num_layers": 1})
     assert old_style.as_dict()["tiny_model"] == {"hidden_size": 64, "num_layers": 1}
     with pytest.raises(ValueError, match="unknown smoke tuning 'LR_FLOR'"):
         smoke.SmokeTuning.from_mapping({"LR_FLOR": 0.3})
+    for key in ("LR_FLOOR", "lr_floor"):  # an option now
+        with pytest.raises(ValueError, match=f"smoke tuning '{key}' is the option --lr-floor now"):
+            smoke.SmokeTuning.from_mapping({key: 0.3})
     with pytest.raises(ValueError, match=r"SmokeTuning.background_rate must be a number in \[0, 1\]"):
         smoke.SmokeTuning(background_rate=1.5)
     with pytest.raises(TypeError, match="tuning must be a SmokeTuning"):
-        smoke.run_smoke(smoke.parse_args([]), tuning={"lr_floor": 0.3})
+        smoke.run_smoke(smoke.parse_args([]), tuning={"background_rate": 0.3})
     assert smoke.lr_factor(299, 40, 300, 0.3) == pytest.approx(0.3) and smoke.lr_factor(299, 40, 300) == pytest.approx(smoke.LR_FLOOR)
     # the colour task draws with the tuning's rates; the defaults draw exactly the old prompts
     always = TASKS["colour"](None, smoke.SmokeTuning(background_rate=1.0)).batch(random.Random(0), 8, "train")
@@ -337,7 +342,10 @@ def test_the_sweep_summarizes_the_steps_a_run_wrote(tmp_path):
     spec = importlib.util.spec_from_file_location("smoke_sweep", path)
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    assert sweep.tuning_of({"set": {"LR_FLOOR": 0.3}, "tuning": {"background_rate": 0.8}}) == {"LR_FLOOR": 0.3, "background_rate": 0.8}
+    old = {"args": ["--seed", "1"], "set": {"LR_FLOOR": 0.3}, "tuning": {"background_rate": 0.8}}
+    assert sweep.tuning_of(old) == {"background_rate": 0.8}  # the floor is an option now
+    assert sweep.args_of(old) == ["--seed", "1", "--lr-floor", "0.3"]
+    assert sweep.args_of({"args": ["--seed", "1"]}) == ["--seed", "1"]
     with pytest.raises(ValueError, match="unknown smoke tuning"):
         sweep.tuning_of({"set": {"LR_FLOR": 0.3}})
     lines = [json.dumps({"step": i + 1, "reward_mean": 0.1 * (i % 11), "max_abs_delta": 2e-6 * (i == 4),

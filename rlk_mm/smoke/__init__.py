@@ -51,11 +51,11 @@ does not offer), ``train`` (``run_smoke``), ``options`` (argparse),
 """
 
 from .cli import add_smoke_parser
-from .options import parse_args
+from .options import LR_FLOOR, parse_args
 from .policy import TINY_MODEL, load_policy
 from .tasks import COLOURS, colour_reward, colour_sample, geo3k_reward
 from .train import lr_factor, run_smoke
-from .tuning import LR_FLOOR, SmokeTuning
+from .tuning import SmokeTuning
 
 __all__ = [
     "COLOURS", "LR_FLOOR", "SmokeTuning", "TINY_MODEL", "add_smoke_parser", "colour_reward", "colour_sample", "geo3k_reward",

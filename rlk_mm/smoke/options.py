@@ -14,12 +14,16 @@ from ..schema.checks import MIN_TEMPERATURE
 from .tasks import DATA_TASKS, TASK_SETTINGS, TASKS
 
 __all__ = [
-    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "OPTION_DEFAULTS", "parse_args",
+    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "LR_FLOOR", "OPTION_DEFAULTS",
+    "parse_args",
     "parser", "resolve_task_settings", "task_name", "to_argv",
 ]
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
-OPTION_DEFAULTS = {"steps": 170, "temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "warmup_steps": 40}
+LR_FLOOR = 0.1
+"""The learning rate decays (cosine) to this fraction of `--lr` at the last GRPO step (`--lr-floor`)."""
+OPTION_DEFAULTS = {"steps": 170, "temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "lr_floor": LR_FLOOR,
+                   "warmup_steps": 40}
 """The defaults of the options a task may set otherwise (``tasks.TASK_SETTINGS``): they parse as
 None and ``resolve_task_settings`` fills them in."""
 IMAGE_SWAP_MIN_PROMPTS = 5
@@ -66,9 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"sampling temperature of the rollouts, also used to score them (>= {MIN_TEMPERATURE}; "
                         f"{_defaults('temperature')})")
     p.add_argument("--lr", type=positive,
-                   help=f"peak Adam learning rate of the GRPO steps ({_defaults('lr')}; see --lr-warmup-steps and LR_FLOOR)")
+                   help=f"peak Adam learning rate of the GRPO steps ({_defaults('lr')}; see --lr-warmup-steps and --lr-floor)")
     p.add_argument("--lr-warmup-steps", type=count(0),
                    help=f"GRPO steps over which the learning rate ramps up linearly ({_defaults('lr_warmup_steps')})")
+    p.add_argument("--lr-floor", type=command.number(0, open_low=False, high=1),
+                   help=f"the learning rate's fraction of --lr at the last step, after a cosine decay ({_defaults('lr_floor')})")
     p.add_argument("--kl-coef", type=command.number(0, open_low=False), default=0.0,
                    help="weight of the k3 KL to the warm-up policy (default 0: no reference forward)")
     p.add_argument("--warmup-steps", type=count(0),

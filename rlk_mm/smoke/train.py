@@ -20,12 +20,12 @@ from ..ops import batch_invariant, group_advantages, linear_policy_loss, scatter
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
-from .options import task_name, to_argv
+from .options import LR_FLOOR, task_name, to_argv
 from .policy import freeze_embeddings_and_head, hidden_states, load_policy, policy_logprobs, swap_pair, warm_up
 from .report import HEADER, device_name, draw_curves, progress_row, versions
 from .rollout import rollout, rollout_batch, training_batch
 from .tasks import TASKS
-from .tuning import LR_FLOOR, SmokeTuning
+from .tuning import SmokeTuning
 
 __all__ = ["keep_freed_memory", "lr_factor", "MALLOPT", "run_smoke"]
 
@@ -109,7 +109,7 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
     timings["warmup_s"] = time.perf_counter() - t
     reference = copy.deepcopy(policy.model).requires_grad_(False) if args.kl_coef > 0 else None
     opt = torch.optim.Adam(freeze_embeddings_and_head(policy.model), lr=args.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps, tuning.lr_floor))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, args.lr_warmup_steps, args.steps, args.lr_floor))
 
     def loss_fn_for(tb: RLBatch, old: Tensor, adv: Tensor, ref_lp: Optional[Tensor]):
         """The step's loss: the LM head fused with the policy loss (gradients formed in the

@@ -15,14 +15,12 @@ from types import MappingProxyType
 from .policy import TINY_MODEL
 from .tasks.colour import BACKGROUND_RATE, TWO_IMAGE_RATE
 
-__all__ = ["LR_FLOOR", "SmokeTuning"]
-
-LR_FLOOR = 0.1
-"""The learning rate decays (cosine) to this fraction of `--lr` at the last GRPO step."""
+__all__ = ["SmokeTuning"]
 
 #: the module constants of earlier sweep configs ("set": {...}) -> the field that replaces each
-_CONSTANTS = {"LR_FLOOR": "lr_floor", "TINY_MODEL": "tiny_model", "BACKGROUND_RATE": "background_rate",
-              "TWO_IMAGE_RATE": "two_image_rate"}
+_CONSTANTS = {"TINY_MODEL": "tiny_model", "BACKGROUND_RATE": "background_rate", "TWO_IMAGE_RATE": "two_image_rate"}
+#: settings of earlier sweep configs that are options now -> the option
+_OPTIONS = {"LR_FLOOR": "--lr-floor", "lr_floor": "--lr-floor"}
 
 
 @dataclass(frozen=True)
@@ -30,13 +28,12 @@ class SmokeTuning:
     """Settings of the run that the command line does not offer (each default is the module
     constant named beside it)."""
 
-    lr_floor: float = LR_FLOOR  # the learning rate's final fraction of --lr (train.lr_factor)
     tiny_model: Mapping = field(default_factory=lambda: MappingProxyType(dict(TINY_MODEL)))  # tiny_qwen2_5_vl sizes
     background_rate: float = BACKGROUND_RATE  # colour task: how often the dominant colour is the background
     two_image_rate: float = TWO_IMAGE_RATE  # colour task: how often a prompt has a second image
 
     def __post_init__(self):
-        for name in ("lr_floor", "background_rate", "two_image_rate"):
+        for name in ("background_rate", "two_image_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and 0 <= value <= 1):
                 raise ValueError(f"SmokeTuning.{name} must be a number in [0, 1], got {value!r}")
@@ -50,15 +47,18 @@ class SmokeTuning:
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> "SmokeTuning":
-        """A tuning from field names (``{"lr_floor": 0.3}``); the module-constant names of
-        earlier sweep configs (``LR_FLOOR``, ``TINY_MODEL``, ``BACKGROUND_RATE``,
-        ``TWO_IMAGE_RATE``) are read as their fields. Unknown names are refused."""
+        """A tuning from field names (``{"background_rate": 0.8}``); the module-constant names
+        of earlier sweep configs (``TINY_MODEL``, ``BACKGROUND_RATE``, ``TWO_IMAGE_RATE``) are
+        read as their fields. Unknown names are refused, and so is the learning-rate floor: an
+        option now (``--lr-floor``)."""
         if not isinstance(values, Mapping):
             raise TypeError(f"a smoke tuning is a mapping of settings, got {type(values).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         given = {}
         for key, value in values.items():
             name = _CONSTANTS.get(key, key)
+            if key in _OPTIONS:
+                raise ValueError(f"smoke tuning {key!r} is the option {_OPTIONS[key]} now: pass it with the run's options")
             if name not in fields:
                 raise ValueError(f"unknown smoke tuning {key!r}; the settings are {', '.join(sorted(fields))}")
             given[name] = value
