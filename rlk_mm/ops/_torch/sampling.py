@@ -19,8 +19,10 @@ What is drawn (``z = fp32(logits) · fp32(1 / temperature)``):
   boundary kept, as HF and vLLM do); top-p keeps token ``i`` when the kept mass strictly
   above ``z_i`` is below ``top_p`` times the kept mass (so the top token always stays, and
   ties are kept or dropped together); min-p keeps ``z - max >= fp32(log min_p)``. Masses are
-  integers ``e_i = trunc(exp(z_i - max) · 2^40)`` (exp in float64), summed exactly, so no
-  summation order enters a decision. The token is the Gumbel-max over the kept tokens.
+  integers ``e_i = trunc(exp(z_i - max) · 2^40)`` (``masses``: an exp made of fp32 adds and
+  multiplies in a fixed order, so every backend gets its bits; relative error under 1e-6),
+  summed exactly, so no summation order enters a decision. The token is the Gumbel-max over
+  the kept tokens.
 
 ``log_probs = z[token] - max - log(Σ e · 2^-40)`` (float64, rounded to fp32);
 ``sampled_log_probs`` the same over the kept tokens (equal to ``log_probs`` without filters).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,9 +45,9 @@ import torch.nn.functional as F
 from . import logprob as _lp
 
 __all__ = [
-    "block_log_mass", "draw_in_block", "Filters", "FIXED_BITS", "FIXED_SCALE", "GOLDEN", "gumbel", "kept_by_filters",
-    "keys_of", "MASK32", "mix32", "NOISE_BLOCK", "one_thread", "row_keys", "RowKeys", "RowResult",
-    "sample_hidden_rows", "sample_row", "sample_rows",
+    "block_log_mass", "draw_in_block", "EXP_POLY", "Filters", "FIXED_BITS", "GOLDEN", "gumbel", "kept_by_filters",
+    "keys_of", "LN2_HI", "LN2_LO", "LOG2E", "MASK32", "MASS_FLOOR", "masses", "mix32", "NOISE_BLOCK", "one_thread",
+    "row_keys", "RowKeys", "RowResult", "sample_hidden_rows", "sample_row", "sample_rows",
 ]
 
 Tensor = torch.Tensor
@@ -53,7 +56,20 @@ Tensor = torch.Tensor
 NOISE_BLOCK = 32
 #: masses are integers in units of 2^-FIXED_BITS of the row's largest probability
 FIXED_BITS = 40
-FIXED_SCALE = float(2**FIXED_BITS)
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+#: ``masses``' fp32 constants: log2(e); ln 2 in a high part of 12 significant bits (so that
+#: ``n · LN2_HI`` is exact) and the rest; the Taylor coefficients of exp, highest degree first
+LOG2E = _fp32(1 / math.log(2))
+LN2_HI = 0.693145751953125
+LN2_LO = _fp32(math.log(2) - LN2_HI)
+EXP_POLY = tuple(_fp32(1 / math.factorial(i)) for i in range(6, -1, -1))
+#: ``z - max`` below this has mass 0 (exp(-32) · 2^40 < 1)
+MASS_FLOOR = -32.0
 
 MASK32 = 0xFFFFFFFF
 MIX1, MIX2 = 0x7FEB352D, 0x846CA68B
@@ -130,6 +146,25 @@ def _log_ratio(z_tok: Tensor, m: Tensor, mass: Tensor) -> Tensor:
     return (z_tok.double() - m.double() - torch.log(mass.double() * 2.0**-FIXED_BITS)).float()
 
 
+def masses(d: Tensor) -> Tensor:
+    """int64 ``trunc(exp(d) · 2^FIXED_BITS)`` of fp32 ``d = z - max <= 0`` (0 for -inf).
+
+    The exp is made of fp32 operations that round the same on every device (a Triton kernel
+    with ``enable_fp_fusion=False`` computes the same bits): ``n = floor(d · log2 e + 1/2)``,
+    ``r = d - n · ln 2`` in two parts (Cody-Waite), a degree-6 Taylor polynomial of ``exp(r)``
+    (|r| <= 0.35; with the fp32 roundings, relative error under 1e-6) and an exact scaling by
+    ``2^(n + FIXED_BITS)``. Several times cheaper than a float64 exp, which bounded a GPU pass
+    over the logits."""
+    d = torch.clamp(d, min=MASS_FLOOR)
+    n = torch.floor(d * LOG2E + 0.5)
+    r = (d - n * LN2_HI) - n * LN2_LO
+    p = r * EXP_POLY[0] + EXP_POLY[1]
+    for c in EXP_POLY[2:]:
+        p = p * r + c
+    scale = ((n.to(torch.int32) + (127 + FIXED_BITS)) << 23).view(torch.float32)  # 2^(n + FIXED_BITS)
+    return (p * scale).to(torch.int64)
+
+
 def block_log_mass(z: Tensor) -> Tensor:
     """fp32 ``ℓ_b = max_b + log Σ_b exp(z - max_b)`` of each ``NOISE_BLOCK`` block of ``z [V]``
     (-inf for a block masked whole or past V)."""
@@ -151,7 +186,7 @@ def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: 
                log_prob: bool = True) -> RowResult:
     """Draw from one row ``x [V]`` (any float dtype); ``inv_t`` is fp32-representable.
     ``given``: score this token instead of drawing one (its sampled log-prob is -inf when
-    the filters drop it). ``log_prob=False``: a plain draw skips the float64 mass pass (the
+    the filters drop it). ``log_prob=False``: a plain draw skips the mass pass (the
     row's largest cost) and returns NaN log-probs, for callers that score the token
     themselves. A row with NaN or +inf (after the temperature), or -inf everywhere, returns
     its status and NaN placeholders."""
@@ -166,7 +201,7 @@ def sample_row(x: Tensor, inv_t: float, filters: Filters, keys: RowKeys, given: 
     if filters.plain and given is None and not log_prob:
         nan = torch.full((), math.nan, device=z.device)
         return RowResult(_plain_draw(z, keys), nan, nan, OK)
-    e = (torch.exp((z - m).double()) * FIXED_SCALE).to(torch.int64)  # exp(-inf) = 0
+    e = masses(z - m)
     total = e.sum()
     if filters.plain:
         token = _plain_draw(z, keys) if given is None else given

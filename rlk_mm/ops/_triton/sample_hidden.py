@@ -18,8 +18,9 @@ the log-probs fold the gathered partials of every shard, as ``selected_logprob``
 Roofline of the plain path (one row chunk): the tiles kernel reads the head once per
 ``block_m`` rows (2VH bytes in bf16, the same as the logits GEMM at B <= block_m) and never
 writes logits; beyond the GEMM its epilogue computes one exp per logit (the log-sum-exp
-partials ``selected_logprob`` computes anyway), one noise value per 32 logits and writes a
-noise block per row per tile. Then two small launches, each a few microseconds: the draw's
+partials ``selected_logprob`` computes anyway), one noise value per 32 logits (fp32; float64
+only for the blocks near the best, ``sampling.best_noise_block``) and writes a noise block per
+row per tile. Then two small launches, each a few microseconds: the draw's
 finish (``finish_tiles`` tiles' scores per row compared at once) and the combine (lanes of
 partials at once, ``lm_head.combine_kernel``); and two elementwise torch ops. So the plain
 path's cost over the GEMM is the tile kernel's speed at small B against cuBLAS's: its tiles
@@ -48,7 +49,7 @@ from .lm_head import (
     partial_columns,
     store_partials,
 )
-from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, gumbel, no_nan, row_keys, sample_logits
+from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, best_noise_block, gumbel, no_nan, row_keys, sample_logits
 from .sampling import default_config as sampling_config
 
 Tensor = torch.Tensor
@@ -91,11 +92,11 @@ def _hidden_tiles_kernel(
         ka, kb = row_keys(tl.load(seeds_ptr + offs_m, mask=m_ok, other=0),
                            tl.load(steps_ptr + offs_m, mask=m_ok, other=0), SALT_BLOCK)
         blocks = first_block + pid_n * NB + tl.arange(0, NB)
-        score = no_nan(ell.to(tl.float64) + gumbel(blocks[None, :], ka[:, None], kb[:, None]))
-        arg = tl.argmax(score, 1)
+        best, block = best_noise_block(ell, blocks[None, :], ka, kb)
+        arg = block - (first_block + pid_n * NB)
         tile = pid_n * n_rows + offs_m
-        tl.store(best_ptr + tile, tl.max(score, 1), mask=m_ok)
-        tl.store(best_block_ptr + tile, first_block + pid_n * NB + arg, mask=m_ok)
+        tl.store(best_ptr + tile, best, mask=m_ok)
+        tl.store(best_block_ptr + tile, block, mask=m_ok)
         mine = tl.arange(0, NB)[None, :, None] == arg[:, None, None]
         z_best = tl.max(tl.where(mine, zb, -float("inf")), 1)  # [BLOCK_M, NOISE_BLOCK], exact values
         out = best_z_ptr + tile[:, None].to(tl.int64) * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)[None, :]

@@ -8,16 +8,17 @@ atomically incremented; it starts at zero and the last block resets it) combines
 partials in block order, so no third launch waits for them:
 
 * launch 1 (``_maxima_kernel``): each block's max, NaN/+inf entries (the row's status) and
-  finite entries; with top-k the max of every ``sub_block`` entries. The row's last block
-  writes the row's max and status and, with top-k, the bound: the k-th largest sub-block
-  max, at most the k-th largest entry.
+  finite entries; with top-k the largest maxima of its ``sub_block``-entry sub-blocks. The
+  row's last block writes the row's max and status and, with top-k, the bound: the k-th
+  largest of those sub-block maxima (a sort of a few hundred), at most the k-th largest entry.
 * launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
-  temperature: its best noise block (Gumbel-max over the blocks' log-masses); top-k: the
-  indices of its (at most k) largest entries at or above the bound, and the largest such
-  entry it leaves out. The row's last block (``_finish_row``) sums the mass, finishes the
+  temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64
+  noise only for the blocks an fp32 screen leaves: ``best_noise_block``); top-k: the
+  indices of its entries at or above the bound (one scan; if more than k, its k largest and
+  the largest it leaves out). The row's last block (``_finish_row``) sums the mass, finishes the
   plain draw inside the best noise block (the first on a tie, as over the whole row), or runs
-  top-k, top-p, min-p and the draw in registers on the blocks' candidates, which hold every
-  token top-k keeps unless a block left out an entry equal to the k-th largest (a tie at the
+  top-k, top-p, min-p and the draw on the blocks' candidates (a little over k, compared
+  each with each, a chunk at a time), which hold every token top-k keeps unless a block left out an entry equal to the k-th largest (a tie at the
   boundary). On such a tie, with more than ``candidate_cap`` slots, or for top-p or min-p
   without top-k, each threshold is found by bisection over an order-preserving integer key of
   ``z`` (top-k: counts; top-p: exact integer masses), a pass over the row per step.
@@ -28,8 +29,11 @@ are integers relative to the row's max (sums in any order agree), and the max, l
 bound, is known only once the whole row has been read.
 
 Roofline. A row of V fp32 logits is 4V bytes; the kernels read the logits twice (launch 2 also
-computes one float64 exp per entry for the masses) and write a few partials per block
-(B x V / split_block of each: negligible). With the Qwen2.5-VL vocabulary a row is about
+computes one exp per entry for the masses) and write a few partials per block (B x V /
+split_block of each: negligible). The masses' exp is some twenty fp32 adds and multiplies
+(``_torch.sampling.masses``), not a float64 exp: a GPU's float64 rate is a fraction of its
+fp32 rate, and a float64 exp per entry made launch 2 compute-bound, several times slower
+than its read. With the Qwen2.5-VL vocabulary a row is about
 0.6 MB: at B = 64 the whole input (about 39 MB) fits in a 50 MB L2 cache, so launch 2 reads
 mostly from L2 and the GPU's work is a few tens of microseconds; at B = 256 (about 156 MB)
 both passes stream from HBM. At small B a call is bound by the host, not the GPU: checking the
@@ -51,8 +55,8 @@ import triton.language as tl
 from .._torch import sampling as _ref
 
 __all__ = [
-    "default_config", "gumbel", "no_nan", "NOISE_BLOCK", "row_keys", "SALT_BLOCK", "SALT_TOKEN", "sample_logits",
-    "SamplingConfig",
+    "best_noise_block", "default_config", "gumbel", "gumbel32", "masses", "no_nan", "NOISE_BLOCK", "row_keys",
+    "SALT_BLOCK", "SALT_TOKEN", "sample_logits", "SamplingConfig",
 ]
 
 Tensor = torch.Tensor
@@ -60,6 +64,18 @@ Tensor = torch.Tensor
 NOISE_BLOCK: tl.constexpr = tl.constexpr(_ref.NOISE_BLOCK)
 SALT_TOKEN: tl.constexpr = tl.constexpr(_ref.SALT_TOKEN)
 SALT_BLOCK: tl.constexpr = tl.constexpr(_ref.SALT_BLOCK)
+MASS_FLOOR: tl.constexpr = tl.constexpr(_ref.MASS_FLOOR)
+#: the fp32 screen's margin below the best fp32 score (absolute + relative to it): ten times
+#: the screen's worst error (the fp32 noise's 1e-5 and the sum's rounding), so no block that
+#: can have the best float64 score is screened out
+SCREEN_ABS: tl.constexpr = tl.constexpr(1e-4)
+SCREEN_REL: tl.constexpr = tl.constexpr(2.0**-18)
+LOG2E: tl.constexpr = tl.constexpr(_ref.LOG2E)
+LN2_HI: tl.constexpr = tl.constexpr(_ref.LN2_HI)
+LN2_LO: tl.constexpr = tl.constexpr(_ref.LN2_LO)
+EXP_POLY_6, EXP_POLY_5, EXP_POLY_4, EXP_POLY_3, EXP_POLY_2, EXP_POLY_1, EXP_POLY_0 = (
+    tl.constexpr(c) for c in _ref.EXP_POLY)
+MASS_EXPONENT_BIAS: tl.constexpr = tl.constexpr(127 + _ref.FIXED_BITS)  # 2^(n + FIXED_BITS) as fp32 bits
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,8 @@ class SamplingConfig:
     entries per chunk of a pass over a whole row (the bisection). ``candidate_cap``: most
     top-k candidate slots (blocks x k) a row merges in registers (more: the bisection).
     ``block_warps``: warps of launch 1; ``row_warps``: of launch 2, whose programs hold the
-    row's finish (the candidates' merge: its registers set the warps that avoid spills).
+    row's finish. ``candidate_lanes``: top-k candidates the finish compares at once (its
+    threshold searches compare this many with as many).
     ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
     ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
 
@@ -86,6 +103,7 @@ class SamplingConfig:
     candidate_cap: int
     block_warps: int
     row_warps: int
+    candidate_lanes: int = 64
     logits_budget: int = 512 << 20
     finish_rows: int = 8
     finish_tiles: int = 256
@@ -94,10 +112,10 @@ class SamplingConfig:
 def default_config(device: torch.device) -> SamplingConfig:
     """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
     if device.type == "cuda":
-        return SamplingConfig(split_block=4096, sub_block=64, row_block=4096, candidate_cap=4096, block_warps=4,
-                              row_warps=4)
+        return SamplingConfig(split_block=4096, sub_block=64, row_block=1024, candidate_cap=4096, block_warps=4,
+                              row_warps=4, candidate_lanes=32)
     return SamplingConfig(split_block=32, sub_block=8, row_block=64, candidate_cap=32, block_warps=1, row_warps=1,
-                          finish_tiles=4)
+                          candidate_lanes=4, finish_tiles=4)
 
 
 # ------------------------------------------------------------------ the RNG (as _torch.sampling)
@@ -128,6 +146,42 @@ def gumbel(index, ka, kb):
     return -tl.log(-tl.log(u))
 
 
+@triton.jit
+def gumbel32(index, ka, kb):
+    """fp32 Gumbel noise of ``index`` under keys ``ka``, ``kb``: ``gumbel``'s to within about
+    1e-5, whatever the fp32 log's accuracy (``-log u`` of a ``u`` near 1 by its series in the
+    exact ``1 - u``), to screen which float64 scores can be the best."""
+    bits = (_mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8) | 1
+    t = (16777216 - bits).to(tl.float32) * (1.0 / 16777216.0)  # 1 - u, exact
+    u = bits.to(tl.float32) * (1.0 / 16777216.0)
+    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * (0.25 + t * (0.20000000298023224 + t * 0.1666666716337204)))))
+    return -tl.log(tl.where(t < 0.0625, series, -tl.log(u)))
+
+
+@triton.jit
+def best_noise_block(ell, blocks, ka, kb):
+    """Per row of ``ell [M, NB]`` (fp32 log-masses of noise blocks ``blocks [1, NB]``; keys
+    ``ka``, ``kb`` ``[M]``): the float64 max of ``ell + gumbel`` (NaN as -inf) and its block, the
+    first on a tie, as an argmax over all of them gives. Float64 noise is computed only for the
+    blocks whose fp32 screen (``gumbel32``) is within ``SCREEN`` of the row's best, one block per
+    row at a time (usually one in all): the others cannot win. Returns ``(best, block)``, ``[M]``."""
+    idx = tl.broadcast_to(blocks, ell.shape)
+    s32 = no_nan(ell + gumbel32(idx, ka[:, None], kb[:, None]))
+    top = tl.max(s32, 1)
+    near = (s32 >= (top - (SCREEN_ABS + SCREEN_REL * tl.abs(top)))[:, None]) & (s32 > -float("inf"))
+    best = tl.full(top.shape, -float("inf"), tl.float64)
+    best_block = tl.min(idx, 1)
+    while tl.max(near.to(tl.int32)) > 0:
+        i = tl.min(tl.where(near, idx, 2**31 - 1), 1)  # each row's first near block (none: 2^31 - 1)
+        pick = idx == i[:, None]
+        s = no_nan(tl.max(tl.where(pick, ell, -float("inf")), 1).to(tl.float64) + gumbel(i, ka, kb))
+        better = (i != 2**31 - 1) & (s > best)
+        best = tl.where(better, s, best)
+        best_block = tl.where(better, i, best_block)
+        near = near & (idx != i[:, None])
+    return best, best_block
+
+
 # ------------------------------------------------------------------ from logits
 @triton.jit
 def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
@@ -138,9 +192,20 @@ def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
 
 
 @triton.jit
-def _mass(z, m):
-    """int64 ``trunc(exp(z - m) · 2^40)``, the exp in float64 (0 for z = -inf)."""
-    return (tl.exp((z - m).to(tl.float64)) * 1099511627776.0).to(tl.int64)
+def masses(z, m):
+    """int64 ``trunc(exp(z - m) · 2^40)`` (0 for z = -inf): ``_torch.sampling.masses``, operation
+    for operation (the kernels compile without fused multiply-adds)."""
+    d = tl.maximum(z - m, MASS_FLOOR)
+    n = tl.floor(d * LOG2E + 0.5)
+    r = (d - n * LN2_HI) - n * LN2_LO
+    p = r * EXP_POLY_6 + EXP_POLY_5
+    p = p * r + EXP_POLY_4
+    p = p * r + EXP_POLY_3
+    p = p * r + EXP_POLY_2
+    p = p * r + EXP_POLY_1
+    p = p * r + EXP_POLY_0
+    scale = ((n.to(tl.int32) + MASS_EXPONENT_BIAS) << 23).to(tl.float32, bitcast=True)
+    return (p * scale).to(tl.int64)
 
 
 @triton.jit
@@ -155,6 +220,13 @@ def _key(z):
     bits = z.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return tl.where(z == 0.0, 0, key).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value of a ``_key`` (its inverse; -inf for -2^31, below every finite value's key)."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
+    return tl.where(key == -(2**31), -float("inf"), bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -180,38 +252,8 @@ def _mass_above(x_row, V, inv_t, m, t_kept, t, SCALE_T: tl.constexpr, BLOCK: tl.
     for c in range(0, V, BLOCK):
         z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
         key = _key(z)
-        s += tl.sum(tl.where((z > -float("inf")) & (key >= t_kept) & (key > t), _mass(z, m), 0), 0)
+        s += tl.sum(tl.where((z > -float("inf")) & (key >= t_kept) & (key > t), masses(z, m), 0), 0)
     return s
-
-
-@triton.jit
-def _top_k_threshold(key, fin, top_k):
-    """The largest key t with at least ``top_k`` of the finite candidates at key >= t (the
-    smallest key when fewer are finite: every one is kept)."""
-    lo = tl.full([], -(2**31), tl.int64)
-    hi = tl.max(tl.where(fin, key, -(2**31)), 0) + 1
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        ok = tl.sum((fin & (key >= mid)).to(tl.int64), 0) >= top_k
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
-    return lo
-
-
-@triton.jit
-def _top_p_threshold(key, fin, ce, t, top_p_bits):
-    """The smallest key t' with the mass of the kept candidates (key >= t) above t' below
-    ``top_p`` of their mass (``ce``: the candidates' masses)."""
-    kept = fin & (key >= t)
-    need = top_p_bits.to(tl.float64, bitcast=True) * tl.sum(tl.where(kept, ce, 0), 0).to(tl.float64)
-    lo = t - 1
-    hi = tl.max(tl.where(fin, key, -(2**31)), 0)
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        ok = tl.sum(tl.where(kept & (key > mid), ce, 0), 0).to(tl.float64) < need
-        hi = tl.where(ok, mid, hi)
-        lo = tl.where(ok, lo, mid)
-    return hi
 
 
 @triton.jit
@@ -252,7 +294,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
         kept = (z > -float("inf")) & (_key(z) >= t)
         if MIN_P:
             kept = kept & ((z - m) >= min_p_log)
-        kept_mass += tl.sum(tl.where(kept, _mass(z, m), 0), 0)
+        kept_mass += tl.sum(tl.where(kept, masses(z, m), 0), 0)
         if not GIVEN:
             score = tl.where(kept, z.to(tl.float64) + gumbel(offs, tka, tkb), -float("inf"))
             chunk_best = tl.max(score, 0)
@@ -318,12 +360,13 @@ def _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks):
 @triton.jit
 def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count_ptr, n_rows, n_blocks,
                    SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr,
-                   NBP: tl.constexpr, BOUND_LANES: tl.constexpr):
+                   TOPS: tl.constexpr, NBP: tl.constexpr, BOUND_LANES: tl.constexpr):
     """Launch 1, per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the
-    finite ones; with ``CANDIDATES`` the max of each ``SUB`` entries. The row's last block
-    combines them in block order: the row's max, status and finite entries, and with
-    ``CANDIDATES`` the key of the k-th largest sub-block max (distinct entries, so at most the
-    k-th largest entry's key; the smallest key when fewer than k are finite)."""
+    finite ones; with ``CANDIDATES`` the ``TOPS`` largest of its ``SUB``-entry sub-block maxima.
+    The row's last block combines them in block order: the row's max, status and finite
+    entries, and with ``CANDIDATES`` the bound: the key of the k-th largest of the blocks' top
+    sub-block maxima (distinct entries, so at most the k-th largest entry's key; the smallest
+    key when fewer than k of them are finite)."""
     (part_max_ptr, _, row_max_ptr, sub_max_ptr, part_bad_ptr, part_fin_ptr, _, _, row_status_ptr, _, _, row_fin_ptr,
      bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks)
     pid = tl.program_id(0)
@@ -332,9 +375,13 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count
     part = row * n_blocks + blk
     z_num = tl.where(z == z, z, -float("inf"))
     tl.store(part_max_ptr + part, tl.max(z_num, 0))
-    if CANDIDATES:
+    if CANDIDATES:  # the block's TOPS largest sub-block maxima, largest first
         subs = tl.max(tl.reshape(z_num, (SPLIT // SUB, SUB)), 1)
-        tl.store(sub_max_ptr + part.to(tl.int64) * (SPLIT // SUB) + tl.arange(0, SPLIT // SUB), subs)
+        at = tl.arange(0, SPLIT // SUB)
+        for i in tl.static_range(TOPS):
+            j = tl.argmax(subs, 0)
+            tl.store(sub_max_ptr + part.to(tl.int64) * TOPS + i, tl.max(subs, 0))
+            subs = tl.where(at == j, -float("inf"), subs)
     tl.store(part_bad_ptr + part, tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), 0))
     tl.store(part_fin_ptr + part, tl.sum((z > -float("inf")).to(tl.int32), 0))
     if _last_to_arrive(count_ptr, row, n_blocks):
@@ -342,46 +389,93 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count
         tl.store(row_max_ptr + row, m)
         tl.store(row_status_ptr + row, status)
         tl.store(row_fin_ptr + row, n_finite)
-        if CANDIDATES:
-            n_subs = n_blocks * (SPLIT // SUB)
+        if CANDIDATES:  # the k-th largest of the blocks' tops, by a sort (largest first)
+            n_tops = n_blocks * TOPS
             lanes = tl.arange(0, BOUND_LANES)
-            v = tl.load(sub_max_ptr + row.to(tl.int64) * n_subs + lanes, mask=lanes < n_subs, other=-float("inf"),
+            v = tl.load(sub_max_ptr + row.to(tl.int64) * n_tops + lanes, mask=lanes < n_tops, other=-float("inf"),
                         cache_modifier=".cg")
-            tl.store(bound_ptr + row, _top_k_threshold(_key(v), v > -float("inf"), top_k))
+            kth = tl.max(tl.where(lanes == top_k - 1, tl.sort(v, 0, descending=True), -float("inf")), 0)
+            tl.store(bound_ptr + row, tl.where(kth > -float("inf"), _key(kth), -(2**31)))
         tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, first, SCALE_T: tl.constexpr, CL: tl.constexpr):
+    """Candidates ``first .. first + CL`` of a row, the blocks' candidates one after another in
+    block order (``cnt``: each block's number, ``ends`` their running sums): (index, z), z -inf
+    past the last."""
+    lanes = first + tl.arange(0, CL)
+    before = ends[None, :] <= lanes[:, None]  # the blocks wholly before each lane
+    slot = tl.sum(before.to(tl.int32), 1) * top_k + lanes - tl.sum(tl.where(before, cnt[None, :], 0), 1)
+    valid = lanes < tl.max(ends, 0)
+    ci = tl.load(cand_row + slot, mask=valid, other=0, cache_modifier=".cg")
+    return ci, tl.where(valid, _load_z(x_row, ci, V, inv_t, SCALE_T), -float("inf"))
 
 
 @triton.jit
 def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_log, tka, tkb,
                           cand_row, cnt_row, drop_row, n_blocks,
                           SCALE_T: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                          NBP: tl.constexpr, LANES: tl.constexpr):
+                          NBP: tl.constexpr, CL: tl.constexpr):
     """Top-k (then top-p, min-p) and the draw over the blocks' candidates (each block's k
-    largest entries above the row's bound). They hold every token top-k keeps unless a block left out an
-    entry equal to the k-th largest (a tie at the boundary): ``inexact`` says when."""
-    lanes = tl.arange(0, LANES)
-    blk = lanes // top_k
-    in_range = blk < n_blocks
-    valid = in_range & (lanes - blk * top_k < tl.load(cnt_row + blk, mask=in_range, other=0, cache_modifier=".cg"))
-    ci = tl.load(cand_row + lanes, mask=valid, other=0, cache_modifier=".cg")
-    cz = tl.where(valid, _load_z(x_row, ci, V, inv_t, SCALE_T), -float("inf"))
-    fin = cz > -float("inf")
-    key = _key(cz)
-    ce = _mass(cz, m)
-    t = _top_k_threshold(key, fin, top_k)
+    largest entries above the row's bound). They hold every token top-k keeps unless a block
+    left out an entry equal to the k-th largest (a tie at the boundary): ``inexact`` says when.
+
+    The candidates (usually a little over k) are read ``CL`` at a time, and each threshold is
+    found by comparing every candidate with every other (``CL x CL`` at once): the k-th largest
+    key is the largest with k keys at or above it; the top-p threshold the smallest kept key
+    whose kept mass above it is below ``top_p`` of the kept mass."""
     b = tl.arange(0, NBP)
+    cnt = tl.load(cnt_row + b, mask=b < n_blocks, other=0, cache_modifier=".cg")
+    ends = tl.cumsum(cnt, 0)
+    n = tl.sum(cnt, 0)
+    t = tl.full([], -(2**31), tl.int64)  # the k-th largest key (the smallest when fewer are finite)
+    for i0 in range(0, n, CL):
+        _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
+        ki = _key(zi)
+        at_or_above = tl.zeros([CL], tl.int32)
+        for j0 in range(0, n, CL):
+            _, zj = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, j0, SCALE_T, CL)
+            at_or_above += tl.sum(((zj[None, :] > -float("inf")) & (_key(zj)[None, :] >= ki[:, None])).to(tl.int32), 1)
+        t = tl.maximum(t, tl.max(tl.where((zi > -float("inf")) & (at_or_above >= top_k), ki, -(2**31)), 0))
     drop = tl.load(drop_row + b, mask=b < n_blocks, other=-float("inf"), cache_modifier=".cg")
     inexact = tl.sum(((drop > -float("inf")) & (_key(drop) >= t)).to(tl.int32), 0) > 0
     if TOP_P:
-        t = _top_p_threshold(key, fin, ce, t, top_p_bits)
-    kept = fin & (key >= t)
-    if MIN_P:
-        kept = kept & ((cz - m) >= min_p_log)
-    score = tl.where(kept, cz.to(tl.float64) + gumbel(ci, tka, tkb), -float("inf"))
-    best = tl.max(score, 0)
-    token = tl.min(tl.where(score == best, ci, 2**31 - 1), 0).to(tl.int64)  # the first by index on a tie
+        kept_mass = tl.zeros([], tl.int64)
+        for i0 in range(0, n, CL):
+            _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
+            kept_mass += tl.sum(tl.where((zi > -float("inf")) & (_key(zi) >= t), masses(zi, m), 0), 0)
+        need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass.to(tl.float64)
+        t_p = tl.full([], 2**31 - 1, tl.int64)
+        for i0 in range(0, n, CL):
+            _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
+            ki = _key(zi)
+            above = tl.zeros([CL], tl.int64)  # the kept mass strictly above each candidate
+            for j0 in range(0, n, CL):
+                _, zj = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, j0, SCALE_T, CL)
+                kj = _key(zj)
+                heavier = (zj[None, :] > -float("inf")) & (kj[None, :] >= t) & (kj[None, :] > ki[:, None])
+                above += tl.sum(tl.where(heavier, masses(zj, m)[None, :], 0), 1)
+            ok = (zi > -float("inf")) & (ki >= t) & (above.to(tl.float64) < need)
+            t_p = tl.minimum(t_p, tl.min(tl.where(ok, ki, 2**31 - 1), 0))
+        t = t_p
+    best = tl.full([], -float("inf"), tl.float64)
+    token = tl.full([], 2**31 - 1, tl.int32)
+    mass = tl.zeros([], tl.int64)
+    for i0 in range(0, n, CL):
+        ci, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
+        kept = (zi > -float("inf")) & (_key(zi) >= t)
+        if MIN_P:
+            kept = kept & ((zi - m) >= min_p_log)
+        mass += tl.sum(tl.where(kept, masses(zi, m), 0), 0)
+        score = tl.where(kept, zi.to(tl.float64) + gumbel(ci, tka, tkb), -float("inf"))
+        top = tl.max(score, 0)
+        first = tl.min(tl.where((score == top) & kept, ci, 2**31 - 1), 0)  # the first by index on a tie
+        token = tl.where(top > best, first, tl.where(top == best, tl.minimum(token, first), token))
+        best = tl.maximum(best, top)
+    token = tl.where(token == 2**31 - 1, 0, token).to(tl.int64)  # none kept (a bad row): token 0
     z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
-    return token, _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, tl.sum(tl.where(kept, ce, 0), 0)), inexact
+    return token, _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, mass), inexact
 
 
 @triton.jit
@@ -390,7 +484,7 @@ def _finish_row(x_row, row, V, inv_t, m, status, n_finite, tka, tkb, top_k, top_
                 tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
                 SCALE_T: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
                 MIN_P: tl.constexpr, GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
-                NBP: tl.constexpr, LANES: tl.constexpr):
+                NBP: tl.constexpr, CL: tl.constexpr):
     """A row's blocks combined in block order: the mass, the draw (plain: the first best noise
     block, then Gumbel-max inside it; top-k: over the candidates; otherwise, or on a tie at the
     top-k boundary, by bisection over the row) and the log-probs (NaN for a bad row)."""
@@ -416,7 +510,7 @@ def _finish_row(x_row, row, V, inv_t, m, status, n_finite, tka, tkb, top_k, top_
         token, lp, slp, inexact = _draw_from_candidates(
             x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_log, tka, tkb,
             cand_ptr + part.to(tl.int64) * top_k, part_cnt_ptr + part, part_drop_ptr + part, n_blocks,
-            SCALE_T, TOP_P, MIN_P, NBP, LANES)
+            SCALE_T, TOP_P, MIN_P, NBP, CL)
         if inexact:
             token, lp, slp = _draw_by_bisection(
                 x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, min_p_log, given_ptr + row, tka, tkb,
@@ -437,7 +531,7 @@ def _draw_kernel(
     f32_ws, i32_ws, i64_ws, part_best_ptr, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
     SCALE_T: tl.constexpr, STEPS: tl.constexpr, PLAIN: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
     MIN_P: tl.constexpr, GIVEN: tl.constexpr, DRAW: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
+    BLOCK: tl.constexpr, NBP: tl.constexpr, CL: tl.constexpr,
 ):
     """Launch 2, per (row, vocabulary block), under the row's max: the block's integer mass;
     with ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES``
@@ -455,7 +549,7 @@ def _draw_kernel(
     lanes = tl.arange(0, SPLIT)
     z = _load_z(x_row, blk * SPLIT + lanes, V, inv_t, SCALE_T)
     part = row * n_blocks + blk
-    tl.store(part_mass_ptr + part, tl.sum(_mass(z, m), 0))
+    tl.store(part_mass_ptr + part, tl.sum(masses(z, m), 0))
     if DRAW:
         zb = tl.reshape(z, (SPLIT // NOISE_BLOCK, NOISE_BLOCK))
         mb = tl.max(zb, 1)
@@ -463,25 +557,32 @@ def _draw_kernel(
         ell = tl.where(mb == -float("inf"), -float("inf"), safe + tl.log(tl.sum(tl.exp(zb - safe[:, None]), 1)))
         blocks = blk * (SPLIT // NOISE_BLOCK) + tl.arange(0, SPLIT // NOISE_BLOCK)
         bka, bkb = row_keys(seed, step, SALT_BLOCK)
-        score = no_nan(ell.to(tl.float64) + gumbel(blocks, bka, bkb))
-        tl.store(part_best_ptr + part, tl.max(score, 0))
-        tl.store(part_best_block_ptr + part, blk * (SPLIT // NOISE_BLOCK) + tl.argmax(score, 0))
-    if CANDIDATES:  # largest first
-        work = tl.where((z > -float("inf")) & (_key(z) >= tl.load(bound_ptr + row)), z, -float("inf"))
-        n = tl.minimum(tl.sum((work > -float("inf")).to(tl.int32), 0), top_k)
+        one = tl.zeros([1], tl.uint32)
+        best, best_block = best_noise_block(ell[None, :], blocks[None, :], one + bka, one + bkb)
+        tl.store(part_best_ptr + part + tl.arange(0, 1), best)
+        tl.store(part_best_block_ptr + part + tl.arange(0, 1), best_block)
+    if CANDIDATES:  # the entries at or above the bound: all, by one scan, or the k largest
+        above = (z > -float("inf")) & (z >= _key_value(tl.load(bound_ptr + row)))
+        count = tl.sum(above.to(tl.int32), 0)
         slots = cand_ptr + part.to(tl.int64) * top_k
-        for i in range(0, n):
-            j = tl.argmax(work, 0)
-            tl.store(slots + i, blk * SPLIT + j)
-            work = tl.where(lanes == j, -float("inf"), work)
-        tl.store(part_cnt_ptr + part, n)
-        tl.store(part_drop_ptr + part, tl.max(work, 0))
+        if count <= top_k:  # usually
+            tl.store(slots + tl.cumsum(above.to(tl.int32), 0) - 1, blk * SPLIT + lanes, mask=above)
+            tl.store(part_cnt_ptr + part, count)
+            tl.store(part_drop_ptr + part, -float("inf"))
+        else:
+            work = tl.where(above, z, -float("inf"))
+            for i in range(0, top_k):
+                j = tl.argmax(work, 0)
+                tl.store(slots + i, blk * SPLIT + j)
+                work = tl.where(lanes == j, -float("inf"), work)
+            tl.store(part_cnt_ptr + part, top_k)
+            tl.store(part_drop_ptr + part, tl.max(work, 0))
     if _last_to_arrive(count_ptr, row, n_blocks):
         tka, tkb = row_keys(seed, step, SALT_TOKEN)
         _finish_row(x_row, row, V, inv_t, m, tl.load(row_status_ptr + row), tl.load(row_fin_ptr + row), tka, tkb,
                     top_k, top_p_bits, min_p_log, given_ptr, part_mass_ptr, part_best_ptr, part_best_block_ptr,
                     part_drop_ptr, cand_ptr, part_cnt_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
-                    SCALE_T, PLAIN, TOP_K, TOP_P, MIN_P, GIVEN, CANDIDATES, BLOCK, NBP, LANES)
+                    SCALE_T, PLAIN, TOP_K, TOP_P, MIN_P, GIVEN, CANDIDATES, BLOCK, NBP, CL)
 
 
 def _pow2(n: int) -> int:
@@ -521,8 +622,11 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
 
     n = B * n_blocks
     sub = cfg.sub_block
+    # each block's largest sub-block maxima for the bound: twice its share of k (at least 4), so
+    # that the k-th largest of them is close to the row's k-th largest sub-block max
+    tops = min(split // sub, _pow2(max(4, -(-2 * top_k // n_blocks))))
     # three workspaces hold the partials (``_workspace``: their places), a fourth the plain draw's scores
-    f32_ws = torch.empty(2 * n + B + (n * (split // sub) if candidates else 0), dtype=torch.float32, device=dev)
+    f32_ws = torch.empty(2 * n + B + (n * tops if candidates else 0), dtype=torch.float32, device=dev)
     i32_ws = torch.empty(4 * n + B + (n * top_k if candidates else 0), dtype=torch.int32, device=dev)
     i64_ws = torch.empty(n + 2 * B, dtype=torch.int64, device=dev)
     part_best = torch.empty(n, dtype=torch.float64, device=dev) if draw else tokens  # unused: any tensor
@@ -534,8 +638,8 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _maxima_kernel[grid](
         logits, logits.stride(0), V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
-        SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, NBP=nbp,
-        BOUND_LANES=_pow2(n_blocks * (split // sub)) if candidates else 16,
+        SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, SUB=sub, TOPS=tops, NBP=nbp,
+        BOUND_LANES=_pow2(n_blocks * tops) if candidates else 16,
         num_warps=cfg.block_warps, enable_fp_fusion=False)
     steps_t, step_stride, step_value, has_steps = _step_args(steps, tokens)
     _draw_kernel[grid](
@@ -545,6 +649,6 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
         SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, TOP_K=filters.top_k is not None,
         TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None, DRAW=draw,
         CANDIDATES=candidates, SPLIT=split, BLOCK=cfg.row_block, NBP=nbp,
-        LANES=max(16, _pow2(n_blocks * top_k)), num_warps=cfg.row_warps, enable_fp_fusion=False,
+        CL=cfg.candidate_lanes, num_warps=cfg.row_warps, enable_fp_fusion=False,
     )
     return tokens, log_probs, sampled, status
