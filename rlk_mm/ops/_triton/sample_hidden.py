@@ -19,7 +19,7 @@ Roofline of the plain path (one row chunk): the tiles kernel reads the head once
 ``block_m`` rows (2VH bytes in bf16, the same as the logits GEMM at B <= block_m) and never
 writes logits; beyond the GEMM its epilogue computes one exp per logit (the log-sum-exp
 partials ``selected_logprob`` computes anyway), one noise value per 32 logits (fp32; float64
-only for the blocks near the best, ``sampling.best_noise_block``) and writes a noise block per
+only for the blocks near the best, ``noise.best_noise_block``) and writes a noise block per
 row per tile. Then two small launches, each a few microseconds: the draw's
 finish (``finish_tiles`` tiles' scores per row compared at once) and the combine (lanes of
 partials at once, ``lm_head.combine_kernel``); and two elementwise torch ops. So the plain
@@ -49,7 +49,8 @@ from .lm_head import (
     partial_columns,
     store_partials,
 )
-from .sampling import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, SamplingConfig, best_noise_block, gumbel, no_nan, row_keys, sample_logits
+from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel, no_nan, row_keys
+from .sampling import SamplingConfig, sample_logits
 from .sampling import default_config as sampling_config
 
 Tensor = torch.Tensor

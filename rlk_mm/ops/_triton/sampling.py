@@ -13,7 +13,7 @@ partials in block order, so no third launch waits for them:
   largest of those sub-block maxima (a sort of a few hundred), at most the k-th largest entry.
 * launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
   temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64
-  noise only for the blocks an fp32 screen leaves: ``best_noise_block``); top-k: the
+  noise only for the blocks an fp32 screen leaves: ``noise.best_noise_block``); top-k: the
   indices of its entries at or above the bound (one scan; if more than k, its k largest and
   the largest it leaves out). The row's last block (``_finish_row``) sums the mass, finishes the
   plain draw inside the best noise block (the first on a tie, as over the whole row), or runs
@@ -53,29 +53,14 @@ import triton
 import triton.language as tl
 
 from .._torch import sampling as _ref
+from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel, key_value, masses, no_nan, order_key, row_keys
 
 __all__ = [
-    "best_noise_block", "default_config", "gumbel", "gumbel32", "masses", "no_nan", "NOISE_BLOCK", "row_keys",
-    "SALT_BLOCK", "SALT_TOKEN", "sample_logits", "SamplingConfig",
+    "default_config", "sample_logits", "SamplingConfig",
 ]
 
 Tensor = torch.Tensor
 
-NOISE_BLOCK: tl.constexpr = tl.constexpr(_ref.NOISE_BLOCK)
-SALT_TOKEN: tl.constexpr = tl.constexpr(_ref.SALT_TOKEN)
-SALT_BLOCK: tl.constexpr = tl.constexpr(_ref.SALT_BLOCK)
-MASS_FLOOR: tl.constexpr = tl.constexpr(_ref.MASS_FLOOR)
-#: the fp32 screen's margin below the best fp32 score (absolute + relative to it): ten times
-#: the screen's worst error (the fp32 noise's 1e-5 and the sum's rounding), so no block that
-#: can have the best float64 score is screened out
-SCREEN_ABS: tl.constexpr = tl.constexpr(1e-4)
-SCREEN_REL: tl.constexpr = tl.constexpr(2.0**-18)
-LOG2E: tl.constexpr = tl.constexpr(_ref.LOG2E)
-LN2_HI: tl.constexpr = tl.constexpr(_ref.LN2_HI)
-LN2_LO: tl.constexpr = tl.constexpr(_ref.LN2_LO)
-EXP_POLY_6, EXP_POLY_5, EXP_POLY_4, EXP_POLY_3, EXP_POLY_2, EXP_POLY_1, EXP_POLY_0 = (
-    tl.constexpr(c) for c in _ref.EXP_POLY)
-MASS_EXPONENT_BIAS: tl.constexpr = tl.constexpr(127 + _ref.FIXED_BITS)  # 2^(n + FIXED_BITS) as fp32 bits
 
 
 @dataclass(frozen=True)
@@ -118,70 +103,6 @@ def default_config(device: torch.device) -> SamplingConfig:
                           candidate_lanes=4, finish_tiles=4)
 
 
-# ------------------------------------------------------------------ the RNG (as _torch.sampling)
-@triton.jit
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = x * tl.full([], 0x7FEB352D, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full([], 0x846CA68B, tl.uint32)
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def row_keys(seed, step, SALT: tl.constexpr):
-    """A row's two uint32 keys from its int64 seed and step (``_torch.sampling.row_keys``)."""
-    a = _mix32(seed.to(tl.uint32) ^ tl.full([], 0x9E3779B9, tl.uint32))
-    a = _mix32(a ^ (seed >> 32).to(tl.uint32))
-    a = _mix32(a ^ step.to(tl.uint32))
-    ka = _mix32(a ^ tl.full([], SALT, tl.uint32))
-    return ka, _mix32(ka ^ tl.full([], 0x27D4EB2F, tl.uint32))
-
-
-@triton.jit
-def gumbel(index, ka, kb):
-    """float64 Gumbel noise of non-negative int ``index`` under uint32 keys ``ka``, ``kb``."""
-    bits = _mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8
-    u = (bits | 1).to(tl.float64) * (1.0 / 16777216.0)
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def gumbel32(index, ka, kb):
-    """fp32 Gumbel noise of ``index`` under keys ``ka``, ``kb``: ``gumbel``'s to within about
-    1e-5, whatever the fp32 log's accuracy (``-log u`` of a ``u`` near 1 by its series in the
-    exact ``1 - u``), to screen which float64 scores can be the best."""
-    bits = (_mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8) | 1
-    t = (16777216 - bits).to(tl.float32) * (1.0 / 16777216.0)  # 1 - u, exact
-    u = bits.to(tl.float32) * (1.0 / 16777216.0)
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * (0.25 + t * (0.20000000298023224 + t * 0.1666666716337204)))))
-    return -tl.log(tl.where(t < 0.0625, series, -tl.log(u)))
-
-
-@triton.jit
-def best_noise_block(ell, blocks, ka, kb):
-    """Per row of ``ell [M, NB]`` (fp32 log-masses of noise blocks ``blocks [1, NB]``; keys
-    ``ka``, ``kb`` ``[M]``): the float64 max of ``ell + gumbel`` (NaN as -inf) and its block, the
-    first on a tie, as an argmax over all of them gives. Float64 noise is computed only for the
-    blocks whose fp32 screen (``gumbel32``) is within ``SCREEN`` of the row's best, one block per
-    row at a time (usually one in all): the others cannot win. Returns ``(best, block)``, ``[M]``."""
-    idx = tl.broadcast_to(blocks, ell.shape)
-    s32 = no_nan(ell + gumbel32(idx, ka[:, None], kb[:, None]))
-    top = tl.max(s32, 1)
-    near = (s32 >= (top - (SCREEN_ABS + SCREEN_REL * tl.abs(top)))[:, None]) & (s32 > -float("inf"))
-    best = tl.full(top.shape, -float("inf"), tl.float64)
-    best_block = tl.min(idx, 1)
-    while tl.max(near.to(tl.int32)) > 0:
-        i = tl.min(tl.where(near, idx, 2**31 - 1), 1)  # each row's first near block (none: 2^31 - 1)
-        pick = idx == i[:, None]
-        s = no_nan(tl.max(tl.where(pick, ell, -float("inf")), 1).to(tl.float64) + gumbel(i, ka, kb))
-        better = (i != 2**31 - 1) & (s > best)
-        best = tl.where(better, s, best)
-        best_block = tl.where(better, i, best_block)
-        near = near & (idx != i[:, None])
-    return best, best_block
-
-
 # ------------------------------------------------------------------ from logits
 @triton.jit
 def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
@@ -189,44 +110,6 @@ def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
     if SCALE_T:
         z = z * inv_t
     return z
-
-
-@triton.jit
-def masses(z, m):
-    """int64 ``trunc(exp(z - m) · 2^40)`` (0 for z = -inf): ``_torch.sampling.masses``, operation
-    for operation (the kernels compile without fused multiply-adds)."""
-    d = tl.maximum(z - m, MASS_FLOOR)
-    n = tl.floor(d * LOG2E + 0.5)
-    r = (d - n * LN2_HI) - n * LN2_LO
-    p = r * EXP_POLY_6 + EXP_POLY_5
-    p = p * r + EXP_POLY_4
-    p = p * r + EXP_POLY_3
-    p = p * r + EXP_POLY_2
-    p = p * r + EXP_POLY_1
-    p = p * r + EXP_POLY_0
-    scale = ((n.to(tl.int32) + MASS_EXPONENT_BIAS) << 23).to(tl.float32, bitcast=True)
-    return (p * scale).to(tl.int64)
-
-
-@triton.jit
-def no_nan(score):
-    """NaN scores (a bad row, reported by its status) as -inf, so that argmax is defined."""
-    return tl.where(score == score, score, -float("inf"))
-
-
-@triton.jit
-def _key(z):
-    """An int64 key ordered as the fp32 values ``z`` are (-0.0 and 0.0 equal)."""
-    bits = z.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return tl.where(z == 0.0, 0, key).to(tl.int64)
-
-
-@triton.jit
-def _key_value(key):
-    """The fp32 value of a ``_key`` (its inverse; -inf for -2^31, below every finite value's key)."""
-    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.int32)
-    return tl.where(key == -(2**31), -float("inf"), bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -241,7 +124,7 @@ def _count_from(x_row, V, inv_t, t, SCALE_T: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.zeros([], tl.int64)
     for c in range(0, V, BLOCK):
         z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
-        n += tl.sum(((z > -float("inf")) & (_key(z) >= t)).to(tl.int64), 0)
+        n += tl.sum(((z > -float("inf")) & (order_key(z) >= t)).to(tl.int64), 0)
     return n
 
 
@@ -251,7 +134,7 @@ def _mass_above(x_row, V, inv_t, m, t_kept, t, SCALE_T: tl.constexpr, BLOCK: tl.
     s = tl.zeros([], tl.int64)
     for c in range(0, V, BLOCK):
         z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
-        key = _key(z)
+        key = order_key(z)
         s += tl.sum(tl.where((z > -float("inf")) & (key >= t_kept) & (key > t), masses(z, m), 0), 0)
     return s
 
@@ -266,7 +149,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
     if TOP_K:
         if top_k < n_finite:  # largest t with count(key >= t) >= top_k
             lo = t
-            hi = _key(m) + 1
+            hi = order_key(m) + 1
             while hi - lo > 1:
                 mid = lo + (hi - lo) // 2
                 ok = _count_from(x_row, V, inv_t, mid, SCALE_T, BLOCK) >= top_k
@@ -277,7 +160,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
         kept_mass = _mass_above(x_row, V, inv_t, m, t, t - 1, SCALE_T, BLOCK).to(tl.float64)
         need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass
         lo = t - 1
-        hi = _key(m)
+        hi = order_key(m)
         while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             ok = _mass_above(x_row, V, inv_t, m, t, mid, SCALE_T, BLOCK).to(tl.float64) < need
@@ -291,7 +174,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
     for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         z = _load_z(x_row, offs, V, inv_t, SCALE_T)
-        kept = (z > -float("inf")) & (_key(z) >= t)
+        kept = (z > -float("inf")) & (order_key(z) >= t)
         if MIN_P:
             kept = kept & ((z - m) >= min_p_log)
         kept_mass += tl.sum(tl.where(kept, masses(z, m), 0), 0)
@@ -307,7 +190,7 @@ def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, m
     lp = _log_ratio(z_tok, m, total)
     slp = _log_ratio(z_tok, m, kept_mass)
     if GIVEN:
-        kept_tok = (z_tok > -float("inf")) & (_key(z_tok) >= t)
+        kept_tok = (z_tok > -float("inf")) & (order_key(z_tok) >= t)
         if MIN_P:
             kept_tok = kept_tok & ((z_tok - m) >= min_p_log)
         slp = tl.where(kept_tok, slp, -float("inf"))
@@ -395,7 +278,7 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count
             v = tl.load(sub_max_ptr + row.to(tl.int64) * n_tops + lanes, mask=lanes < n_tops, other=-float("inf"),
                         cache_modifier=".cg")
             kth = tl.max(tl.where(lanes == top_k - 1, tl.sort(v, 0, descending=True), -float("inf")), 0)
-            tl.store(bound_ptr + row, tl.where(kth > -float("inf"), _key(kth), -(2**31)))
+            tl.store(bound_ptr + row, tl.where(kth > -float("inf"), order_key(kth), -(2**31)))
         tl.store(count_ptr + row, 0)
 
 
@@ -432,28 +315,28 @@ def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_lo
     t = tl.full([], -(2**31), tl.int64)  # the k-th largest key (the smallest when fewer are finite)
     for i0 in range(0, n, CL):
         _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
-        ki = _key(zi)
+        ki = order_key(zi)
         at_or_above = tl.zeros([CL], tl.int32)
         for j0 in range(0, n, CL):
             _, zj = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, j0, SCALE_T, CL)
-            at_or_above += tl.sum(((zj[None, :] > -float("inf")) & (_key(zj)[None, :] >= ki[:, None])).to(tl.int32), 1)
+            at_or_above += tl.sum(((zj[None, :] > -float("inf")) & (order_key(zj)[None, :] >= ki[:, None])).to(tl.int32), 1)
         t = tl.maximum(t, tl.max(tl.where((zi > -float("inf")) & (at_or_above >= top_k), ki, -(2**31)), 0))
     drop = tl.load(drop_row + b, mask=b < n_blocks, other=-float("inf"), cache_modifier=".cg")
-    inexact = tl.sum(((drop > -float("inf")) & (_key(drop) >= t)).to(tl.int32), 0) > 0
+    inexact = tl.sum(((drop > -float("inf")) & (order_key(drop) >= t)).to(tl.int32), 0) > 0
     if TOP_P:
         kept_mass = tl.zeros([], tl.int64)
         for i0 in range(0, n, CL):
             _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
-            kept_mass += tl.sum(tl.where((zi > -float("inf")) & (_key(zi) >= t), masses(zi, m), 0), 0)
+            kept_mass += tl.sum(tl.where((zi > -float("inf")) & (order_key(zi) >= t), masses(zi, m), 0), 0)
         need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass.to(tl.float64)
         t_p = tl.full([], 2**31 - 1, tl.int64)
         for i0 in range(0, n, CL):
             _, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
-            ki = _key(zi)
+            ki = order_key(zi)
             above = tl.zeros([CL], tl.int64)  # the kept mass strictly above each candidate
             for j0 in range(0, n, CL):
                 _, zj = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, j0, SCALE_T, CL)
-                kj = _key(zj)
+                kj = order_key(zj)
                 heavier = (zj[None, :] > -float("inf")) & (kj[None, :] >= t) & (kj[None, :] > ki[:, None])
                 above += tl.sum(tl.where(heavier, masses(zj, m)[None, :], 0), 1)
             ok = (zi > -float("inf")) & (ki >= t) & (above.to(tl.float64) < need)
@@ -464,7 +347,7 @@ def _draw_from_candidates(x_row, V, inv_t, m, total, top_k, top_p_bits, min_p_lo
     mass = tl.zeros([], tl.int64)
     for i0 in range(0, n, CL):
         ci, zi = _candidate_chunk(x_row, V, inv_t, cand_row, cnt, ends, top_k, i0, SCALE_T, CL)
-        kept = (zi > -float("inf")) & (_key(zi) >= t)
+        kept = (zi > -float("inf")) & (order_key(zi) >= t)
         if MIN_P:
             kept = kept & ((zi - m) >= min_p_log)
         mass += tl.sum(tl.where(kept, masses(zi, m), 0), 0)
@@ -562,7 +445,7 @@ def _draw_kernel(
         tl.store(part_best_ptr + part + tl.arange(0, 1), best)
         tl.store(part_best_block_ptr + part + tl.arange(0, 1), best_block)
     if CANDIDATES:  # the entries at or above the bound: all, by one scan, or the k largest
-        above = (z > -float("inf")) & (z >= _key_value(tl.load(bound_ptr + row)))
+        above = (z > -float("inf")) & (z >= key_value(tl.load(bound_ptr + row)))
         count = tl.sum(above.to(tl.int32), 0)
         slots = cand_ptr + part.to(tl.int64) * top_k
         if count <= top_k:  # usually
