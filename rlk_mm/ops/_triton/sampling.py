@@ -12,16 +12,17 @@ partials in block order, so no third launch waits for them:
   row's last block writes the row's max and status and, with top-k, the bound: the k-th
   largest of those sub-block maxima (a sort of a few hundred), at most the k-th largest entry.
 * launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
-  temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64
-  noise only for the blocks an fp32 screen leaves: ``noise.best_noise_block``); top-k: the
-  indices of its entries at or above the bound (one scan; if more than k, its k largest and
-  the largest it leaves out). The row's last block (``_finish_row``) sums the mass, finishes the
-  plain draw inside the best noise block (the first on a tie, as over the whole row), or runs
-  top-k, top-p, min-p and the draw on the blocks' candidates (a little over k, compared
-  each with each, a chunk at a time), which hold every token top-k keeps unless a block left out an entry equal to the k-th largest (a tie at the
-  boundary). On such a tie, with more than ``candidate_cap`` slots, or for top-p or min-p
-  without top-k, each threshold is found by bisection over an order-preserving integer key of
-  ``z`` (top-k: counts; top-p: exact integer masses), a pass over the row per step.
+  temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64 noise
+  only for the blocks an fp32 screen leaves: ``noise.best_noise_block``); top-k: the indices of
+  its entries at or above the bound (one scan; if more than k, its k largest and the largest it
+  leaves out). The row's last block (``_finish_row``) sums the mass, finishes the plain draw
+  inside the best noise block (the first on a tie, as over the whole row), or runs top-k, top-p,
+  min-p and the draw on the blocks' candidates (a little over k, compared each with each, a
+  chunk at a time), which hold every token top-k keeps unless a block left out an entry equal to
+  the k-th largest (a tie at the boundary). On such a tie, with more than ``candidate_cap``
+  slots, or for top-p or min-p without top-k, each threshold is found by bisection over an
+  order-preserving integer key of ``z`` (top-k: counts; top-p: exact integer masses), a pass
+  over the row per step.
 
 Integer masses and first-on-tie choices make every way the torch backend's result, bit for
 bit; a row's arithmetic never depends on the other rows or on B. Why two passes: the masses
@@ -31,15 +32,16 @@ bound, is known only once the whole row has been read.
 Roofline. A row of V fp32 logits is 4V bytes; the kernels read the logits twice (launch 2 also
 computes one exp per entry for the masses) and write a few partials per block (B x V /
 split_block of each: negligible). The masses' exp is some twenty fp32 adds and multiplies
-(``_torch.sampling.masses``), not a float64 exp: a GPU's float64 rate is a fraction of its
-fp32 rate, and a float64 exp per entry made launch 2 compute-bound, several times slower
-than its read. With the Qwen2.5-VL vocabulary a row is about
-0.6 MB: at B = 64 the whole input (about 39 MB) fits in a 50 MB L2 cache, so launch 2 reads
-mostly from L2 and the GPU's work is a few tens of microseconds; at B = 256 (about 156 MB)
-both passes stream from HBM. At small B a call is bound by the host, not the GPU: checking the
-arguments, a dozen allocations and two Triton launches take longer than the kernels run, and
-one CUDA-event timing around a call sees the host's time. A CUDA graph of the call removes
-that time (the step may be a device tensor that the caller advances between replays).
+(``_torch.sampling.masses``), not a float64 exp: a GPU's float64 rate is a fraction of its fp32
+rate, and a float64 exp per entry made launch 2 compute-bound, several times slower than its
+read. With the Qwen2.5-VL vocabulary a row is about 0.6 MB: at B = 64 the whole input (about 39
+MB) fits in a 50 MB L2 cache, so launch 2 reads mostly from L2 and the GPU's work is a few tens
+of microseconds; at B = 256 (about 156 MB) both passes stream from HBM. At small B a call is
+bound by the host, not the GPU: checking the arguments, a dozen allocations and two Triton
+launches take longer than the kernels run, and one CUDA-event timing around a call sees the
+host's time. A CUDA graph of the call removes that time (the step may be a device tensor that
+the caller advances between replays). Beyond the reads, the top-k path's candidate scan and
+finish cost about as much again (``bench/results/sampling_profile_h200.json``: kernel by kernel).
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ __all__ = [
 Tensor = torch.Tensor
 
 
-
 @dataclass(frozen=True)
 class SamplingConfig:
     """Blocks, caps and launch settings of the sampling kernels (``sample_logits`` and
@@ -75,7 +76,7 @@ class SamplingConfig:
     sub-block of a vocabulary block (the k-th largest sub-block max bounds the k-th largest
     entry from below, so top-k candidates are looked for only above it). ``row_block``:
     entries per chunk of a pass over a whole row (the bisection). ``candidate_cap``: most
-    top-k candidate slots (blocks x k) a row merges in registers (more: the bisection).
+    top-k candidate slots (blocks x k) a row's finish takes (more: the bisection).
     ``block_warps``: warps of launch 1; ``row_warps``: of launch 2, whose programs hold the
     row's finish. ``candidate_lanes``: top-k candidates the finish compares at once (its
     threshold searches compare this many with as many).
