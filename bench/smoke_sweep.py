@@ -56,17 +56,22 @@ LR_FLOOR_KEYS = ("LR_FLOOR", "lr_floor")
 """Names earlier configs gave the learning-rate floor as a tuning: the option ``--lr-floor`` now."""
 
 
+def _settings(cfg: dict) -> dict:
+    """A config's settings: ``"tuning"``, over an earlier config's ``"set"``."""
+    return {**cfg.get("set", {}), **cfg.get("tuning", {})}
+
+
 def tuning_of(cfg: dict) -> dict:
-    """The run's ``SmokeTuning`` settings (``"tuning"``, or an earlier config's ``"set"``), checked;
-    an earlier config's learning-rate floor is left to ``args_of``."""
-    values = {k: v for k, v in {**cfg.get("set", {}), **cfg.get("tuning", {})}.items() if k not in LR_FLOOR_KEYS}
+    """The run's ``SmokeTuning`` settings, checked; an earlier config's learning-rate floor is
+    left to ``args_of``."""
+    values = {k: v for k, v in _settings(cfg).items() if k not in LR_FLOOR_KEYS}
     SmokeTuning.from_mapping(values)  # refuse an unknown or bad setting before any run starts
     return values
 
 
 def args_of(cfg: dict) -> list[str]:
     """The run's smoke options: ``"args"``, and ``--lr-floor`` where the config sets it as a tuning."""
-    given = {**cfg.get("set", {}), **cfg.get("tuning", {})}
+    given = _settings(cfg)
     floors = [given[k] for k in LR_FLOOR_KEYS if k in given]
     return [*cfg.get("args", []), *(["--lr-floor", str(floors[-1])] if floors else [])]
 

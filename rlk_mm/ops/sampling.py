@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -239,7 +238,7 @@ def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Fil
     if V > MAX_VOCAB:
         raise ValueError(f"the vocabulary has {V} entries; sampling supports up to {MAX_VOCAB}")
     temperature = temperature_arg(temperature)
-    inv_t = _fp32(1.0 / temperature)
+    inv_t = _ref.fp32(1.0 / temperature)
     if top_k is not None:
         top_k = int_arg("top_k", top_k, min=1)
     if top_p is not None:
@@ -247,18 +246,13 @@ def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Fil
     min_p_log = None
     if min_p is not None:
         min_p = float_arg("min_p", min_p, min=0.0, max=1.0)
-        min_p_log = _fp32(math.log(min_p)) if min_p > 0 else None
+        min_p_log = _ref.fp32(math.log(min_p)) if min_p > 0 else None
     filters = _ref.Filters(
         top_k if top_k is not None and top_k < V else None,
         top_p if top_p is not None and top_p < 1.0 else None,
         min_p_log,
     )
     return inv_t, filters
-
-
-def _fp32(x: float) -> float:
-    """``x`` rounded to float32 (to nearest, as a tensor conversion rounds), as a Python float."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _seeds_and_steps(seeds, step, B: int, device: torch.device, check: bool) -> tuple[Tensor, int | Tensor]:

@@ -46,7 +46,7 @@ from . import logprob as _lp
 
 __all__ = [
     "block_log_mass", "draw_in_block", "EXP_POLY", "Filters", "FIXED_BITS", "GOLDEN", "gumbel", "kept_by_filters",
-    "keys_of", "LN2_HI", "LN2_LO", "LOG2E", "MASK32", "MASS_FLOOR", "masses", "mix32", "NOISE_BLOCK", "one_thread",
+    "fp32", "keys_of", "LN2_HI", "LN2_LO", "LOG2E", "MASK32", "MASS_FLOOR", "masses", "mix32", "NOISE_BLOCK", "one_thread",
     "row_keys", "RowKeys", "RowResult", "sample_hidden_rows", "sample_row", "sample_rows",
 ]
 
@@ -58,16 +58,17 @@ NOISE_BLOCK = 32
 FIXED_BITS = 40
 
 
-def _fp32(x: float) -> float:
+def fp32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, as a tensor conversion rounds), as a Python float."""
     return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 #: ``masses``' fp32 constants: log2(e); ln 2 in a high part of 12 significant bits (so that
 #: ``n · LN2_HI`` is exact) and the rest; the Taylor coefficients of exp, highest degree first
-LOG2E = _fp32(1 / math.log(2))
+LOG2E = fp32(1 / math.log(2))
 LN2_HI = 0.693145751953125
-LN2_LO = _fp32(math.log(2) - LN2_HI)
-EXP_POLY = tuple(_fp32(1 / math.factorial(i)) for i in range(6, -1, -1))
+LN2_LO = fp32(math.log(2) - LN2_HI)
+EXP_POLY = tuple(fp32(1 / math.factorial(i)) for i in range(6, -1, -1))
 #: ``z - max`` below this has mass 0 (exp(-32) · 2^40 < 1)
 MASS_FLOOR = -32.0
 

@@ -53,10 +53,15 @@ def row_keys(seed, step, SALT: tl.constexpr):
 
 
 @triton.jit
+def _noise_bits(index, ka, kb):
+    """The 24 random bits of ``index`` under keys ``ka``, ``kb``, odd: ``u = bits / 2^24`` in (0, 1)."""
+    return (_mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8) | 1
+
+
+@triton.jit
 def gumbel(index, ka, kb):
     """float64 Gumbel noise of non-negative int ``index`` under uint32 keys ``ka``, ``kb``."""
-    bits = _mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8
-    u = (bits | 1).to(tl.float64) * (1.0 / 16777216.0)
+    u = _noise_bits(index, ka, kb).to(tl.float64) * (1.0 / 16777216.0)
     return -tl.log(-tl.log(u))
 
 
@@ -65,10 +70,10 @@ def gumbel32(index, ka, kb):
     """fp32 Gumbel noise of ``index`` under keys ``ka``, ``kb``: ``gumbel``'s to within about
     1e-5, whatever the fp32 log's accuracy (``-log u`` of a ``u`` near 1 by its series in the
     exact ``1 - u``), to screen which float64 scores can be the best."""
-    bits = (_mix32(_mix32(index.to(tl.uint32) ^ ka) + kb) >> 8) | 1
+    bits = _noise_bits(index, ka, kb)
     t = (16777216 - bits).to(tl.float32) * (1.0 / 16777216.0)  # 1 - u, exact
     u = bits.to(tl.float32) * (1.0 / 16777216.0)
-    series = t * (1.0 + t * (0.5 + t * (0.3333333432674408 + t * (0.25 + t * (0.20000000298023224 + t * 0.1666666716337204)))))
+    series = t * (1.0 + t * (1.0 / 2 + t * (1.0 / 3 + t * (1.0 / 4 + t * (1.0 / 5 + t * (1.0 / 6))))))  # -log(1 - t)
     return -tl.log(tl.where(t < 0.0625, series, -tl.log(u)))
 
 
