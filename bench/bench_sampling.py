@@ -4,7 +4,7 @@ peers, in one process, timed round-robin. Writes ``sampling.json`` to ``--out``.
 From logits (V = 152,064, fp32, B in {64, 128, 256}), top-k 50 + top-p 0.9 at T = 0.8:
 
 * ``ours``: ``sample(..., backend="triton")`` (counter-based seeds, both log-probs, the
-  default path: two launches, no host read), timed around one call from an idle GPU (so the
+  default path: three launches, no host read), timed around one call from an idle GPU (so the
   host's launch time counts); ``ours_graph``: the same call captured in a CUDA graph and
   replayed (the GPU's time alone); ``ours_stream``: 20 calls back to back, per call (the host
   enqueues ahead of the GPU);

@@ -159,16 +159,40 @@ def test_triton_matches_torch_bitwise(kw):
 
 def test_triton_single_filters_match_torch():
     logits, seeds = _small_batch(B=3, V=70)
-    for kw in ({"top_k": 3}, {"top_k": 20}, {"top_p": 0.5}, {"min_p": 0.3}):  # top_k 20: 3 blocks x 20 > the cap
+    for kw in ({"top_k": 3}, {"top_k": 20}, {"top_p": 0.5}, {"min_p": 0.3}):  # top_k 20: 40 slots > the interpreter's 16: the bisection
         a, b = (sample(logits, seeds=seeds, backend=be, **kw) for be in ("torch", "triton"))
         assert all(torch.equal(x, y) for x, y in zip(a, b)), kw
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    V=st.integers(1, 100),
+    top_k=st.integers(1, 8),
+    top_p=st.none() | st.floats(0.05, 1.0),
+    min_p=st.none() | st.floats(0.0, 0.5),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+)
+def test_triton_top_k_candidates_match_torch_on_any_row(data, V, top_k, top_p, min_p, temperature):
+    """The sorted candidates' thresholds and draw against the torch backend, bit for bit, on
+    rows drawn from a few values (ties at the k-th largest and at the top-p boundary, across
+    blocks), from wide floats and with masked entries."""
+    value = st.sampled_from([-2.0, 0.0, 0.5, 1.0, 3.0, -math.inf]) | st.floats(-20, 20)
+    rows = [data.draw(st.lists(value, min_size=V, max_size=V)) for _ in range(2)]
+    x = torch.tensor(rows, dtype=torch.float32)
+    x[:, 0] = torch.where(torch.isinf(x[:, 0]), 0.0, x[:, 0])  # a finite entry in every row
+    seeds = torch.tensor([data.draw(st.integers(0, 2**62)) for _ in range(2)])
+    kw = dict(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
+    a, b = (sample(x, seeds=seeds, step=5, backend=be, **kw) for be in ("torch", "triton"))
+    assert all(torch.equal(p, q) for p, q in zip(a, b)), (kw, a, b)
+
+
 @pytest.mark.parametrize("top_k", [1, 2, 7])
 def test_triton_top_k_candidates_match_torch_with_ties(top_k):
-    """The Triton kernel merges each vocabulary block's k largest (interpreter: blocks of 32);
-    a tie at the k-th largest that a block left out sends the row to the bisection. Rows with
-    ties inside and across blocks, masked entries and fewer finite entries than k."""
+    """The Triton kernel lists every entry at or above a bound (interpreter: blocks of 32, 16
+    candidate slots) and sorts them; more than fit (ties at the bound) send the row to the
+    bisection. Rows with ties inside and across blocks, masked entries and fewer finite
+    entries than k."""
     torch.manual_seed(top_k)
     x = torch.randn(6, 100) * 2
     x[0] = x[0].round()
