@@ -9,6 +9,8 @@
 - ``close(actual, expected)``: equal within the loss contract's fp32 elementwise tolerance.
 - ``raised_by_rlk_mm(error)``: whether a check of rlk_mm raised an error (the input tables
   sort an error that no check raised as a crash).
+- ``scaled_pair`` / ``same_bits`` / ``GRAD_SCALES``: the fused loss's in-place gradient scale
+  against torch's ``mul_`` (CPU and GPU tests).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import linecache
+import math
 import os
 import warnings
 from pathlib import Path
@@ -24,6 +27,7 @@ import pytest
 import torch
 
 import rlk_mm
+from rlk_mm.ops._triton import linear_loss as _triton_linear_loss
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
 from rlk_mm.schema import SchemaError
 
@@ -96,3 +100,27 @@ def raised_by_rlk_mm(error: BaseException) -> bool:
     filename = tb.tb_frame.f_code.co_filename
     under = Path(filename).resolve().is_relative_to(PACKAGE_DIR)
     return under and linecache.getline(filename, tb.tb_lineno).strip().startswith("raise")
+
+
+#: incoming gradients the fused loss's backward scales by (``scaled_pair``)
+GRAD_SCALES = [1.0, -2.5, 0.3, 0.0, -0.0, math.inf, math.nan, 1e-30]
+
+
+def scaled_pair(dtype, scale, device="cpu"):
+    """(``scale_``'s result, torch's ``mul_``) on more entries than one program takes, special
+    values among them; asserts the scale happened in place."""
+    g = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn(3 * _triton_linear_loss.SCALE_BLOCK + 5, generator=g, device=device) * 100).to(dtype)
+    x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40]).to(dtype)
+    s = torch.tensor(scale, device=device).to(dtype)
+    expected = x.clone().mul_(s)
+    out = _triton_linear_loss.scale_(x, s)
+    assert out.data_ptr() == x.data_ptr()
+    return out, expected
+
+
+def same_bits(a, b) -> bool:
+    """Equal bit for bit, NaN payloads aside (NaN where the other is NaN)."""
+    nan = torch.isnan(a)
+    ints = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(ints), b[~nan].view(ints))

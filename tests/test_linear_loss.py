@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import GRAD_SCALES, same_bits, scaled_pair
 from oracles import loss as ref
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
@@ -238,6 +239,16 @@ def test_backward_scales_by_the_incoming_gradient_and_runs_once(backend):
     torch.testing.assert_close(w.grad, grads[1] * -2.5)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         out.loss.backward()
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, s) for s in GRAD_SCALES]
+                         + [(torch.bfloat16, 1.0), (torch.float16, 1.0)])
+def test_triton_gradient_scale_is_torch_mul_bitwise(dtype, scale):
+    """The backward's in-place scale (``_triton.linear_loss.scale_``) is torch's ``mul_`` bit
+    for bit: fp32 at every scale, every dtype at scale 1 (nothing is written). 16-bit
+    products at other scales are checked on the card (``test_linear_loss_gpu.py``): the
+    interpreter rounds fp32 to 16 bits towards zero, a GPU (and torch) to nearest."""
+    assert same_bits(*scaled_pair(dtype, scale))
 
 
 # ----------------------------------------------------------------------------- chunks, invariance, determinism

@@ -6,7 +6,7 @@ log-prob invariance and bitwise gradients run to run. Run on the GPU machine:
 import pytest
 import torch
 
-from helpers import use_backend
+from helpers import GRAD_SCALES, same_bits, scaled_pair, use_backend
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
@@ -113,3 +113,10 @@ def test_gradients_bitwise_run_to_run_and_frozen_head_gpu():
     frozen, g_frozen = _fused(c, weight=c["weight"], bias=c["bias"])
     assert g_frozen[1] is None and g_frozen[2] is None
     assert relative_error(g_frozen[0], ga[0]) <= LOGPROB_GRAD_REL.low_precision
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", GRAD_SCALES)
+def test_gradient_scale_is_torch_mul_bitwise_gpu(dtype, scale):
+    """The backward's in-place scale against torch's CUDA ``mul_``, bit for bit (NaN payloads aside)."""
+    assert same_bits(*scaled_pair(dtype, scale, device="cuda"))

@@ -272,5 +272,14 @@ class _StoredGradients(torch.autograd.Function):
                 "handed out once. Call linear_policy_loss again for another backward"
             )
         grads, ctx.grads = ctx.grads, None
-        scaled = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
-        return (None, *scaled, None, None, None)
+        return (None, *(None if g is None else _scaled(g, grad_loss.to(g.dtype)) for g in grads), None, None, None)
+
+
+def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
+    """``grad`` times ``scale`` in place: on the Triton backend a kernel that does nothing when
+    the scale is 1 (without reading it on the host), else torch's ``mul_``."""
+    if use_triton(grad) and grad.is_contiguous():
+        from ._triton.linear_loss import scale_
+
+        return scale_(grad, scale)
+    return grad.mul_(scale)

@@ -42,12 +42,14 @@ from .lm_head import (
 
 Tensor = torch.Tensor
 
-__all__ = ["DZ_BLOCK_M", "DZ_WARPS", "Exchange", "Upstream", "chunk_rows", "default_config", "loss_grads"]
+__all__ = ["DZ_BLOCK_M", "DZ_WARPS", "Exchange", "Upstream", "chunk_rows", "default_config", "loss_grads", "scale_"]
 #: (chunk start, chunk end, log-prob [m], entropy [m]) -> (d loss / d log-prob, d loss / d entropy
 #: or None when the loss has no entropy term), fp32 [m]
 Upstream = Callable[[int, int, Tensor, Tensor], tuple[Tensor, Optional[Tensor]]]
 #: rows per ``_dz_kernel`` program: a memory-bound pass, so a small tile (no register spills)
 DZ_BLOCK_M, DZ_WARPS = 16, 8
+#: entries per ``_scale_kernel`` program
+SCALE_BLOCK = 8192
 
 
 @triton.jit
@@ -156,3 +158,24 @@ def loss_grads(
         if need_bias:
             d_bias += dz.sum(0, dtype=torch.float32)
     return logp, entropy, d_sel, d_weight, d_bias
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    """In place: ``x · scale`` (fp32 product, rounded to x's dtype, as torch's ``mul_``).
+    Where the scale is 1 nothing is read or written: ``x · 1`` is ``x``, bit for bit."""
+    s = tl.load(scale_ptr).to(tl.float32)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(x_ptr + offs, mask=ok)
+        tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def scale_(x: Tensor, scale: Tensor) -> Tensor:
+    """``x.mul_(scale)`` for a contiguous ``x`` and a 0-dim ``scale`` of x's dtype on its device,
+    without reading the scale on the host; free when it is 1 (a loss's usual backward), where
+    torch's broadcast multiply reads and writes every entry."""
+    flat = x.view(-1)
+    _scale_kernel[(triton.cdiv(flat.numel(), SCALE_BLOCK),)](flat, scale, flat.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+    return x
