@@ -164,19 +164,21 @@ def test_triton_single_filters_match_torch():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), kw
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
     V=st.integers(1, 100),
-    top_k=st.integers(1, 8),
+    top_k=st.none() | st.integers(1, 8),
     top_p=st.none() | st.floats(0.05, 1.0),
     min_p=st.none() | st.floats(0.0, 0.5),
     temperature=st.sampled_from([1.0, 0.7, 1.3]),
 )
-def test_triton_top_k_candidates_match_torch_on_any_row(data, V, top_k, top_p, min_p, temperature):
+def test_triton_candidates_match_torch_on_any_row(data, V, top_k, top_p, min_p, temperature):
     """The sorted candidates' thresholds and draw against the torch backend, bit for bit, on
     rows drawn from a few values (ties at the k-th largest and at the top-p boundary, across
-    blocks), from wide floats and with masked entries."""
+    blocks), from wide floats and with masked entries; top-p and min-p without top-k list the
+    interpreter's 6 largest, which hold every kept entry in some rows and not in others (then
+    the bisection)."""
     value = st.sampled_from([-2.0, 0.0, 0.5, 1.0, 3.0, -math.inf]) | st.floats(-20, 20)
     rows = [data.draw(st.lists(value, min_size=V, max_size=V)) for _ in range(2)]
     x = torch.tensor(rows, dtype=torch.float32)
@@ -184,6 +186,20 @@ def test_triton_top_k_candidates_match_torch_on_any_row(data, V, top_k, top_p, m
     seeds = torch.tensor([data.draw(st.integers(0, 2**62)) for _ in range(2)])
     kw = dict(top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature)
     a, b = (sample(x, seeds=seeds, step=5, backend=be, **kw) for be in ("torch", "triton"))
+    assert all(torch.equal(p, q) for p, q in zip(a, b)), (kw, a, b)
+
+
+@pytest.mark.parametrize("kw", [{"top_p": 0.9}, {"top_p": 0.5}, {"min_p": 0.01}, {"min_p": 0.3},
+                                {"top_p": 0.8, "min_p": 0.05}], ids=str)
+def test_triton_filters_without_top_k_match_torch(kw):
+    """Top-p and min-p without top-k list the largest entries (the interpreter's 6) and use
+    them only where they hold every kept entry: peaked rows (the listed ones carry the mass
+    or pass the cut), flat rows (they do not: the bisection), one row of each kind per batch."""
+    g = torch.Generator().manual_seed(5)
+    spread = torch.tensor([0.3, 6.0, 0.3, 9.0, 1.0, 4.0])[:, None]
+    x = torch.randn(6, 90, generator=g) * spread
+    seeds = torch.arange(6) + 17
+    a, b = (sample(x, seeds=seeds, step=1, backend=be, **kw) for be in ("torch", "triton"))
     assert all(torch.equal(p, q) for p, q in zip(a, b)), (kw, a, b)
 
 

@@ -19,11 +19,13 @@ zero and the last block resets it) combines the row's partials in block order:
   row's candidates (index and value; an atomic count gives each block its place, so their
   order varies from run to run, and nothing computed from them depends on it).
 * launch 3 (``_finish_kernel``), filters only, one program per row: the mass, then top-k,
-  top-p, min-p and the draw on the candidates (a little over k: every entry top-k can keep),
-  their values sorted once: the k-th largest is the top-k threshold, running sums of the
-  sorted masses give the top-p threshold. When the candidates overflow their slots (entries
-  equal at the bound, or a row's largest entries crowded into a few blocks, which lowers the
-  bound), or for top-p or min-p without top-k, each threshold is found
+  top-p, min-p and the draw on the candidates (a little over k: every entry top-k can keep;
+  without top-k, a little over ``filter_candidates``), their values sorted once: the k-th
+  largest is the top-k threshold, running sums of the sorted masses give the top-p
+  threshold. When the candidates overflow their slots (entries equal at the bound, or a
+  row's largest entries crowded into a few blocks, which lowers the bound), or, without
+  top-k, do not hold every kept entry (top-p: their mass is short of top-p's share of the
+  row's; min-p alone: its cut is below the bound), each threshold is found
   by bisection over an order-preserving integer key of ``z`` (top-k: counts; top-p: exact
   integer masses), a pass over the row per step. Its own launch, because the finish is a
   chain of dependent steps in one program per row: inside launch 2 its registers cut the
@@ -34,20 +36,15 @@ bit; a row's arithmetic never depends on the other rows or on B. Why two passes:
 are integers relative to the row's max (sums in any order agree), and the max, like the top-k
 bound, is known only once the whole row has been read.
 
-Roofline. A row of V fp32 logits is 4V bytes; the kernels read the logits twice (launch 2 also
-computes one exp per entry for the masses) and write a few partials per block (B x V /
-split_block of each: negligible). The masses' exp is some twenty fp32 adds and multiplies
-(``_torch.sampling.masses``), not a float64 exp: a GPU's float64 rate is a fraction of its fp32
-rate, and a float64 exp per entry made launch 2 compute-bound, several times slower than its
-read. With the Qwen2.5-VL vocabulary a row is about 0.6 MB: at B = 64 the whole input (about 39
-MB) fits in a 50 MB L2 cache, so launch 2 reads mostly from L2 and the GPU's work is a few tens
-of microseconds; at B = 256 (about 156 MB) both passes stream from HBM. At small B a call is
-bound by the host, not the GPU: checking the arguments, a dozen allocations and two Triton
-launches take longer than the kernels run, and one CUDA-event timing around a call sees the
-host's time. A CUDA graph of the call removes that time (the step may be a device tensor that
-the caller advances between replays). The filtered draw's finish is a few microseconds of
-dependent steps per row, in parallel over the rows (``bench/results/sampling_profile_h200.json``:
-kernel by kernel).
+Roofline. A row of V fp32 logits is 4V bytes (0.6 MB at Qwen2.5-VL's V); the kernels read it
+twice and write a few partials per block. The masses' exp is some twenty fp32 adds and
+multiplies (``_torch.sampling.masses``): a float64 exp per entry made launch 2 compute-bound,
+several times slower than its read. At B = 64 the input (39 MB) stays in a 50 MB L2 cache; at
+B = 256 (156 MB) both passes stream from HBM. At small B a call is bound by the host (checks,
+allocations and launches take longer than the kernels run): a CUDA graph of the call removes
+that time (the step may be a device tensor advanced between replays). The filtered draw's
+finish is a few microseconds of dependent steps per row, in parallel over the rows
+(``bench/results/sampling_profile_h200.json``: kernel by kernel).
 """
 
 from __future__ import annotations
@@ -79,11 +76,13 @@ class SamplingConfig:
 
     ``split_block``: entries per vocabulary block of ``sample_logits`` (a multiple of
     NOISE_BLOCK; the number of blocks depends on V alone). ``row_block``: entries per chunk
-    of a pass over a whole row (the bisection). ``candidate_lanes``: most top-k candidate
-    slots per row (the finish sorts them; a row takes twice k, a power of two: a larger k
-    goes by bisection). ``block_warps``: warps of launch 1; ``row_warps``: of launch 2
-    (whose programs hold a plain draw's finish); ``finish_warps``: of a filtered draw's
-    finish (launch 3). ``candidate_chunk``: entries per step of launch 2's candidate listing.
+    of a pass over a whole row (the bisection). ``candidate_lanes``: most candidate slots per
+    row (the finish sorts them; a row takes twice k, a power of two: a larger k goes by
+    bisection). ``filter_candidates``: the k of top-p and min-p without top-k (the largest k
+    entries or more are listed; where they do not hold every kept entry, the bisection).
+    ``block_warps``: warps of launch 1; ``row_warps``: of launch 2 (whose programs hold a
+    plain draw's finish); ``finish_warps``: of a filtered draw's finish (launch 3).
+    ``candidate_chunk``: entries per step of launch 2's candidate listing.
     ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
     ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
 
@@ -93,6 +92,7 @@ class SamplingConfig:
     row_warps: int
     finish_warps: int
     candidate_lanes: int
+    filter_candidates: int
     candidate_chunk: int = 512
     logits_budget: int = 512 << 20
     finish_rows: int = 8
@@ -102,10 +102,10 @@ class SamplingConfig:
 def default_config(device: torch.device) -> SamplingConfig:
     """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
     if device.type == "cuda":
-        return SamplingConfig(split_block=4096, row_block=1024, candidate_lanes=512, block_warps=4, row_warps=4,
-                              finish_warps=4)
-    return SamplingConfig(split_block=32, row_block=64, candidate_lanes=16, block_warps=1, row_warps=1,
-                          finish_warps=1, candidate_chunk=8, finish_tiles=4)
+        return SamplingConfig(split_block=4096, row_block=1024, candidate_lanes=2048, filter_candidates=256,
+                              block_warps=4, row_warps=4, finish_warps=4)
+    return SamplingConfig(split_block=32, row_block=64, candidate_lanes=16, filter_candidates=6, block_warps=1,
+                          row_warps=1, finish_warps=1, candidate_chunk=8, finish_tiles=4)
 
 
 # ------------------------------------------------------------------ from logits
@@ -247,15 +247,15 @@ def _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES: tl.constexpr):
 
 
 @triton.jit
-def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count_ptr, n_rows, n_blocks,
+def _maxima_kernel(x_ptr, stride, V, inv_t, listed, f32_ws, i32_ws, i64_ws, count_ptr, n_rows, n_blocks,
                    SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr,
                    TOPS: tl.constexpr, NBP: tl.constexpr, BOUND_LANES: tl.constexpr, LANES: tl.constexpr):
     """Launch 1, per (row, vocabulary block): the max (NaN skipped), the NaN/+inf entries, the
     finite ones; with ``CANDIDATES`` the maxima of its ``TOPS`` groups (equal slices).
     The row's last block combines them in block order: the row's max, status and finite
-    entries, and with ``CANDIDATES`` the bound: the key of the k-th largest of the blocks' top
-    group maxima (distinct entries, so at most the k-th largest entry's key; the smallest
-    key when fewer than k of them are finite)."""
+    entries, and with ``CANDIDATES`` the bound: the key of the ``listed``-th largest of the
+    blocks' group maxima (distinct entries, so at most the ``listed``-th largest entry's key;
+    the smallest key when fewer are finite)."""
     (part_max_ptr, row_max_ptr, _, group_max_ptr, part_bad_ptr, part_fin_ptr, _, row_status_ptr, _, _, row_fin_ptr,
      bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
     pid = tl.program_id(0)
@@ -279,33 +279,44 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count
             lanes = tl.arange(0, BOUND_LANES)
             v = tl.load(group_max_ptr + row.to(tl.int64) * n_tops + lanes, mask=lanes < n_tops, other=-float("inf"),
                         cache_modifier=".cg")
-            kth = tl.max(tl.where(lanes == top_k - 1, tl.sort(v, 0, descending=True), -float("inf")), 0)
+            kth = tl.max(tl.where(lanes == listed - 1, tl.sort(v, 0, descending=True), -float("inf")), 0)
             tl.store(bound_ptr + row, tl.where(kth > -float("inf"), order_key(kth), -(2**31)))
         tl.store(count_ptr + row, 0)
 
 
 @triton.jit
-def _draw_from_candidates(m, total, n, top_k, top_p_bits, min_p_log, tka, tkb, cand_index, cand_z,
-                          TOP_P: tl.constexpr, MIN_P: tl.constexpr, LANES: tl.constexpr):
-    """Top-k (then top-p, min-p) and the draw over a row's ``n <= LANES`` candidates (every
-    entry at or above the row's bound, in any order: none of the results depends on it).
+def _draw_from_candidates(m, total, n, bound, top_k, top_p_bits, min_p_log, tka, tkb, cand_index, cand_z,
+                          TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, LANES: tl.constexpr):
+    """Top-k, top-p, min-p and the draw over a row's ``n <= LANES`` candidates: every entry at
+    or above the row's ``bound`` (a key), in any order (none of the results depends on it).
     Their values sorted, largest first: the k-th largest is the top-k threshold (ties with it
     kept); the top-p threshold is the smallest kept value whose kept mass above it (running
     sums of the sorted masses) is below ``top_p`` of the kept mass. Then Gumbel-max over the
-    kept candidates, the first index on a tie. Returns (token, z of the token, kept mass)."""
+    kept candidates, the first index on a tie. Returns (token, z of the token, kept mass,
+    complete): without top-k the candidates need not hold every kept entry, and ``complete``
+    says whether they do (top-p: their mass reaches ``top_p`` of the row's, so every entry
+    below them has at least that much above it; min-p alone: the bound is below its cut)."""
     lanes = tl.arange(0, LANES)
     valid = lanes < n
     ci = tl.load(cand_index + lanes, mask=valid, other=0, cache_modifier=".cg")
     zi = tl.load(cand_z + lanes, mask=valid, other=-float("inf"), cache_modifier=".cg")
     zs = tl.sort(zi, 0, descending=True)  # -inf last
-    kth = tl.max(tl.where(lanes == top_k - 1, zs, -float("inf")), 0)
-    t = tl.where(kth > -float("inf"), order_key(kth), -(2**31))  # fewer than k finite: keep them all
+    t = tl.full([], -(2**31), tl.int64)  # without top-k: every finite entry
+    complete = True
+    if TOP_K:
+        kth = tl.max(tl.where(lanes == top_k - 1, zs, -float("inf")), 0)
+        t = tl.where(kth > -float("inf"), order_key(kth), -(2**31))  # fewer than k finite: keep them all
+    elif not TOP_P:  # min-p alone
+        complete = (bound == -(2**31)) | ((key_value(bound) - m) < min_p_log)
     if TOP_P:
         ks = order_key(zs)
         kept_k = (zs > -float("inf")) & (ks >= t)
         ms = tl.where(kept_k, masses(zs, m), 0)
         above = tl.cumsum(ms, 0) - ms  # at a run of equal values' first: the mass strictly above it
-        need = top_p_bits.to(tl.float64, bitcast=True) * tl.sum(ms, 0).to(tl.float64)
+        listed = tl.sum(ms, 0)
+        need = top_p_bits.to(tl.float64, bitcast=True) * (listed if TOP_K else total).to(tl.float64)
+        if not TOP_K:
+            complete = (bound == -(2**31)) | (listed.to(tl.float64) >= need)
         ok = kept_k & (above.to(tl.float64) < need)
         t = tl.min(tl.where(ok, ks, 2**31 - 1), 0)
     kept = (zi > -float("inf")) & (order_key(zi) >= t)
@@ -316,7 +327,7 @@ def _draw_from_candidates(m, total, n, top_k, top_p_bits, min_p_log, tka, tkb, c
     top = tl.max(score, 0)
     token = tl.min(tl.where(kept & (score == top), ci, 2**31 - 1), 0)  # the first by index on a tie
     z_tok = tl.max(tl.where(kept & (ci == token), zi, -float("inf")), 0)
-    return tl.where(token == 2**31 - 1, 0, token).to(tl.int64), z_tok, mass
+    return tl.where(token == 2**31 - 1, 0, token).to(tl.int64), z_tok, mass, complete
 
 
 @triton.jit
@@ -429,24 +440,27 @@ def _finish_kernel(
     GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
 ):
     """Launch 3 of a filtered draw, per row: the mass, then top-k, top-p, min-p and the draw
-    over the row's candidates (top-k, when they fit in ``LANES``), or by bisection over the
-    row (without top-k, or when the candidates overflowed), and the log-probs. A launch of its
-    own, so that the sort's registers do not cut the occupancy of launch 2's pass over the
-    logits, and it takes its own warps (``SamplingConfig.finish_warps``)."""
+    over the row's candidates when they fit in ``LANES`` and hold every entry the filters keep,
+    else by bisection over the row, and the log-probs. A launch of its own, so that the sort's
+    registers do not cut the occupancy of launch 2's pass over the logits, and it takes its
+    own warps (``SamplingConfig.finish_warps``)."""
     (_, row_max_ptr, cand_z_ptr, _, _, _, _, row_status_ptr, cand_index_ptr, part_mass_ptr,
-     row_fin_ptr, _) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
+     row_fin_ptr, bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride
     m = tl.load(row_max_ptr + row)
     total = _row_mass(part_mass_ptr, row, n_blocks, NBP)
     tka, tkb = row_keys(tl.load(seeds_ptr + row), _step_of(steps_ptr, row, step_stride, step_value, STEPS), SALT_TOKEN)
     n = tl.load(count_ptr + n_rows + row)
-    if CANDIDATES and n <= LANES:
-        token, z_tok, kept_mass = _draw_from_candidates(
-            m, total, n, top_k, top_p_bits, min_p_log, tka, tkb, cand_index_ptr + row.to(tl.int64) * LANES,
-            cand_z_ptr + row.to(tl.int64) * LANES, TOP_P, MIN_P, LANES)
-        lp, slp = _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, kept_mass)
-    else:
+    token, lp, slp, done = tl.zeros([], tl.int64), tl.zeros([], tl.float32), tl.zeros([], tl.float32), n * 0
+    if CANDIDATES:
+        if n <= LANES:
+            token, z_tok, kept_mass, complete = _draw_from_candidates(
+                m, total, n, tl.load(bound_ptr + row), top_k, top_p_bits, min_p_log, tka, tkb,
+                cand_index_ptr + row.to(tl.int64) * LANES, cand_z_ptr + row.to(tl.int64) * LANES,
+                TOP_K, TOP_P, MIN_P, LANES)
+            lp, slp, done = _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, kept_mass), complete.to(tl.int32)
+    if done == 0:
         token, lp, slp = _draw_by_bisection(
             x_row, V, inv_t, m, total, tl.load(row_fin_ptr + row), top_k, top_p_bits, min_p_log, given_ptr + row,
             tka, tkb, SCALE_T, TOP_K, TOP_P, MIN_P, GIVEN, BLOCK)
@@ -486,15 +500,17 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     n_blocks = -(-V // split)  # V alone sets the blocks: a row's arithmetic never depends on B
     top_k = filters.top_k or 0
     draw = filters.plain and given is None
-    # top-k's candidate slots per row: twice k (a power of two, at least 16), at most the config's
-    lanes = max(16, _pow2(2 * top_k))
-    candidates = filters.top_k is not None and given is None and lanes <= cfg.candidate_lanes
+    # candidates: the largest k entries or more (without top-k, ``filter_candidates``), in
+    # slots per row: twice k (a power of two, at least 16), at most the config's
+    listed = filters.top_k or cfg.filter_candidates
+    lanes = max(16, _pow2(2 * listed))
+    candidates = not filters.plain and given is None and lanes <= cfg.candidate_lanes
     lanes = lanes if candidates else 1
 
     n = B * n_blocks
     # each block's groups for the bound: twice its share of k (at least 4), so that the k-th
     # largest group max is close to the row's k-th largest entry
-    tops = min(split, _pow2(max(4, -(-2 * top_k // n_blocks))))
+    tops = min(split, _pow2(max(4, -(-2 * listed // n_blocks))))
     # three workspaces hold the partials (``_workspace``: their places), a fourth the plain draw's scores
     f32_ws = torch.empty(n + B * (1 + lanes) + (n * tops if candidates else 0), dtype=torch.float32, device=dev)
     i32_ws = torch.empty(3 * n + B * (1 + lanes), dtype=torch.int32, device=dev)
@@ -508,7 +524,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     grid = (B * n_blocks,)
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _maxima_kernel[grid](
-        logits, logits.stride(0), V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
+        logits, logits.stride(0), V, inv_t, listed, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
         SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, TOPS=tops, NBP=nbp,
         BOUND_LANES=_pow2(n_blocks * tops) if candidates else 16, LANES=lanes,
         num_warps=cfg.block_warps, enable_fp_fusion=False)
