@@ -8,14 +8,15 @@ and 2 the row's last block to finish (a count per row, atomically incremented; i
 zero and the last block resets it) combines the row's partials in block order:
 
 * launch 1 (``_maxima_kernel``): each block's max, NaN/+inf entries (the row's status) and
-  finite entries; with top-k the maxima of its groups (a few equal slices of the block). The
-  row's last block writes the row's max and status and, with top-k, the bound: the k-th
-  largest of those group maxima (a sort of a few hundred), at most the k-th largest entry.
+  finite entries; with filters the maxima of its groups (a few equal slices of the block).
+  The row's last block writes the row's max and status and, with filters, the bound: the
+  k-th largest of those group maxima (a sort of a few hundred), at most the k-th largest
+  entry (k: top-k's, else ``filter_candidates``).
 * launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
   temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64 noise
   only for the blocks an fp32 screen leaves: ``noise.best_noise_block``), and the row's last
   block sums the mass and finishes the draw inside the best noise block (the first on a tie,
-  as over the whole row); top-k: the block's entries at or above the bound, appended to the
+  as over the whole row); filters: the block's entries at or above the bound, appended to the
   row's candidates (index and value; an atomic count gives each block its place, so their
   order varies from run to run, and nothing computed from them depends on it).
 * launch 3 (``_finish_kernel``), filters only, one program per row: the mass, then top-k,
@@ -313,10 +314,10 @@ def _draw_from_candidates(m, total, n, bound, top_k, top_p_bits, min_p_log, tka,
         kept_k = (zs > -float("inf")) & (ks >= t)
         ms = tl.where(kept_k, masses(zs, m), 0)
         above = tl.cumsum(ms, 0) - ms  # at a run of equal values' first: the mass strictly above it
-        listed = tl.sum(ms, 0)
-        need = top_p_bits.to(tl.float64, bitcast=True) * (listed if TOP_K else total).to(tl.float64)
+        listed_mass = tl.sum(ms, 0)
+        need = top_p_bits.to(tl.float64, bitcast=True) * (listed_mass if TOP_K else total).to(tl.float64)
         if not TOP_K:
-            complete = (bound == -(2**31)) | (listed.to(tl.float64) >= need)
+            complete = (bound == -(2**31)) | (listed_mass.to(tl.float64) >= need)
         ok = kept_k & (above.to(tl.float64) < need)
         t = tl.min(tl.where(ok, ks, 2**31 - 1), 0)
     kept = (zi > -float("inf")) & (order_key(zi) >= t)
