@@ -7,7 +7,8 @@ From logits (V = 152,064, fp32, B in {64, 128, 256}), top-k 50 + top-p 0.9 at T 
   default path: three launches, no host read), timed around one call from an idle GPU (so the
   host's launch time counts); ``ours_graph``: the same call captured in a CUDA graph and
   replayed (the GPU's time alone); ``ours_stream``: 20 calls back to back, per call (the host
-  enqueues ahead of the GPU);
+  enqueues ahead of the GPU); ``ours_plain``: plain temperature; ``ours_top_p``: top-p 0.9
+  alone (on these rows it keeps about a thousand tokens: the bisection, the slow path);
 * ``torch_topk_topp``: softmax -> topk(50) -> top-p on the 50 -> multinomial;
 * ``torch_sort_topp``: a full sort, top-k and top-p masks, softmax, multinomial (vLLM-style);
 * ``torch_multinomial``: softmax -> multinomial, no filters (the floor of the torch way);
@@ -244,6 +245,8 @@ def bench_logits(cfg: dict, fi, backend: str) -> list:
         fns = {
             "ours": ours,
             "ours_plain": lambda: sample(logits, temperature=TEMPERATURE, seeds=seeds, step=step, backend=backend),
+            "ours_top_p": lambda: sample(logits, temperature=TEMPERATURE, top_p=TOP_P, seeds=seeds, step=step,
+                                         backend=backend),
             "torch_topk_topp": lambda: torch_topk_topp(logits, gen),
             "torch_sort_topp": lambda: torch_sort_topp(logits, gen),
             "torch_multinomial": lambda: torch_multinomial(logits, gen),
