@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlk_mm.smoke import SmokeTuning
+from rlk_mm.smoke.tuning import MOVED_TO_OPTIONS
 
 __all__ = ["args_of", "MARGIN", "RUNNER", "main", "margins", "read_steps", "run_one", "summarize", "tuning_of"]
 
@@ -52,28 +53,24 @@ with open(steps_file, "a") as steps:
 """
 
 
-LR_FLOOR_KEYS = ("LR_FLOOR", "lr_floor")
-"""Names earlier configs gave the learning-rate floor as a tuning: the option ``--lr-floor`` now."""
-
-
 def _settings(cfg: dict) -> dict:
     """A config's settings: ``"tuning"``, over an earlier config's ``"set"``."""
     return {**cfg.get("set", {}), **cfg.get("tuning", {})}
 
 
 def tuning_of(cfg: dict) -> dict:
-    """The run's ``SmokeTuning`` settings, checked; an earlier config's learning-rate floor is
-    left to ``args_of``."""
-    values = {k: v for k, v in _settings(cfg).items() if k not in LR_FLOOR_KEYS}
+    """The run's ``SmokeTuning`` settings, checked; the settings that are options now are left
+    to ``args_of``."""
+    values = {k: v for k, v in _settings(cfg).items() if k not in MOVED_TO_OPTIONS}
     SmokeTuning.from_mapping(values)  # refuse an unknown or bad setting before any run starts
     return values
 
 
 def args_of(cfg: dict) -> list[str]:
-    """The run's smoke options: ``"args"``, and ``--lr-floor`` where the config sets it as a tuning."""
-    given = _settings(cfg)
-    floors = [given[k] for k in LR_FLOOR_KEYS if k in given]
-    return [*cfg.get("args", []), *(["--lr-floor", str(floors[-1])] if floors else [])]
+    """The run's smoke options: ``"args"``, and the options an earlier config set as tunings
+    (``SmokeTuning``'s ``MOVED_TO_OPTIONS``: the learning-rate floor)."""
+    moved = {MOVED_TO_OPTIONS[k]: v for k, v in _settings(cfg).items() if k in MOVED_TO_OPTIONS}
+    return [*cfg.get("args", []), *(x for option, v in moved.items() for x in (option, str(v)))]
 
 
 def summarize(name: str, steps: list[dict], report: dict | None, seconds: float, code) -> dict:

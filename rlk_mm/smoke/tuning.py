@@ -15,12 +15,13 @@ from types import MappingProxyType
 from .policy import TINY_MODEL
 from .tasks.colour import BACKGROUND_RATE, TWO_IMAGE_RATE
 
-__all__ = ["SmokeTuning"]
+__all__ = ["MOVED_TO_OPTIONS", "SmokeTuning"]
 
 #: the module constants of earlier sweep configs ("set": {...}) -> the field that replaces each
 _CONSTANTS = {"TINY_MODEL": "tiny_model", "BACKGROUND_RATE": "background_rate", "TWO_IMAGE_RATE": "two_image_rate"}
-#: settings of earlier sweep configs that are options now -> the option
-_OPTIONS = {"LR_FLOOR": "--lr-floor", "lr_floor": "--lr-floor"}
+#: settings of earlier sweep configs that are options now -> the option (``bench/smoke_sweep.py``
+#: passes them as such)
+MOVED_TO_OPTIONS = MappingProxyType({"LR_FLOOR": "--lr-floor", "lr_floor": "--lr-floor"})
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,9 @@ class SmokeTuning:
         given = {}
         for key, value in values.items():
             name = _CONSTANTS.get(key, key)
-            if key in _OPTIONS:
-                raise ValueError(f"smoke tuning {key!r} is the option {_OPTIONS[key]} now: pass it with the run's options")
+            if key in MOVED_TO_OPTIONS:
+                raise ValueError(
+                    f"smoke tuning {key!r} is the option {MOVED_TO_OPTIONS[key]} now: pass it with the run's options")
             if name not in fields:
                 raise ValueError(f"unknown smoke tuning {key!r}; the settings are {', '.join(sorted(fields))}")
             given[name] = value
