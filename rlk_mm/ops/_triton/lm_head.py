@@ -86,16 +86,23 @@ class LogprobConfig:
 def default_config(dtype: torch.dtype, device: torch.device, rows: Optional[int] = None) -> LogprobConfig:
     """The tuned settings (``bench_logprob.py --sweep``) for dtype and device. 16-bit tiles
     on CUDA take 64 rows instead of 128 when at most 64 are computed (``rows``: a decode
-    batch): one read of W instead of half-empty tiles, and the same arithmetic per row (each
-    warpgroup's tensor-core product covers 64 rows either way; ``test_logprob_gpu`` checks
-    the two bitwise), so the choice never changes a result."""
+    batch): one read of W instead of half-empty tiles. Such a batch only streams W, so its
+    tiles are 128 columns wide (twice the tiles: a partly filled last wave costs half as
+    much), with one warpgroup and a deeper pipeline, and its combine takes a row per program
+    (64 rows in blocks of 4 would leave most of the GPU idle). The arithmetic per row
+    is the same in every case (each warpgroup's tensor-core product covers 64 rows and its
+    columns one by one, a partial covers 128 columns in any tile, and the combine's order does
+    not depend on its rows per program; ``test_logprob_gpu`` checks them bitwise), so the
+    choice never changes a result."""
     if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
         return LogprobConfig(block_m=16, block_n=32, block_k=16, group_m=4, num_warps=1, num_stages=1,
                              combine_block=4, combine_lanes=4)
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
         return LogprobConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
-    block_m = 64 if rows is not None and rows <= 64 else 128
-    return LogprobConfig(block_m=block_m, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    if rows is not None and rows <= 64:
+        return LogprobConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4,
+                             combine_block=1)
+    return LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def partial_columns(cfg: LogprobConfig) -> int:

@@ -20,12 +20,12 @@ Roofline of the plain path (one row chunk): the tiles kernel reads the head once
 writes logits; beyond the GEMM its epilogue computes one exp per logit (the log-sum-exp
 partials ``selected_logprob`` computes anyway), one noise value per 32 logits (fp32; float64
 only for the blocks near the best, ``noise.best_noise_block``) and writes a noise block per
-row per tile. Then two small launches, each a few microseconds: the draw's
-finish (``finish_tiles`` tiles' scores per row compared at once) and the combine (lanes of
-partials at once, ``lm_head.combine_kernel``); and two elementwise torch ops. So the plain
-path's cost over the GEMM is the tile kernel's speed at small B against cuBLAS's: its tiles
-are ``lm_head.default_config``'s, the selected log-prob's, and must stay so (the log-probs
-are ``selected_logprob``'s bitwise); a decode batch of at most 64 rows takes 64-row tiles
+row per tile. Then three small launches, each a few microseconds: the draw's
+finish (``finish_tiles`` tiles' scores per row compared at once), the combine (lanes of
+partials at once, ``lm_head.combine_kernel``) and the rows' status. So the plain path's cost
+over the GEMM is the tile kernel's speed at small B against cuBLAS's: its tiles are
+``lm_head.default_config``'s, the selected log-prob's, and must stay so (the log-probs are
+``selected_logprob``'s bitwise); a decode batch of at most 64 rows takes 64 x 128 tiles
 there, one read of W.
 """
 
@@ -56,6 +56,8 @@ from .sampling import default_config as sampling_config
 Tensor = torch.Tensor
 
 __all__ = ["sample_hidden"]
+#: rows per ``_plain_status_kernel`` program
+STATUS_BLOCK = 1024
 
 
 # ------------------------------------------------------------------ from hidden states
@@ -121,10 +123,10 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     assert cfg.block_n % _ref.NOISE_BLOCK == 0
     cols = partial_columns(cfg)
     total = V if shard is None else shard.total
-    tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
     log_probs = torch.empty(B, dtype=torch.float32, device=dev)
     sampled = torch.empty(B, dtype=torch.float32, device=dev)
-    status = torch.zeros(B, dtype=torch.int8, device=dev)
+    status = torch.empty(B, dtype=torch.int8, device=dev)
     if B == 0:
         return tokens, log_probs, sampled, status
     rows = torch.arange(B, device=dev)
@@ -180,10 +182,24 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
             every[0], every[1], every[0], z_tok, log_probs[s:], log_probs, lse, m, total_parts,
             WITH_ENTROPY=False, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
         )
-    if draw:  # a NaN or +inf logit (from hidden, weight or bias) makes its row's log-prob non-finite
-        sampled.copy_(log_probs)
-        status = torch.where(torch.isfinite(log_probs), _ref.OK, _ref.NOT_FINITE).to(torch.int8)
+    if draw:
+        _plain_status_kernel[(triton.cdiv(B, STATUS_BLOCK),)](
+            log_probs, sampled, status, B, OK=_ref.OK, NOT_FINITE=_ref.NOT_FINITE, BLOCK=STATUS_BLOCK)
     return tokens, log_probs, sampled, status
+
+
+@triton.jit
+def _plain_status_kernel(lp_ptr, slp_ptr, status_ptr, n_rows, OK: tl.constexpr, NOT_FINITE: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Plain temperature: the sampled log-prob is the log-prob, and a row's status is
+    ``NOT_FINITE`` where it is not finite (a NaN or +inf logit, from hidden, weight or bias).
+    One launch for what would be four elementwise torch ops in a decode step."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_rows
+    lp = tl.load(lp_ptr + offs, mask=ok, other=0.0)
+    tl.store(slp_ptr + offs, lp, mask=ok)
+    finite = (lp == lp) & (tl.abs(lp) != float("inf"))
+    tl.store(status_ptr + offs, tl.where(finite, OK, NOT_FINITE).to(tl.int8), mask=ok)
 
 
 def _best_tile(best: Tensor, best_block: Tensor, best_z: Tensor, n_tiles: int, m: int):
