@@ -6,6 +6,7 @@ input is refused with errors that say what to change. Triton runs under its inte
 small V (``conftest.py``); ``test_sampling_gpu.py`` repeats the key checks on a GPU."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -176,9 +177,9 @@ def test_triton_single_filters_match_torch():
 def test_triton_candidates_match_torch_on_any_row(data, V, top_k, top_p, min_p, temperature):
     """The sorted candidates' thresholds and draw against the torch backend, bit for bit, on
     rows drawn from a few values (ties at the k-th largest and at the top-p boundary, across
-    blocks), from wide floats and with masked entries; top-p and min-p without top-k list the
-    interpreter's 6 largest, which hold every kept entry in some rows and not in others (then
-    the bisection)."""
+    blocks), from wide floats and with masked entries; top-p without top-k lists the bucket
+    where its threshold lies (the interpreter's 8 slots hold it in some rows and not in
+    others: then the bisection)."""
     value = st.sampled_from([-2.0, 0.0, 0.5, 1.0, 3.0, -math.inf]) | st.floats(-20, 20)
     rows = [data.draw(st.lists(value, min_size=V, max_size=V)) for _ in range(2)]
     x = torch.tensor(rows, dtype=torch.float32)
@@ -192,9 +193,10 @@ def test_triton_candidates_match_torch_on_any_row(data, V, top_k, top_p, min_p, 
 @pytest.mark.parametrize("kw", [{"top_p": 0.9}, {"top_p": 0.5}, {"min_p": 0.01}, {"min_p": 0.3},
                                 {"top_p": 0.8, "min_p": 0.05}], ids=str)
 def test_triton_filters_without_top_k_match_torch(kw):
-    """Top-p and min-p without top-k list the largest entries (the interpreter's 6) and use
-    them only where they hold every kept entry: peaked rows (the listed ones carry the mass
-    or pass the cut), flat rows (they do not: the bisection), one row of each kind per batch."""
+    """Top-p without top-k finds the bucket of its threshold from the rows' mass histograms
+    (the interpreter's: half a logit each) and lists its entries: peaked rows (a few in the
+    bucket), flat rows (more than the interpreter's 8 slots: the bisection), one row of each
+    kind per batch; min-p alone keeps every entry above its cut without a list."""
     g = torch.Generator().manual_seed(5)
     spread = torch.tensor([0.3, 6.0, 0.3, 9.0, 1.0, 4.0])[:, None]
     x = torch.randn(6, 90, generator=g) * spread
@@ -235,6 +237,35 @@ def test_scoring_given_tokens_matches_between_backends():
     b = tri.sample_logits(logits, 1.0, filters, seeds, steps, given=given)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(a[0], given) and a[2][1] == -math.inf and a[2][0] > -math.inf
+
+
+@pytest.mark.parametrize("kw", [{"top_p": 0.9}, {"top_p": 1.0}, {"min_p_log": math.log(0.02)},
+                                {"top_p": 0.8, "min_p_log": math.log(0.05)}], ids=str)
+def test_top_p_buckets_and_their_bisection_match_torch(kw):
+    """Without top-k, the crossing bucket's list and the bisection it falls back to give the
+    torch backend's tokens and log-probs, bit for bit, drawn or scoring given tokens: slots for
+    every bucket's entries (fine buckets, many slots), for none (2 slots) and coarse buckets;
+    rows peaked, flat, with masked entries and with ties."""
+    from rlk_mm.ops._triton import sampling as tri
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 150, generator=g) * torch.tensor([0.3, 6.0, 0.3, 9.0, 1.0, 4.0, 2.0, 0.0])[:, None]
+    x[6, ::7] = -math.inf
+    x[7] = (torch.randn(150, generator=g) * 2).round()
+    seeds, steps = torch.arange(8) + 17, torch.ones(8, dtype=torch.long)
+    tokens = torch.tensor([0, 5, 149, 3, 7, 9, 14, 100])
+    filters = ref.Filters(**kw)
+    base = tri.default_config(torch.device("cpu"))
+    configs = [replace(base, bucket_lanes=256, mass_buckets=4096, buckets_per_unit=64), replace(base, bucket_lanes=2),
+               replace(base, mass_buckets=16, buckets_per_unit=1, bucket_lanes=64)]
+    for inv_t in (1 / 0.7,):
+        drawn = ref.sample_rows(x, inv_t, filters, seeds, steps)
+        scored = ref.sample_rows(x, inv_t, filters, seeds, steps, given=tokens)
+        assert not torch.equal(scored[2], drawn[2])  # some given tokens dropped or scored apart
+        for cfg in configs:
+            for want, got in ((drawn, tri.sample_logits(x, inv_t, filters, seeds, steps, config=cfg)),
+                              (scored, tri.sample_logits(x, inv_t, filters, seeds, steps, given=tokens, config=cfg))):
+                assert all(torch.equal(a, b) for a, b in zip(want, got)), (kw, inv_t, cfg, want, got)
 
 
 def test_triton_batch_invariance_bitwise():

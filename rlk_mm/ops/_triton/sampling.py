@@ -2,35 +2,35 @@
 
 ``sample_logits`` is two launches over a grid of (row, vocabulary block) programs, each row
 cut into blocks of ``split_block`` entries (their number depends on V alone; ``SamplingConfig``
-holds the block sizes and caps named here), and a third, one program per row, for a filtered
-draw; it reads nothing back to the host, so it can be captured in a CUDA graph. In launches 1
-and 2 the row's last block to finish (a count per row, atomically incremented; it starts at
-zero and the last block resets it) combines the row's partials in block order:
+holds the block sizes and caps named here), and for a filtered draw one or two more; it reads
+nothing back to the host, so it can be captured in a CUDA graph. In launches 1 and 2 the
+row's last block to finish (a count per row, atomically incremented; it starts at zero and
+the last block of launch 1 resets it) combines the row's partials in block order:
 
 * launch 1 (``_maxima_kernel``): each block's max, NaN/+inf entries (the row's status) and
-  finite entries; with filters the maxima of its groups (a few equal slices of the block).
-  The row's last block writes the row's max and status and, with filters, the bound: the
-  k-th largest of those group maxima (a sort of a few hundred), at most the k-th largest
-  entry (k: top-k's, else ``filter_candidates``).
+  finite entries; with top-k the maxima of its groups (a few equal slices of the block).
+  The row's last block writes the row's max and status and, with top-k, the bound: the k-th
+  largest of those group maxima (a sort of a few hundred), at most the k-th largest entry.
 * launch 2 (``_draw_kernel``), under the row's max: each block's integer mass; plain
   temperature: its best noise block (Gumbel-max over the blocks' log-masses, the float64 noise
   only for the blocks an fp32 screen leaves: ``noise.best_noise_block``), and the row's last
   block sums the mass and finishes the draw inside the best noise block (the first on a tie,
-  as over the whole row); filters: the block's entries at or above the bound, appended to the
+  as over the whole row); top-k: the block's entries at or above the bound, appended to the
   row's candidates (index and value; an atomic count gives each block its place, so their
-  order varies from run to run, and nothing computed from them depends on it).
-* launch 3 (``_finish_kernel``), filters only, one program per row: the mass, then top-k,
-  top-p, min-p and the draw on the candidates (a little over k: every entry top-k can keep;
-  without top-k, a little over ``filter_candidates``), their values sorted once: the k-th
-  largest is the top-k threshold, running sums of the sorted masses give the top-p
-  threshold. When the candidates overflow their slots (entries equal at the bound, or a
-  row's largest entries crowded into a few blocks, which lowers the bound), or, without
-  top-k, do not hold every kept entry (top-p: their mass is short of top-p's share of the
-  row's; min-p alone: its cut is below the bound), each threshold is found
-  by bisection over an order-preserving integer key of ``z`` (top-k: counts; top-p: exact
-  integer masses), a pass over the row per step. Its own launch, because the finish is a
-  chain of dependent steps in one program per row: inside launch 2 its registers cut the
-  occupancy of the pass over the logits.
+  order varies from run to run, and nothing computed from them depends on it); top-p without
+  top-k: the block's masses added to the row's histogram (``top_p``).
+* launch 2b (``top_p.kept_kernel``), top-p or min-p without top-k: each block's sure entries
+  (their mass and best Gumbel score) and the entries of the bucket where top-p's threshold lies.
+* launch 3 (``_finish_kernel``), filters only, one program per row: the mass, then the filters
+  and the draw from the row's list. Top-k's candidates (a little over k: every entry top-k can
+  keep), their values sorted once: the k-th largest is the top-k threshold, running sums of
+  the sorted masses give the top-p threshold; without top-k, ``top_p.finish_from_bucket``.
+  When a list overflows its slots (top-k: entries equal at the bound, or a row's largest
+  entries crowded into a few blocks, which lowers the bound; top-p: many equal values in the
+  crossing bucket), each threshold is found by bisection over an order-preserving integer key
+  of ``z`` (top-k: counts; top-p: exact integer masses), a pass over the row per step. Its
+  own launch, because the finish is a chain of dependent steps in one program per row:
+  inside launch 2 its registers cut the occupancy of the pass over the logits.
 
 Integer masses and first-on-tie choices make every way the torch backend's result, bit for
 bit; a row's arithmetic never depends on the other rows or on B. Why two passes: the masses
@@ -60,6 +60,18 @@ import triton.language as tl
 
 from .._torch import sampling as _ref
 from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel, key_value, masses, no_nan, order_key, row_keys
+from .sample_rows import (
+    append_listed,
+    draw_by_bisection,
+    last_to_arrive,
+    load_z,
+    log_ratio,
+    row_mass,
+    step_of,
+    store_row,
+    workspace,
+)
+from .top_p import add_to_histogram, choose_bucket, finish_from_bucket, kept_kernel, mass_workspace
 
 __all__ = [
     "default_config", "sample_logits", "SamplingConfig",
@@ -79,8 +91,9 @@ class SamplingConfig:
     NOISE_BLOCK; the number of blocks depends on V alone). ``row_block``: entries per chunk
     of a pass over a whole row (the bisection). ``candidate_lanes``: most candidate slots per
     row (the finish sorts them; a row takes twice k, a power of two: a larger k goes by
-    bisection). ``filter_candidates``: the k of top-p and min-p without top-k (the largest k
-    entries or more are listed; where they do not hold every kept entry, the bisection).
+    bisection). Top-p without top-k (``top_p``): ``mass_buckets`` buckets per row, each
+    ``1 / buckets_per_unit`` of a logit (a power of two) below the row's max, and
+    ``bucket_lanes`` slots for the crossing bucket's entries (more: the bisection).
     ``block_warps``: warps of launch 1; ``row_warps``: of launch 2 (whose programs hold a
     plain draw's finish); ``finish_warps``: of a filtered draw's finish (launch 3).
     ``candidate_chunk``: entries per step of launch 2's candidate listing.
@@ -93,7 +106,9 @@ class SamplingConfig:
     row_warps: int
     finish_warps: int
     candidate_lanes: int
-    filter_candidates: int
+    bucket_lanes: int
+    mass_buckets: int
+    buckets_per_unit: int
     candidate_chunk: int = 512
     logits_budget: int = 512 << 20
     finish_rows: int = 8
@@ -103,125 +118,14 @@ class SamplingConfig:
 def default_config(device: torch.device) -> SamplingConfig:
     """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
     if device.type == "cuda":
-        return SamplingConfig(split_block=4096, row_block=1024, candidate_lanes=2048, filter_candidates=256,
-                              block_warps=4, row_warps=4, finish_warps=4)
-    return SamplingConfig(split_block=32, row_block=64, candidate_lanes=16, filter_candidates=6, block_warps=1,
-                          row_warps=1, finish_warps=1, candidate_chunk=8, finish_tiles=4)
+        return SamplingConfig(split_block=4096, row_block=1024, candidate_lanes=2048, bucket_lanes=1024,
+                              mass_buckets=1024, buckets_per_unit=64, block_warps=4, row_warps=4, finish_warps=4)
+    return SamplingConfig(split_block=32, row_block=64, candidate_lanes=16, bucket_lanes=8, mass_buckets=64,
+                          buckets_per_unit=2, block_warps=1, row_warps=1, finish_warps=1, candidate_chunk=8,
+                          finish_tiles=4)
 
 
-# ------------------------------------------------------------------ from logits
-@triton.jit
-def _load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
-    z = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-    if SCALE_T:
-        z = z * inv_t
-    return z
-
-
-@triton.jit
-def _log_ratio(z_tok, m, mass):
-    lse = tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))
-    return (z_tok.to(tl.float64) - m.to(tl.float64) - lse).to(tl.float32)
-
-
-@triton.jit
-def _count_from(x_row, V, inv_t, t, SCALE_T: tl.constexpr, BLOCK: tl.constexpr):
-    """How many finite entries of the row have key >= t."""
-    n = tl.zeros([], tl.int64)
-    for c in range(0, V, BLOCK):
-        z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
-        n += tl.sum(((z > -float("inf")) & (order_key(z) >= t)).to(tl.int64), 0)
-    return n
-
-
-@triton.jit
-def _mass_above(x_row, V, inv_t, m, t_kept, t, SCALE_T: tl.constexpr, BLOCK: tl.constexpr):
-    """Σ masses of the finite entries with key >= t_kept and key > t."""
-    s = tl.zeros([], tl.int64)
-    for c in range(0, V, BLOCK):
-        z = _load_z(x_row, c + tl.arange(0, BLOCK), V, inv_t, SCALE_T)
-        key = order_key(z)
-        s += tl.sum(tl.where((z > -float("inf")) & (key >= t_kept) & (key > t), masses(z, m), 0), 0)
-    return s
-
-
-@triton.jit
-def _draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, min_p_log, given_ptr, tka, tkb,
-                       SCALE_T: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-                       GIVEN: tl.constexpr, BLOCK: tl.constexpr):
-    """The filters' thresholds by bisection over the whole row (a pass per step), then a last
-    pass: the kept mass and the Gumbel-max over the kept tokens (or the given token's score)."""
-    t = tl.full([], -(2**31), tl.int64)  # keys of finite values are above it
-    if TOP_K:
-        if top_k < n_finite:  # largest t with count(key >= t) >= top_k
-            lo = t
-            hi = order_key(m) + 1
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                ok = _count_from(x_row, V, inv_t, mid, SCALE_T, BLOCK) >= top_k
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            t = lo
-    if TOP_P:  # smallest t with mass(key > t) < top_p · kept mass
-        kept_mass = _mass_above(x_row, V, inv_t, m, t, t - 1, SCALE_T, BLOCK).to(tl.float64)
-        need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass
-        lo = t - 1
-        hi = order_key(m)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            ok = _mass_above(x_row, V, inv_t, m, t, mid, SCALE_T, BLOCK).to(tl.float64) < need
-            hi = tl.where(ok, mid, hi)
-            lo = tl.where(ok, lo, mid)
-        t = hi
-    # last pass: the kept mass and the Gumbel-max over the kept tokens
-    kept_mass = tl.zeros([], tl.int64)
-    best = tl.full([], -float("inf"), tl.float64)
-    token = tl.zeros([], tl.int64)
-    for c in range(0, V, BLOCK):
-        offs = c + tl.arange(0, BLOCK)
-        z = _load_z(x_row, offs, V, inv_t, SCALE_T)
-        kept = (z > -float("inf")) & (order_key(z) >= t)
-        if MIN_P:
-            kept = kept & ((z - m) >= min_p_log)
-        kept_mass += tl.sum(tl.where(kept, masses(z, m), 0), 0)
-        if not GIVEN:
-            score = tl.where(kept, z.to(tl.float64) + gumbel(offs, tka, tkb), -float("inf"))
-            chunk_best = tl.max(score, 0)
-            better = chunk_best > best
-            token = tl.where(better, c + tl.argmax(score, 0), token).to(tl.int64)
-            best = tl.where(better, chunk_best, best)
-    if GIVEN:
-        token = tl.load(given_ptr)
-    z_tok = _load_z(x_row, token, V, inv_t, SCALE_T)
-    lp = _log_ratio(z_tok, m, total)
-    slp = _log_ratio(z_tok, m, kept_mass)
-    if GIVEN:
-        kept_tok = (z_tok > -float("inf")) & (order_key(z_tok) >= t)
-        if MIN_P:
-            kept_tok = kept_tok & ((z_tok - m) >= min_p_log)
-        slp = tl.where(kept_tok, slp, -float("inf"))
-    return token, lp, slp
-
-
-# ------------------------------------------------------------------ one row's blocks, one launch
-@triton.jit
-def _last_to_arrive(count_ptr, row, n_blocks):
-    """True in the program that completes its row's blocks (the last of them to count itself):
-    a barrier orders every thread's stores before the acquire-release count, so the blocks'
-    partials are visible to it. It resets the counter, so the next launch counts from zero."""
-    tl.debug_barrier()
-    return tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == n_blocks - 1
-
-
-@triton.jit
-def _step_of(steps_ptr, row, step_stride, step_value, STEPS: tl.constexpr):
-    """A row's decoding step: from the steps tensor (stride 0: one for every row) or the int."""
-    step = step_value
-    if STEPS:
-        step = tl.load(steps_ptr + row * step_stride)
-    return step
-
-
+# ------------------------------------------------------------------ launches 1, 2 and 3
 @triton.jit
 def _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP: tl.constexpr):
     """A row's max (0 for a bad row), status and finite entries, from its blocks' partials."""
@@ -236,18 +140,6 @@ def _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP: tl.
 
 
 @triton.jit
-def _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES: tl.constexpr):
-    """The places of the partials in the three workspaces (``n = rows x blocks`` entries;
-    ``LANES`` candidate slots per row; ``sample_logits`` sizes them): part_max, row_max,
-    cand_z, group_max (fp32); part_bad, part_fin, part_best_block, row_status, cand_index
-    (int32); part_mass, row_fin, bound (int64)."""
-    n = n_rows * n_blocks
-    return (f32_ws, f32_ws + n, f32_ws + n + n_rows, f32_ws + n + n_rows * (1 + LANES),
-            i32_ws, i32_ws + n, i32_ws + 2 * n, i32_ws + 3 * n, i32_ws + 3 * n + n_rows,
-            i64_ws, i64_ws + n, i64_ws + n + n_rows)
-
-
-@triton.jit
 def _maxima_kernel(x_ptr, stride, V, inv_t, listed, f32_ws, i32_ws, i64_ws, count_ptr, n_rows, n_blocks,
                    SCALE_T: tl.constexpr, CANDIDATES: tl.constexpr, SPLIT: tl.constexpr,
                    TOPS: tl.constexpr, NBP: tl.constexpr, BOUND_LANES: tl.constexpr, LANES: tl.constexpr):
@@ -258,10 +150,10 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, listed, f32_ws, i32_ws, i64_ws, coun
     blocks' group maxima (distinct entries, so at most the ``listed``-th largest entry's key;
     the smallest key when fewer are finite)."""
     (part_max_ptr, row_max_ptr, _, group_max_ptr, part_bad_ptr, part_fin_ptr, _, row_status_ptr, _, _, row_fin_ptr,
-     bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
+     bound_ptr) = workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
     pid = tl.program_id(0)
     row, blk = pid // n_blocks, pid % n_blocks
-    z = _load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + tl.arange(0, SPLIT), V, inv_t, SCALE_T)
+    z = load_z(x_ptr + row.to(tl.int64) * stride, blk * SPLIT + tl.arange(0, SPLIT), V, inv_t, SCALE_T)
     part = row * n_blocks + blk
     z_num = tl.where(z == z, z, -float("inf"))
     tl.store(part_max_ptr + part, tl.max(z_num, 0))
@@ -270,7 +162,7 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, listed, f32_ws, i32_ws, i64_ws, coun
         tl.store(group_max_ptr + part.to(tl.int64) * TOPS + tl.arange(0, TOPS), tops)
     tl.store(part_bad_ptr + part, tl.sum(((z != z) | (z == float("inf"))).to(tl.int32), 0))
     tl.store(part_fin_ptr + part, tl.sum((z > -float("inf")).to(tl.int32), 0))
-    if _last_to_arrive(count_ptr, row, n_blocks):
+    if last_to_arrive(count_ptr, row, n_blocks):
         m, status, n_finite = _row_stats(part_max_ptr, part_bad_ptr, part_fin_ptr, row, n_blocks, NBP)
         tl.store(row_max_ptr + row, m)
         tl.store(row_status_ptr + row, status)
@@ -286,40 +178,29 @@ def _maxima_kernel(x_ptr, stride, V, inv_t, listed, f32_ws, i32_ws, i64_ws, coun
 
 
 @triton.jit
-def _draw_from_candidates(m, total, n, bound, top_k, top_p_bits, min_p_log, tka, tkb, cand_index, cand_z,
-                          TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, LANES: tl.constexpr):
-    """Top-k, top-p, min-p and the draw over a row's ``n <= LANES`` candidates: every entry at
-    or above the row's ``bound`` (a key), in any order (none of the results depends on it).
-    Their values sorted, largest first: the k-th largest is the top-k threshold (ties with it
-    kept); the top-p threshold is the smallest kept value whose kept mass above it (running
-    sums of the sorted masses) is below ``top_p`` of the kept mass. Then Gumbel-max over the
-    kept candidates, the first index on a tie. Returns (token, z of the token, kept mass,
-    complete): without top-k the candidates need not hold every kept entry, and ``complete``
-    says whether they do (top-p: their mass reaches ``top_p`` of the row's, so every entry
-    below them has at least that much above it; min-p alone: the bound is below its cut)."""
+def _draw_from_candidates(m, n, top_k, top_p_bits, min_p_log, tka, tkb, cand_index, cand_z,
+                          TOP_P: tl.constexpr, MIN_P: tl.constexpr, LANES: tl.constexpr):
+    """Top-k, then top-p and min-p, and the draw over a row's ``n <= LANES`` candidates: every
+    entry at or above the row's bound (at most its k-th largest), in any order (none of the
+    results depends on it). Their values sorted, largest first: the k-th largest is the top-k
+    threshold (ties with it kept); the top-p threshold is the smallest kept value whose kept
+    mass above it (running sums of the sorted masses) is below ``top_p`` of the kept mass.
+    Then Gumbel-max over the kept candidates, the first index on a tie. Returns (token, z of
+    the token, kept mass)."""
     lanes = tl.arange(0, LANES)
     valid = lanes < n
     ci = tl.load(cand_index + lanes, mask=valid, other=0, cache_modifier=".cg")
     zi = tl.load(cand_z + lanes, mask=valid, other=-float("inf"), cache_modifier=".cg")
     zs = tl.sort(zi, 0, descending=True)  # -inf last
-    t = tl.full([], -(2**31), tl.int64)  # without top-k: every finite entry
-    complete = True
-    if TOP_K:
-        kth = tl.max(tl.where(lanes == top_k - 1, zs, -float("inf")), 0)
-        t = tl.where(kth > -float("inf"), order_key(kth), -(2**31))  # fewer than k finite: keep them all
-    elif not TOP_P:  # min-p alone
-        complete = (bound == -(2**31)) | ((key_value(bound) - m) < min_p_log)
+    kth = tl.max(tl.where(lanes == top_k - 1, zs, -float("inf")), 0)
+    t = tl.where(kth > -float("inf"), order_key(kth), -(2**31))  # fewer than k finite: keep them all
     if TOP_P:
         ks = order_key(zs)
         kept_k = (zs > -float("inf")) & (ks >= t)
         ms = tl.where(kept_k, masses(zs, m), 0)
         above = tl.cumsum(ms, 0) - ms  # at a run of equal values' first: the mass strictly above it
-        listed_mass = tl.sum(ms, 0)
-        need = top_p_bits.to(tl.float64, bitcast=True) * (listed_mass if TOP_K else total).to(tl.float64)
-        if not TOP_K:
-            complete = (bound == -(2**31)) | (listed_mass.to(tl.float64) >= need)
-        ok = kept_k & (above.to(tl.float64) < need)
-        t = tl.min(tl.where(ok, ks, 2**31 - 1), 0)
+        need = top_p_bits.to(tl.float64, bitcast=True) * tl.sum(ms, 0).to(tl.float64)
+        t = tl.min(tl.where(kept_k & (above.to(tl.float64) < need), ks, 2**31 - 1), 0)
     kept = (zi > -float("inf")) & (order_key(zi) >= t)
     if MIN_P:
         kept = kept & ((zi - m) >= min_p_log)
@@ -328,23 +209,7 @@ def _draw_from_candidates(m, total, n, bound, top_k, top_p_bits, min_p_log, tka,
     top = tl.max(score, 0)
     token = tl.min(tl.where(kept & (score == top), ci, 2**31 - 1), 0)  # the first by index on a tie
     z_tok = tl.max(tl.where(kept & (ci == token), zi, -float("inf")), 0)
-    return tl.where(token == 2**31 - 1, 0, token).to(tl.int64), z_tok, mass, complete
-
-
-@triton.jit
-def _row_mass(part_mass_ptr, row, n_blocks, NBP: tl.constexpr):
-    """A row's integer mass: its blocks' partials summed."""
-    b = tl.arange(0, NBP)
-    return tl.sum(tl.load(part_mass_ptr + row * n_blocks + b, mask=b < n_blocks, other=0, cache_modifier=".cg"), 0)
-
-
-@triton.jit
-def _store_row(row, token, lp, slp, status, tok_ptr, lp_ptr, slp_ptr, status_ptr):
-    """A row's results; its log-probs NaN for a bad row."""
-    tl.store(tok_ptr + row, token)
-    tl.store(lp_ptr + row, tl.where(status == 0, lp, float("nan")))
-    tl.store(slp_ptr + row, tl.where(status == 0, slp, float("nan")))
-    tl.store(status_ptr + row, status.to(tl.int8))
+    return tl.where(token == 2**31 - 1, 0, token).to(tl.int64), z_tok, mass
 
 
 @triton.jit
@@ -353,7 +218,7 @@ def _finish_plain(x_row, row, V, inv_t, m, status, tka, tkb, given_ptr, part_mas
                   SCALE_T: tl.constexpr, GIVEN: tl.constexpr, NBP: tl.constexpr):
     """A plain-temperature row, its blocks combined in block order: the mass, the draw (the
     first best noise block, then Gumbel-max inside it) and the log-prob."""
-    total = _row_mass(part_mass_ptr, row, n_blocks, NBP)
+    total = row_mass(part_mass_ptr, row, n_blocks, NBP)
     if GIVEN:
         token = tl.load(given_ptr + row)
     else:
@@ -363,36 +228,38 @@ def _finish_plain(x_row, row, V, inv_t, m, status, tka, tkb, given_ptr, part_mas
         w = tl.argmax(scores, 0)  # the first on a tie
         best_block = tl.load(part_best_block_ptr + row * n_blocks + w, cache_modifier=".cg")
         cols = best_block * NOISE_BLOCK + tl.arange(0, NOISE_BLOCK)
-        zc = _load_z(x_row, cols, V, inv_t, SCALE_T)
+        zc = load_z(x_row, cols, V, inv_t, SCALE_T)
         token = (best_block * NOISE_BLOCK + tl.argmax(no_nan(zc.to(tl.float64) + gumbel(cols, tka, tkb)), 0))
         token = token.to(tl.int64)
-    lp = _log_ratio(_load_z(x_row, token, V, inv_t, SCALE_T), m, total)
-    _store_row(row, token, lp, lp, status, tok_ptr, lp_ptr, slp_ptr, status_ptr)
+    lp = log_ratio(load_z(x_row, token, V, inv_t, SCALE_T), m, total)
+    store_row(row, token, lp, lp, status, tok_ptr, lp_ptr, slp_ptr, status_ptr)
 
 
 @triton.jit(do_not_specialize=["step_value"])
 def _draw_kernel(
-    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, step_stride, step_value, given_ptr,
-    f32_ws, i32_ws, i64_ws, part_best_ptr, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
+    x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, step_stride, step_value, given_ptr, top_p_bits,
+    f32_ws, i32_ws, i64_ws, mass_ws, part_best_ptr, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
     SCALE_T: tl.constexpr, STEPS: tl.constexpr, PLAIN: tl.constexpr, GIVEN: tl.constexpr, DRAW: tl.constexpr,
-    CANDIDATES: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr,
+    CANDIDATES: tl.constexpr, HIST: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
+    CHUNK: tl.constexpr, PER_UNIT: tl.constexpr, BUCKETS: tl.constexpr,
 ):
     """Launch 2, per (row, vocabulary block), under the row's max: the block's integer mass;
     with ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES``
-    its entries at or above the row's bound, appended to the row's list (index and value; a
-    count per row, atomically advanced, gives each block its place; past ``LANES`` entries
-    the list overflows and only its count grows). With ``PLAIN`` (plain temperature) the
-    row's last block finishes the row (``_finish_plain``); filters finish in ``_finish_kernel``."""
+    its entries at or above the row's bound, appended to the row's list
+    (``sample_rows.append_listed``); with ``HIST`` (top-p without top-k) its masses added to
+    the row's histogram, and the row's last block finds the crossing bucket (``top_p``). With
+    ``PLAIN`` (plain temperature) the row's last block finishes the row (``_finish_plain``);
+    filters finish in ``_finish_kernel``."""
     (_, row_max_ptr, cand_z_ptr, _, _, _, part_best_block_ptr, row_status_ptr, cand_index_ptr, part_mass_ptr,
-     _, bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
+     _, bound_ptr) = workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
     pid = tl.program_id(0)
     row, blk = pid // n_blocks, pid % n_blocks
     x_row = x_ptr + row.to(tl.int64) * stride
     m = tl.load(row_max_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    step = _step_of(steps_ptr, row, step_stride, step_value, STEPS)
+    step = step_of(steps_ptr, row, step_stride, step_value, STEPS)
     lanes = tl.arange(0, SPLIT)
-    z = _load_z(x_row, blk * SPLIT + lanes, V, inv_t, SCALE_T)
+    z = load_z(x_row, blk * SPLIT + lanes, V, inv_t, SCALE_T)
     part = row * n_blocks + blk
     tl.store(part_mass_ptr + part, tl.sum(masses(z, m), 0))
     if DRAW:
@@ -406,27 +273,19 @@ def _draw_kernel(
         best, best_block = best_noise_block(ell[None, :], blocks[None, :], one + bka, one + bkb)
         tl.store(part_best_ptr + part + tl.arange(0, 1), best)
         tl.store(part_best_block_ptr + part + tl.arange(0, 1), best_block)
-    if CANDIDATES:  # the entries at or above the bound, appended at the row's count
-        bound = key_value(tl.load(bound_ptr + row))
-        above = (z > -float("inf")) & (z >= bound)
-        per_chunk = tl.sum(tl.reshape(above.to(tl.int32), (SPLIT // CHUNK, CHUNK)), 1)
-        count = tl.sum(per_chunk, 0)
-        if count > 0:  # a chunk at a time (reread from the cache): whole-block offsets take registers
-            at = tl.atomic_add(count_ptr + n_rows + row, count, sem="relaxed")
-            chunks = tl.arange(0, SPLIT // CHUNK)
-            for c in range(0, SPLIT // CHUNK):
-                n_c = tl.sum(tl.where(chunks == c, per_chunk, 0), 0)
-                if n_c > 0:
-                    offs = blk * SPLIT + c * CHUNK + tl.arange(0, CHUNK)
-                    zc = _load_z(x_row, offs, V, inv_t, SCALE_T)
-                    ac = (zc > -float("inf")) & (zc >= bound)
-                    slot = at + tl.cumsum(ac.to(tl.int32), 0) - 1
-                    keep = ac & (slot < LANES)
-                    tl.store(cand_index_ptr + row.to(tl.int64) * LANES + slot, offs, mask=keep)
-                    tl.store(cand_z_ptr + row.to(tl.int64) * LANES + slot, zc, mask=keep)
-                    at += n_c
+    if CANDIDATES:  # the entries at or above the bound, appended to the row's list
+        append_listed(x_row, z, row, blk, V, inv_t, key_value(tl.load(bound_ptr + row)), count_ptr + n_rows,
+                      cand_index_ptr, cand_z_ptr, SCALE_T, SPLIT, CHUNK, LANES)
+    if HIST:  # top-p without top-k: the masses by bucket; the row's last block finds the crossing one
+        hist, row_bucket, mass_above, _ = mass_workspace(mass_ws, n_rows, n_blocks, BUCKETS)
+        add_to_histogram(x_row, blk, V, inv_t, m, hist + row * BUCKETS, SCALE_T, SPLIT, CHUNK, PER_UNIT, BUCKETS)
+        if last_to_arrive(count_ptr, row, n_blocks):
+            star, above = choose_bucket(hist + row * BUCKETS, row_mass(part_mass_ptr, row, n_blocks, NBP), top_p_bits,
+                                        BUCKETS)
+            tl.store(row_bucket + row, star.to(tl.int64))
+            tl.store(mass_above + row, above)
     if PLAIN:
-        if _last_to_arrive(count_ptr, row, n_blocks):
+        if last_to_arrive(count_ptr, row, n_blocks):
             tka, tkb = row_keys(seed, step, SALT_TOKEN)
             _finish_plain(x_row, row, V, inv_t, m, tl.load(row_status_ptr + row), tka, tkb, given_ptr, part_mass_ptr,
                           part_best_ptr, part_best_block_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_blocks,
@@ -436,36 +295,49 @@ def _draw_kernel(
 @triton.jit(do_not_specialize=["step_value"])
 def _finish_kernel(
     x_ptr, stride, V, inv_t, seeds_ptr, steps_ptr, step_stride, step_value, top_k, top_p_bits, min_p_log, given_ptr,
-    f32_ws, i32_ws, i64_ws, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
+    f32_ws, i32_ws, i64_ws, mass_ws, part_best_ptr, count_ptr, tok_ptr, lp_ptr, slp_ptr, status_ptr, n_rows, n_blocks,
     SCALE_T: tl.constexpr, STEPS: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-    GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr, LANES: tl.constexpr,
+    GIVEN: tl.constexpr, CANDIDATES: tl.constexpr, BY_MASS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr,
+    LANES: tl.constexpr, BUCKETS: tl.constexpr,
 ):
-    """Launch 3 of a filtered draw, per row: the mass, then top-k, top-p, min-p and the draw
-    over the row's candidates when they fit in ``LANES`` and hold every entry the filters keep,
-    else by bisection over the row, and the log-probs. A launch of its own, so that the sort's
-    registers do not cut the occupancy of launch 2's pass over the logits, and it takes its
-    own warps (``SamplingConfig.finish_warps``)."""
-    (_, row_max_ptr, cand_z_ptr, _, _, _, _, row_status_ptr, cand_index_ptr, part_mass_ptr,
-     row_fin_ptr, bound_ptr) = _workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
+    """Launch 3 of a filtered draw, per row: the mass, then the filters and the draw from the
+    row's list where it fits in ``LANES``: top-k's candidates (``CANDIDATES``) or, without
+    top-k (``BY_MASS``), the crossing bucket and the blocks' sure entries
+    (``top_p.finish_from_bucket``); else by bisection over the row; and the log-probs. A launch
+    of its own, so that the sort's registers do not cut the occupancy of launch 2's pass over
+    the logits, and it takes its own warps (``SamplingConfig.finish_warps``)."""
+    (_, row_max_ptr, cand_z_ptr, _, _, _, part_best_index_ptr, row_status_ptr, cand_index_ptr, part_mass_ptr,
+     row_fin_ptr, _) = workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride
     m = tl.load(row_max_ptr + row)
-    total = _row_mass(part_mass_ptr, row, n_blocks, NBP)
-    tka, tkb = row_keys(tl.load(seeds_ptr + row), _step_of(steps_ptr, row, step_stride, step_value, STEPS), SALT_TOKEN)
+    total = row_mass(part_mass_ptr, row, n_blocks, NBP)
+    tka, tkb = row_keys(tl.load(seeds_ptr + row), step_of(steps_ptr, row, step_stride, step_value, STEPS), SALT_TOKEN)
     n = tl.load(count_ptr + n_rows + row)
     token, lp, slp, done = tl.zeros([], tl.int64), tl.zeros([], tl.float32), tl.zeros([], tl.float32), n * 0
+    cand_index, cand_z = cand_index_ptr + row.to(tl.int64) * LANES, cand_z_ptr + row.to(tl.int64) * LANES
     if CANDIDATES:
         if n <= LANES:
-            token, z_tok, kept_mass, complete = _draw_from_candidates(
-                m, total, n, tl.load(bound_ptr + row), top_k, top_p_bits, min_p_log, tka, tkb,
-                cand_index_ptr + row.to(tl.int64) * LANES, cand_z_ptr + row.to(tl.int64) * LANES,
-                TOP_K, TOP_P, MIN_P, LANES)
-            lp, slp, done = _log_ratio(z_tok, m, total), _log_ratio(z_tok, m, kept_mass), complete.to(tl.int32)
+            token, z_tok, kept_mass = _draw_from_candidates(m, n, top_k, top_p_bits, min_p_log, tka, tkb, cand_index,
+                                                            cand_z, TOP_P, MIN_P, LANES)
+            lp, slp, done = log_ratio(z_tok, m, total), log_ratio(z_tok, m, kept_mass), n * 0 + 1
+    if BY_MASS:
+        if n <= LANES:
+            given = tl.zeros([], tl.int64)
+            if GIVEN:
+                given = tl.load(given_ptr + row)
+            token, z_tok, kept_mass, kept_tok = finish_from_bucket(
+                row, m, total, n, top_p_bits, min_p_log, tka, tkb, given, mass_ws, part_best_ptr, part_best_index_ptr,
+                cand_index, cand_z, x_row, V, inv_t, n_rows, n_blocks, SCALE_T, TOP_P, MIN_P, GIVEN, NBP, LANES,
+                BUCKETS)
+            lp, slp, done = log_ratio(z_tok, m, total), log_ratio(z_tok, m, kept_mass), n * 0 + 1
+            if GIVEN:  # a token the filters drop: sampled log-prob -inf
+                slp = tl.where(kept_tok, slp, -float("inf"))
     if done == 0:
-        token, lp, slp = _draw_by_bisection(
+        token, lp, slp = draw_by_bisection(
             x_row, V, inv_t, m, total, tl.load(row_fin_ptr + row), top_k, top_p_bits, min_p_log, given_ptr + row,
             tka, tkb, SCALE_T, TOP_K, TOP_P, MIN_P, GIVEN, BLOCK)
-    _store_row(row, token, lp, slp, tl.load(row_status_ptr + row), tok_ptr, lp_ptr, slp_ptr, status_ptr)
+    store_row(row, token, lp, slp, tl.load(row_status_ptr + row), tok_ptr, lp_ptr, slp_ptr, status_ptr)
 
 
 def _pow2(n: int) -> int:
@@ -486,7 +358,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
                   config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(tokens int64, log_probs fp32, sampled_log_probs fp32, status int8), each ``[B]``;
     ``logits [B, V]`` with unit stride along V, ``seeds`` int64 ``[B]``, ``steps`` an int or an
-    int64 tensor (``[]`` or ``[B]``) on the logits' device. Two launches (three with
+    int64 tensor (``[]`` or ``[B]``) on the logits' device. Two launches (three or four with
     filters), no host read: capturable in a CUDA graph. ``config`` replaces ``default_config``."""
     B, V = logits.shape
     dev = logits.device
@@ -500,51 +372,64 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     split = cfg.split_block
     n_blocks = -(-V // split)  # V alone sets the blocks: a row's arithmetic never depends on B
     top_k = filters.top_k or 0
-    draw = filters.plain and given is None
-    # candidates: the largest k entries or more (without top-k, ``filter_candidates``), in
-    # slots per row: twice k (a power of two, at least 16), at most the config's
-    listed = filters.top_k or cfg.filter_candidates
-    lanes = max(16, _pow2(2 * listed))
-    candidates = not filters.plain and given is None and lanes <= cfg.candidate_lanes
-    lanes = lanes if candidates else 1
+    draw = given is None
+    # top-k's candidates: every entry at or above a bound below the k-th largest, in slots per
+    # row: twice k (a power of two, at least 16), at most the config's (else the bisection)
+    lanes = max(16, _pow2(2 * top_k))
+    candidates = top_k > 0 and draw and lanes <= cfg.candidate_lanes
+    by_mass = not filters.plain and top_k == 0  # top-p, min-p: the crossing bucket's entries (``top_p``)
+    lanes = lanes if candidates else cfg.bucket_lanes if by_mass else 1
 
     n = B * n_blocks
     # each block's groups for the bound: twice its share of k (at least 4), so that the k-th
     # largest group max is close to the row's k-th largest entry
-    tops = min(split, _pow2(max(4, -(-2 * listed // n_blocks))))
-    # three workspaces hold the partials (``_workspace``: their places), a fourth the plain draw's scores
+    tops = min(split, _pow2(max(4, -(-2 * top_k // n_blocks))))
+    # three workspaces hold the partials (``sample_rows.workspace``: their places), a fourth the draw's
+    # scores, a fifth (zeroed) top-p's histograms and the sure masses (``top_p.mass_workspace``)
     f32_ws = torch.empty(n + B * (1 + lanes) + (n * tops if candidates else 0), dtype=torch.float32, device=dev)
     i32_ws = torch.empty(3 * n + B * (1 + lanes), dtype=torch.int32, device=dev)
     i64_ws = torch.empty(n + 2 * B, dtype=torch.int64, device=dev)
-    part_best = torch.empty(n, dtype=torch.float64, device=dev) if draw else tokens  # unused: any tensor
-    # per row: the blocks arrived (launches 1 and 2; the last block resets it), the candidates listed
+    buckets = cfg.mass_buckets
+    mass_ws = (torch.zeros(B * (buckets + 2) + n, dtype=torch.int64, device=dev) if by_mass else i64_ws)
+    part_best = torch.empty(n, dtype=torch.float64, device=dev) if draw and (filters.plain or by_mass) else tokens
+    # per row: the blocks arrived (launches 1 and 2; the last block resets it), the entries listed
     count = torch.zeros(2 * B, dtype=torch.int32, device=dev)
     top_p_bits = struct.unpack("<q", struct.pack("<d", filters.top_p or 1.0))[0]  # float64, exactly
     scale_t = inv_t != 1.0
     nbp = max(2, _pow2(n_blocks))
     grid = (B * n_blocks,)
+    chunk = min(split, cfg.candidate_chunk)
     # enable_fp_fusion=False: no fused multiply-adds, the torch backend's arithmetic, rounding for rounding
     _maxima_kernel[grid](
-        logits, logits.stride(0), V, inv_t, listed, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
+        logits, logits.stride(0), V, inv_t, top_k, f32_ws, i32_ws, i64_ws, count, B, n_blocks,
         SCALE_T=scale_t, CANDIDATES=candidates, SPLIT=split, TOPS=tops, NBP=nbp,
         BOUND_LANES=_pow2(n_blocks * tops) if candidates else 16, LANES=lanes,
         num_warps=cfg.block_warps, enable_fp_fusion=False)
     steps_t, step_stride, step_value, has_steps = _step_args(steps, tokens)
     given_t = tokens if given is None else given
+    top_p = filters.top_p is not None
     _draw_kernel[grid](
-        logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, given_t,
-        f32_ws, i32_ws, i64_ws, part_best, count, tokens, log_probs, sampled, status, B, n_blocks,
-        SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, GIVEN=given is not None, DRAW=draw,
-        CANDIDATES=candidates, SPLIT=split, NBP=nbp, LANES=lanes, CHUNK=min(split, cfg.candidate_chunk),
-        num_warps=cfg.row_warps, enable_fp_fusion=False,
+        logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, given_t, top_p_bits,
+        f32_ws, i32_ws, i64_ws, mass_ws, part_best, count, tokens, log_probs, sampled, status, B, n_blocks,
+        SCALE_T=scale_t, STEPS=has_steps, PLAIN=filters.plain, GIVEN=given is not None, DRAW=draw and filters.plain,
+        CANDIDATES=candidates, HIST=by_mass and top_p, SPLIT=split, NBP=nbp, LANES=lanes, CHUNK=chunk,
+        PER_UNIT=cfg.buckets_per_unit, BUCKETS=buckets, num_warps=cfg.row_warps, enable_fp_fusion=False,
     )
+    if by_mass:
+        kept_kernel[grid](
+            logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, filters.min_p_log or 0.0,
+            f32_ws, i32_ws, i64_ws, mass_ws, part_best, count, B, n_blocks,
+            SCALE_T=scale_t, STEPS=has_steps, TOP_P=top_p, MIN_P=filters.min_p_log is not None, DRAW=draw,
+            SPLIT=split, CHUNK=chunk, LANES=lanes, PER_UNIT=cfg.buckets_per_unit, BUCKETS=buckets,
+            num_warps=cfg.row_warps, enable_fp_fusion=False,
+        )
     if not filters.plain:
         _finish_kernel[(B,)](
             logits, logits.stride(0), V, inv_t, seeds, steps_t, step_stride, step_value, top_k, top_p_bits,
-            filters.min_p_log or 0.0, given_t, f32_ws, i32_ws, i64_ws, count, tokens, log_probs, sampled, status,
-            B, n_blocks, SCALE_T=scale_t, STEPS=has_steps, TOP_K=filters.top_k is not None,
-            TOP_P=filters.top_p is not None, MIN_P=filters.min_p_log is not None, GIVEN=given is not None,
-            CANDIDATES=candidates, BLOCK=cfg.row_block, NBP=nbp, LANES=lanes, num_warps=cfg.finish_warps,
-            enable_fp_fusion=False,
+            filters.min_p_log or 0.0, given_t, f32_ws, i32_ws, i64_ws, mass_ws, part_best, count, tokens, log_probs,
+            sampled, status, B, n_blocks, SCALE_T=scale_t, STEPS=has_steps, TOP_K=filters.top_k is not None,
+            TOP_P=top_p, MIN_P=filters.min_p_log is not None, GIVEN=given is not None,
+            CANDIDATES=candidates, BY_MASS=by_mass, BLOCK=cfg.row_block, NBP=nbp, LANES=lanes, BUCKETS=buckets,
+            num_warps=cfg.finish_warps, enable_fp_fusion=False,
         )
     return tokens, log_probs, sampled, status
