@@ -19,6 +19,14 @@ Masses are the torch backend's integers and the comparisons its own (``_torch.sa
 ``kept_by_filters``), so tokens and log-probs are its bit for bit. A crossing bucket with more
 entries than the list's slots (many equal values) sends the row to the bisection. Min-p
 alone needs no bucket: every entry at or above its cut is sure.
+
+Roofline: three reads of each row (launches 1, 2 and 2b; the finish reads a few entries)
+where top-k's path reads it twice; the cost over those reads is launch 2's atomic adds, one per entry
+within ``BUCKETS / PER_UNIT`` logits of the max (the block sums the rest first), and launch
+2b's Gumbel noise, fp32 for every sure entry of a chunk that holds one and float64 only where
+the fp32 screen leaves it (``noise.best_noise_block``). So a flat row, with many entries near
+its max and many sure ones, costs a few times a peaked one; the finish sorts ``LANES`` values
+whatever the row. ``bench/results/sampling_profile_h200.json`` has the kernel times.
 """
 
 from __future__ import annotations
