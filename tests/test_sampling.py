@@ -469,14 +469,15 @@ def test_bad_rows_are_refused_by_each_backend_when_checked(be):
 def test_bad_rows_give_nan_log_probs_by_default(be):
     """The default path reads nothing back: a bad row's log-probs are NaN, the others are
     exactly what they are in a batch of good rows."""
-    good = sample(_L, seeds=_S, backend=be, top_k=3)
+    filters = ({"top_k": 3}, {"top_p": 0.9}, {"min_p": 0.1}, {"top_p": 0.8, "min_p": 0.05})
+    good = [sample(_L, seeds=_S, backend=be, **kw) for kw in filters]
     for bad, r in ((_nan_row(), 1), (_inf_row(), 2), (_masked_row(), 0)):
-        for kw in ({}, {"top_k": 3}):
+        for kw, want in zip(({}, *filters), (None, *good)):
             out = sample(bad, seeds=_S, backend=be, **kw)
             assert bool(out.log_probs[r].isnan()) and bool(out.sampled_log_probs[r].isnan()), (r, kw)
             ok = torch.arange(3) != r
-            if kw:
-                assert all(torch.equal(x[ok], y[ok]) for x, y in zip(out, good))
+            if want is not None:
+                assert all(torch.equal(x[ok], y[ok]) for x, y in zip(out, want)), (r, kw)
     hidden = torch.randn(3, 8)
     hidden[1, 2] = math.nan
     for kw in ({}, {"top_k": 2}):
