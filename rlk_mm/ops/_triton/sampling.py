@@ -26,8 +26,8 @@ the last block of launch 1 resets it) combines the row's partials in block order
   keep), their values sorted once: the k-th largest is the top-k threshold, running sums of
   the sorted masses give the top-p threshold; without top-k, ``top_p.finish_from_bucket``.
   When a list overflows its slots (top-k: entries equal at the bound, or a row's largest
-  entries crowded into a few blocks, which lowers the bound; top-p: many equal values in the
-  crossing bucket), each threshold is found by bisection over an order-preserving integer key
+  entries crowded into a few blocks, which lowers the bound; top-p: a crossing bucket with
+  more entries than its slots, as in a nearly uniform row), each threshold is found by bisection over an order-preserving integer key
   of ``z`` (top-k: counts; top-p: exact integer masses), a pass over the row per step. Its
   own launch, because the finish is a chain of dependent steps in one program per row:
   inside launch 2 its registers cut the occupancy of the pass over the logits.
@@ -96,7 +96,8 @@ class SamplingConfig:
     ``bucket_lanes`` slots for the crossing bucket's entries (more: the bisection).
     ``block_warps``: warps of launch 1; ``row_warps``: of launch 2 (whose programs hold a
     plain draw's finish); ``finish_warps``: of a filtered draw's finish (launch 3).
-    ``candidate_chunk``: entries per step of launch 2's candidate listing.
+    ``candidate_chunk``: entries per step of launch 2's candidate listing and histogram, and
+    of launch 2b.
     ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
     ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
 

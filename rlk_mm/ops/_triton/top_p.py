@@ -17,7 +17,7 @@ thousands), so no short list of a row's largest entries holds them. Instead:
 
 Masses are the torch backend's integers and the comparisons its own (``_torch.sampling``:
 ``kept_by_filters``), so tokens and log-probs are its bit for bit. A crossing bucket with more
-entries than the list's slots (many equal values) sends the row to the bisection. Min-p
+entries than the list's slots (a nearly uniform row) sends the row to the bisection. Min-p
 alone needs no bucket: every entry at or above its cut is sure.
 
 Roofline: three reads of each row (launches 1, 2 and 2b; the finish reads a few entries)
