@@ -10,13 +10,14 @@ import triton.language as tl
 from .noise import gumbel, masses, order_key
 
 __all__ = [
-    "append_chunk", "append_listed", "bucket_of", "draw_by_bisection", "last_to_arrive", "load_z", "log_ratio", "row_mass", "step_of", "store_row",
-    "workspace",
+    "append_chunk", "append_listed", "bucket_of", "draw_by_bisection", "last_to_arrive", "load_z", "log_ratio", "row_mass",
+    "step_of", "store_row", "workspace",
 ]
 
 
 @triton.jit
 def load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
+    """fp32 ``z`` of a row's entries ``offs`` (times ``inv_t`` with ``SCALE_T``; -inf past V)."""
     z = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
     if SCALE_T:
         z = z * inv_t
@@ -25,6 +26,7 @@ def load_z(x_row, offs, V, inv_t, SCALE_T: tl.constexpr):
 
 @triton.jit
 def log_ratio(z_tok, m, mass):
+    """``z_tok - m - log(mass / 2^40)`` in float64, as fp32: a log-prob from an integer mass."""
     lse = tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))
     return (z_tok.to(tl.float64) - m.to(tl.float64) - lse).to(tl.float32)
 
