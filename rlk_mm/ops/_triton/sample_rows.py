@@ -10,8 +10,8 @@ import triton.language as tl
 from .noise import gumbel, masses, order_key
 
 __all__ = [
-    "append_chunk", "append_listed", "bucket_of", "draw_by_bisection", "last_to_arrive", "load_z", "log_ratio", "row_mass",
-    "step_of", "store_row", "workspace",
+    "append_chunk", "append_listed", "bucket_of", "draw_by_bisection", "gumbel_max", "kept_by", "last_to_arrive", "load_z",
+    "log_ratio", "row_mass", "sorted_top_p_threshold", "step_of", "store_row", "workspace",
 ]
 
 
@@ -29,6 +29,43 @@ def log_ratio(z_tok, m, mass):
     """``z_tok - m - log(mass / 2^40)`` in float64, as fp32: a log-prob from an integer mass."""
     lse = tl.log(mass.to(tl.float64) * (1.0 / 1099511627776.0))
     return (z_tok.to(tl.float64) - m.to(tl.float64) - lse).to(tl.float32)
+
+
+@triton.jit
+def kept_by(z, m, t, min_p_log, MIN_P: tl.constexpr):
+    """The entries the filters keep: finite, with key at or above ``t`` (top-k's and top-p's
+    threshold; ``-2^31``: none) and with ``MIN_P`` at or above min-p's cut below the max ``m``."""
+    kept = (z > -float("inf")) & (order_key(z) >= t)
+    if MIN_P:
+        kept = kept & ((z - m) >= min_p_log)
+    return kept
+
+
+@triton.jit
+def gumbel_max(index, z, kept, tka, tkb):
+    """(the best float64 score ``z + gumbel(index)`` over the kept entries, its index: the
+    first on a tie, ``2^31 - 1`` where none is kept)."""
+    score = tl.where(kept, z.to(tl.float64) + gumbel(index, tka, tkb), -float("inf"))
+    top = tl.max(score, 0)
+    return top, tl.min(tl.where(kept & (score == top), index, 2**31 - 1), 0)
+
+
+@triton.jit
+def sorted_top_p_threshold(zs, m, t, mass_above, top_p_bits, total, OF_LISTED: tl.constexpr):
+    """Top-p's threshold key among listed values ``zs`` sorted largest first, of those with key
+    at or above ``t``: the smallest key with less than ``top_p`` of the kept mass above it. The
+    mass above a value is ``mass_above`` (of entries above every listed one) plus the running
+    sum of the masses before it (at a run of equal values' first: the mass strictly above); the
+    kept mass is the listed entries' (``OF_LISTED``: the list holds every kept entry) or ``total``."""
+    ks = order_key(zs)
+    eligible = (zs > -float("inf")) & (ks >= t)
+    ms = tl.where(eligible, masses(zs, m), 0)
+    above = mass_above + tl.cumsum(ms, 0) - ms
+    kept_mass = total
+    if OF_LISTED:
+        kept_mass = tl.sum(ms, 0)
+    need = top_p_bits.to(tl.float64, bitcast=True) * kept_mass.to(tl.float64)
+    return tl.min(tl.where(eligible & (above.to(tl.float64) < need), ks, 2**31 - 1), 0)
 
 
 @triton.jit
@@ -87,15 +124,12 @@ def draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, mi
     for c in range(0, V, BLOCK):
         offs = c + tl.arange(0, BLOCK)
         z = load_z(x_row, offs, V, inv_t, SCALE_T)
-        kept = (z > -float("inf")) & (order_key(z) >= t)
-        if MIN_P:
-            kept = kept & ((z - m) >= min_p_log)
+        kept = kept_by(z, m, t, min_p_log, MIN_P)
         kept_mass += tl.sum(tl.where(kept, masses(z, m), 0), 0)
         if not GIVEN:
-            score = tl.where(kept, z.to(tl.float64) + gumbel(offs, tka, tkb), -float("inf"))
-            chunk_best = tl.max(score, 0)
-            better = chunk_best > best
-            token = tl.where(better, c + tl.argmax(score, 0), token).to(tl.int64)
+            chunk_best, chunk_token = gumbel_max(offs, z, kept, tka, tkb)
+            better = chunk_best > best  # an earlier chunk keeps a tie: the first index
+            token = tl.where(better, chunk_token, token).to(tl.int64)
             best = tl.where(better, chunk_best, best)
     if GIVEN:
         token = tl.load(given_ptr)
@@ -103,10 +137,7 @@ def draw_by_bisection(x_row, V, inv_t, m, total, n_finite, top_k, top_p_bits, mi
     lp = log_ratio(z_tok, m, total)
     slp = log_ratio(z_tok, m, kept_mass)
     if GIVEN:
-        kept_tok = (z_tok > -float("inf")) & (order_key(z_tok) >= t)
-        if MIN_P:
-            kept_tok = kept_tok & ((z_tok - m) >= min_p_log)
-        slp = tl.where(kept_tok, slp, -float("inf"))
+        slp = tl.where(kept_by(z_tok, m, t, min_p_log, MIN_P), slp, -float("inf"))
     return token, lp, slp
 
 

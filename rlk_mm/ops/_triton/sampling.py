@@ -63,10 +63,13 @@ from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel
 from .sample_rows import (
     append_listed,
     draw_by_bisection,
+    gumbel_max,
+    kept_by,
     last_to_arrive,
     load_z,
     log_ratio,
     row_mass,
+    sorted_top_p_threshold,
     step_of,
     store_row,
     workspace,
@@ -196,19 +199,10 @@ def _draw_from_candidates(m, n, top_k, top_p_bits, min_p_log, tka, tkb, cand_ind
     kth = tl.max(tl.where(lanes == top_k - 1, zs, -float("inf")), 0)
     t = tl.where(kth > -float("inf"), order_key(kth), -(2**31))  # fewer than k finite: keep them all
     if TOP_P:
-        ks = order_key(zs)
-        kept_k = (zs > -float("inf")) & (ks >= t)
-        ms = tl.where(kept_k, masses(zs, m), 0)
-        above = tl.cumsum(ms, 0) - ms  # at a run of equal values' first: the mass strictly above it
-        need = top_p_bits.to(tl.float64, bitcast=True) * tl.sum(ms, 0).to(tl.float64)
-        t = tl.min(tl.where(kept_k & (above.to(tl.float64) < need), ks, 2**31 - 1), 0)
-    kept = (zi > -float("inf")) & (order_key(zi) >= t)
-    if MIN_P:
-        kept = kept & ((zi - m) >= min_p_log)
+        t = sorted_top_p_threshold(zs, m, t, 0, top_p_bits, 0, True)
+    kept = kept_by(zi, m, t, min_p_log, MIN_P)
     mass = tl.sum(tl.where(kept, masses(zi, m), 0), 0)
-    score = tl.where(kept, zi.to(tl.float64) + gumbel(ci, tka, tkb), -float("inf"))
-    top = tl.max(score, 0)
-    token = tl.min(tl.where(kept & (score == top), ci, 2**31 - 1), 0)  # the first by index on a tie
+    _, token = gumbel_max(ci, zi, kept, tka, tkb)
     z_tok = tl.max(tl.where(kept & (ci == token), zi, -float("inf")), 0)
     return tl.where(token == 2**31 - 1, 0, token).to(tl.int64), z_tok, mass
 

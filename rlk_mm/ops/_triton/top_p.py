@@ -34,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .noise import SALT_TOKEN, best_noise_block, gumbel, masses, order_key, row_keys
-from .sample_rows import append_chunk, bucket_of, load_z, step_of, workspace
+from .noise import SALT_TOKEN, best_noise_block, masses, row_keys
+from .sample_rows import append_chunk, bucket_of, gumbel_max, kept_by, load_z, sorted_top_p_threshold, step_of, workspace
 
 __all__ = ["add_to_histogram", "choose_bucket", "finish_from_bucket", "kept_kernel", "mass_workspace"]
 
@@ -152,15 +152,9 @@ def finish_from_bucket(row, m, total, n, top_p_bits, min_p_log, tka, tkb, given,
     zi = tl.load(cand_z + lanes, mask=valid, other=-float("inf"), cache_modifier=".cg")
     t = tl.full([], -(2**31), tl.int64)  # min-p alone: every finite listed entry (none are listed)
     if TOP_P:
-        zs = tl.sort(zi, 0, descending=True)  # -inf last
-        ks = order_key(zs)
-        ms = tl.where(zs > -float("inf"), masses(zs, m), 0)
-        above = tl.load(mass_above + row) + tl.cumsum(ms, 0) - ms
-        need = top_p_bits.to(tl.float64, bitcast=True) * total.to(tl.float64)
-        t = tl.min(tl.where((zs > -float("inf")) & (above.to(tl.float64) < need), ks, 2**31 - 1), 0)
-    kept = (zi > -float("inf")) & (order_key(zi) >= t)
-    if MIN_P:
-        kept = kept & ((zi - m) >= min_p_log)
+        t = sorted_top_p_threshold(tl.sort(zi, 0, descending=True), m, t, tl.load(mass_above + row), top_p_bits, total,
+                                   False)
+    kept = kept_by(zi, m, t, min_p_log, MIN_P)
     b = tl.arange(0, NBP)
     b_ok = b < n_blocks
     mass = (tl.sum(tl.load(part_kept + row * n_blocks + b, mask=b_ok, other=0, cache_modifier=".cg"), 0)
@@ -168,13 +162,9 @@ def finish_from_bucket(row, m, total, n, top_p_bits, min_p_log, tka, tkb, given,
     if GIVEN:
         token = given
         z_tok = load_z(x_row, token, V, inv_t, SCALE_T)
-        kept_tok = (z_tok > -float("inf")) & (order_key(z_tok) >= t)
-        if MIN_P:  # an entry of an earlier bucket is above every listed one: above the threshold too
-            kept_tok = kept_tok & ((z_tok - m) >= min_p_log)
+        kept_tok = kept_by(z_tok, m, t, min_p_log, MIN_P)  # an earlier bucket's entry is above the threshold
     else:
-        score = tl.where(kept, zi.to(tl.float64) + gumbel(ci, tka, tkb), -float("inf"))
-        top = tl.max(score, 0)
-        listed_token = tl.min(tl.where(kept & (score == top), ci, 2**31 - 1), 0)
+        top, listed_token = gumbel_max(ci, zi, kept, tka, tkb)
         block_best = tl.load(part_best_ptr + row * n_blocks + b, mask=b_ok, other=-float("inf"), cache_modifier=".cg")
         block_top = tl.max(block_best, 0)
         block_token = tl.min(tl.where(b_ok & (block_best == block_top),
