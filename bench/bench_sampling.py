@@ -8,7 +8,7 @@ From logits (V = 152,064, fp32, B in {64, 128, 256}), top-k 50 + top-p 0.9 at T 
   host's launch time counts); ``ours_graph``: the same call captured in a CUDA graph and
   replayed (the GPU's time alone); ``ours_stream``: 20 calls back to back, per call (the host
   enqueues ahead of the GPU); ``ours_plain``: plain temperature; ``ours_top_p``: top-p 0.9
-  alone (on these rows it keeps about a thousand tokens: the bisection, the slow path);
+  alone (on these rows it keeps about a thousand tokens: the mass-bucket path, ``_triton/top_p.py``);
 * ``torch_topk_topp``: softmax -> topk(50) -> top-p on the 50 -> multinomial;
 * ``torch_sort_topp``: a full sort, top-k and top-p masks, softmax, multinomial (vLLM-style);
 * ``torch_multinomial``: softmax -> multinomial, no filters (the floor of the torch way);

@@ -20,9 +20,9 @@ No host sync on the default path: arguments are checked on the host before any l
 needs the device's data (a NaN or +inf logit, a row masked everywhere, a device ``step``
 tensor's range) is looked for only with ``check=True``, which reads the rows' status back and
 raises for the first bad row. By default a bad row is marked by NaN log-probs. The Triton
-path from logits is two launches, three with filters (``_triton/sampling.py`` has the design
-and the roofline), and can be captured in a CUDA graph, ``step`` a device tensor advanced
-between replays.
+path from logits is two launches, three or four with filters (``_triton/sampling.py`` has the
+design and the roofline), and can be captured in a CUDA graph, ``step`` a device tensor
+advanced between replays.
 """
 
 from __future__ import annotations
