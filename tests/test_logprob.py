@@ -62,6 +62,34 @@ def test_matches_fp64_oracle_within_contract(backend, dtype, H):
     assert torch.count_nonzero(hg.grad[unscored]) == 0
 
 
+def test_backward_over_several_vocabulary_chunks(monkeypatch):
+    """The Triton backward with a d-logits budget of one 32-column tile: ten vocabulary chunks,
+    the first writing d hidden (its buffer is not zero-filled), the others adding to it; the
+    last chunk is partial. Gradients within the contract of the fp64 oracle."""
+    from rlk_mm.ops._triton import logprob as triton_logprob
+
+    original = triton_logprob.default_config
+
+    def one_tile_chunks(dtype, device, rows=None):
+        cfg = original(dtype, device, rows=rows)
+        return type(cfg)(**{**cfg.__dict__, "dz_budget": cfg.block_n * 24 * 4})
+
+    monkeypatch.setattr(triton_logprob, "default_config", one_tile_chunks)
+    T, H, V = 30, 32, 300
+    h, w, b = _inputs(T, H, V, torch.float32, seed=4, bias=True)
+    rows, targets = torch.arange(2, 26), torch.randint(0, V, (24,), generator=torch.Generator().manual_seed(4))
+    cfg = one_tile_chunks(torch.float32, torch.device("cpu"))
+    assert triton_logprob.dz_chunk_columns(24, V, torch.float32, cfg) == cfg.block_n < V
+    up = torch.linspace(-1, 2, 24)
+    hg, wg, bg = (t.clone().requires_grad_() for t in (h, w, b))
+    with use_backend("triton"):
+        selected_logprob(hg, wg, index=rows, targets=targets, temperature=0.9, bias=bg).backward(up)
+    _, _, r_dh, r_dw, r_db = _oracle(h, w, rows, targets, 0.9, b, up, torch.zeros(24))
+    tol = LOGPROB_GRAD_REL.fp32
+    assert relative_error(hg.grad, r_dh) <= tol and relative_error(wg.grad, r_dw) <= tol
+    assert relative_error(bg.grad, r_db) <= tol
+
+
 def test_gradient_through_one_output_only(backend):
     """Log-prob alone (no entropy asked), and entropy alone (log-prob unused)."""
     T, H, V = 24, 32, 200

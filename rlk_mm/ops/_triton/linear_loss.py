@@ -11,8 +11,8 @@ For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in ord
 3. the caller's ``upstream``: each token's loss gradient with respect to its log-prob and
    entropy (a function of that token alone and of inputs known before the forward);
 4. ``_dz_kernel``: the stored logits become d loss / d logits in place;
-5. cuBLAS: d hidden of the chunk's rows (fp32) and d weight (accumulated over the chunks in
-   the weight's dtype) and d bias (fp32).
+5. cuBLAS: d hidden of the chunk's rows (fp32) and d weight (the first chunk's product, then
+   accumulated over the chunks in the weight's dtype: no zero-filled buffer) and d bias (fp32).
 
 Three logits-sized products in all (forward, d hidden, d weight) instead of four. The stored
 difference to the segment's max keeps the dtype's precision where probability mass is (near the
@@ -107,11 +107,13 @@ def loss_grads(
     logp = torch.empty(n, dtype=torch.float32, device=dev)
     entropy = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
-    d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
-    d_weight = torch.zeros_like(weight) if need_weight else None
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if need_bias else None
     if n == 0:
-        return logp, entropy, d_sel, d_weight, d_bias
+        d_sel = torch.zeros((0, H), dtype=torch.float32, device=dev) if need_hidden else None
+        return logp, entropy, d_sel, torch.zeros_like(weight) if need_weight else None, d_bias
+    # written by the chunks' products (the first chunk's d weight is a plain product): no zero fill
+    d_sel = torch.empty((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else None
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     cols = partial_columns(cfg)
     n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
@@ -151,10 +153,13 @@ def loss_grads(
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:
-            accumulate_mm(d_sel[s : s + m], dz, weight)
+            accumulate_mm(d_sel[s : s + m], dz, weight, add=False)
         if need_weight:
             h_rows = ops.h_sel[s : s + m] if ops.h_sel is not None else hidden.index_select(0, rows[s : s + m])
-            d_weight.addmm_(dz.T, h_rows)
+            if s == 0:
+                torch.mm(dz.T, h_rows, out=d_weight)
+            else:
+                d_weight.addmm_(dz.T, h_rows)
         if need_bias:
             d_bias += dz.sum(0, dtype=torch.float32)
     return logp, entropy, d_sel, d_weight, d_bias

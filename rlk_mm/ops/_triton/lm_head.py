@@ -325,11 +325,15 @@ class Operands:
         return h, self.w_src, rows
 
 
-def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` and fp32 accumulation for 16-bit ``a``, ``b``."""
+def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, add: bool = True) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` without ``add``: acc's old values, even NaN, are not
+    read) with fp32 ``acc`` and fp32 accumulation for 16-bit ``a``, ``b``."""
+    beta = 1 if add else 0
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:  # cuBLAS: 16-bit operands, fp32 C updated in place (beta = 1)
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:  # Triton's interpreter (tests)
+        acc.addmm_(a, b, beta=beta)
+    elif acc.is_cuda:  # cuBLAS: 16-bit operands, fp32 C updated in place
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    elif add:  # Triton's interpreter (tests)
         acc.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=acc)

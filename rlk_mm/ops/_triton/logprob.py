@@ -166,7 +166,8 @@ def backward(
     cfg = config or default_config(weight.dtype, dev)
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     h_src, w_src, _ = ops.args(0, n)
-    d_sel = torch.zeros((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    # the first vocabulary chunk's product writes d_sel whole; an empty shard (V = 0) has no chunk
+    d_sel = (torch.empty if V else torch.zeros)((n, H), dtype=torch.float32, device=dev) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
     d_bias = torch.empty(V, dtype=torch.float32, device=dev) if need_bias else None
     cols = dz_chunk_columns(n, V, weight.dtype, cfg)
@@ -187,7 +188,7 @@ def backward(
         )
         w_c = weight[c0 : c0 + c]
         if need_hidden:
-            accumulate_mm(d_sel, dz, w_c)
+            accumulate_mm(d_sel, dz, w_c, add=c0 > 0)
         if need_weight:
             torch.mm(dz.T, ops.h_sel, out=d_weight[c0 : c0 + c])
         if need_bias:
