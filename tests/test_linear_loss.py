@@ -7,6 +7,7 @@ bitwise run to run; the RLBatch path; bad inputs. tests/test_linear_loss_gpu.py 
 GPU checks."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from helpers import GRAD_SCALES, same_bits, scaled_pair
 from oracles import loss as ref
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
+from rlk_mm.ops._triton import lm_head
 from rlk_mm.ops._triton import logprob as triton_logprob
 from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
@@ -208,9 +210,9 @@ def test_frozen_inputs_skip_their_product(backend, requires, monkeypatch):
     for module in (triton_linear_loss, __import__("rlk_mm.ops._torch.linear_loss", fromlist=["x"])):
         original = module.loss_grads
 
-        def spy(*args, original=original):
+        def spy(*args, original=original, **kwargs):
             asked.append(args[-3:])
-            return original(*args)
+            return original(*args, **kwargs)
 
         monkeypatch.setattr(module, "loss_grads", spy)
     out, grads = run_fused(c, requires=requires, entropy_coeff=0.1)
@@ -264,13 +266,30 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(triton_linear_loss, "default_config", config)
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 20_000), V=st.integers(1, 300_000), H=st.integers(1, 16_384),
+       budget_mib=st.integers(1, 2048), block_m=st.sampled_from([16, 64, 128]))
+def test_chunk_rows_are_the_fewest_equal_chunks_within_the_budget(n, V, H, budget_mib, block_m):
+    cfg = replace(lm_head.default_config(torch.bfloat16, torch.device("cpu")), block_m=block_m,
+                  linear_budget=budget_mib << 20)
+    rows = triton_linear_loss.chunk_rows(n, V, H, torch.bfloat16, cfg)
+    per_row = 2 * V + 4 * H + 12 * -(-V // lm_head.partial_columns(cfg))
+    assert rows % block_m == 0 and rows >= block_m
+    assert rows == block_m or rows * per_row <= cfg.linear_budget  # one tile of rows may exceed a tiny budget
+    chunks = -(-n // rows)
+    fewest = -(-n // max(block_m, cfg.linear_budget // per_row // block_m * block_m))
+    assert chunks == fewest
+    last = n - (chunks - 1) * rows
+    assert 0 < last <= rows and rows - last < chunks * block_m
+
+
 def test_several_chunks_give_one_chunks_results(small_chunks):
     from helpers import use_backend
 
     c = make_case(torch.bfloat16, seed=9, bias=True)
     knobs = dict(ref_log_probs=c["ref_log_probs"], kl_coef=0.1, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
     with use_backend("triton"):
-        assert triton_linear_loss.chunk_rows(B * R, V, torch.bfloat16, triton_linear_loss.default_config(
+        assert triton_linear_loss.chunk_rows(B * R, V, H, torch.bfloat16, triton_linear_loss.default_config(
             torch.bfloat16, torch.device("cpu"))) == 16
         out, grads = run_fused(c, **knobs)
         check_against(out, grads, run_composed(c, **knobs), torch.bfloat16)

@@ -7,7 +7,8 @@ advantage, reference log-prob, IS weight, aggregation weight). So the forward, c
 chunk of scored rows, forms the logits once, reduces them to log-prob and entropy, turns
 them into d loss / d logits in place, and accumulates d hidden and d weight; the backward
 only multiplies the stored gradients by the incoming scalar. A chunk's logits are the only
-vocabulary-sized buffer (``LogprobConfig.linear_budget`` bytes on CUDA).
+vocabulary-sized buffer (with its fp32 d hidden rows, within ``LogprobConfig.linear_budget``
+bytes on CUDA).
 
 Backends: Triton on CUDA (``_triton/linear_loss.py``), the plain-torch log-prob backend
 elsewhere (``_torch/linear_loss.py``: the same values, the logits recomputed for the
@@ -228,8 +229,8 @@ def linear_policy_loss(
             from ._triton import linear_loss as _backend
 
             logp, entropy, d_rows, d_weight, d_bias = _backend.loss_grads(
-                flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, *need)
-            d_hidden = None if d_rows is None else _scatter_rows(d_rows.to(hidden.dtype), rows, flat, all_rows)
+                flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, *need, rows_dtype=hidden.dtype)
+            d_hidden = None if d_rows is None else _scatter_rows(d_rows, rows, flat, all_rows)
         else:
             from ._torch import linear_loss as _backend
 

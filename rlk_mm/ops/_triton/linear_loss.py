@@ -11,7 +11,7 @@ For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in ord
 3. the caller's ``upstream``: each token's loss gradient with respect to its log-prob and
    entropy (a function of that token alone and of inputs known before the forward);
 4. ``_dz_kernel``: the stored logits become d loss / d logits in place;
-5. cuBLAS: d hidden of the chunk's rows (fp32) and d weight (the first chunk's product, then
+5. cuBLAS: d hidden of the chunk's rows (fp32, then rounded to the caller's dtype) and d weight (the first chunk's product, then
    accumulated over the chunks in the weight's dtype: no zero-filled buffer) and d bias (fp32).
 
 Three logits-sized products in all (forward, d hidden, d weight) instead of four. The stored
@@ -83,20 +83,27 @@ def _dz_kernel(
     tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=ok)
 
 
-def chunk_rows(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
-    """Rows per chunk: as many whole row tiles as ``cfg.linear_budget`` holds of ``[rows, V]``."""
-    rows = cfg.linear_budget // max(V * torch.finfo(dtype).bits // 8, 1) // cfg.block_m * cfg.block_m
-    return max(cfg.block_m, min(rows, triton.cdiv(n, cfg.block_m) * cfg.block_m))
+def chunk_rows(n: int, V: int, H: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
+    """Rows per chunk (whole row tiles): the fewest chunks whose workspace ``cfg.linear_budget``
+    holds (per row: its logits in ``dtype``, its fp32 d hidden and its three fp32 partials per
+    segment), all of one size but the last (shorter by less than a tile per chunk), so no chunk
+    is a short remainder and the buffers are no larger than the chunks need."""
+    per_row = V * torch.finfo(dtype).bits // 8 + 4 * H + 12 * triton.cdiv(V, partial_columns(cfg))
+    most = max(cfg.block_m, cfg.linear_budget // per_row // cfg.block_m * cfg.block_m)
+    chunks = max(1, triton.cdiv(n, most))
+    return triton.cdiv(triton.cdiv(n, chunks), cfg.block_m) * cfg.block_m
 
 
 def loss_grads(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
     all_rows: bool, upstream: Upstream, need_hidden: bool, need_weight: bool, need_bias: bool,
     config: Optional[LogprobConfig] = None, exchange: Optional[Exchange] = None, chunk_vocab: Optional[int] = None,
+    rows_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``(log-prob [n], entropy [n], d hidden of the scored rows fp32 [n, H], d weight [V, H],
-    d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each gradient
-    None when not needed. Inputs are validated by the caller; ``all_rows`` as in
+    """``(log-prob [n], entropy [n], d hidden of the scored rows [n, H] in ``rows_dtype``, d
+    weight [V, H], d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each
+    gradient None when not needed. A chunk's d hidden rows are one fp32 product, rounded once
+    to ``rows_dtype`` (a 16-bit dtype needs only a chunk's fp32 rows at a time). Inputs are validated by the caller; ``all_rows`` as in
     ``logprob.forward``. A vocabulary shard (``vocab_parallel``) gives ``exchange`` (as
     ``logprob.forward``: once per chunk, between the tiles and the combine; targets off the
     shard are -1) and ``chunk_vocab``, the group's largest shard: every rank then cuts the
@@ -109,16 +116,18 @@ def loss_grads(
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     d_bias = torch.zeros(V, dtype=torch.float32, device=dev) if need_bias else None
     if n == 0:
-        d_sel = torch.zeros((0, H), dtype=torch.float32, device=dev) if need_hidden else None
+        d_sel = torch.zeros((0, H), dtype=rows_dtype, device=dev) if need_hidden else None
         return logp, entropy, d_sel, torch.zeros_like(weight) if need_weight else None, d_bias
     # written by the chunks' products (the first chunk's d weight is a plain product): no zero fill
-    d_sel = torch.empty((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    d_sel = torch.empty((n, H), dtype=rows_dtype, device=dev) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     cols = partial_columns(cfg)
     n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
-    step = chunk_rows(n, chunk_vocab or V, weight.dtype, cfg)
+    step = chunk_rows(n, chunk_vocab or V, H, weight.dtype, cfg)
     z = torch.empty(step * V, dtype=weight.dtype, device=dev)
+    rounded = need_hidden and rows_dtype != torch.float32
+    d_chunk = torch.empty((step, H), dtype=torch.float32, device=dev) if rounded else None
     parts = torch.empty((3, n_parts * step), dtype=torch.float32, device=dev)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
@@ -153,7 +162,10 @@ def loss_grads(
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:
-            accumulate_mm(d_sel[s : s + m], dz, weight, add=False)
+            out = d_chunk[:m] if rounded else d_sel[s : s + m]
+            accumulate_mm(out, dz, weight, add=False)
+            if rounded:
+                d_sel[s : s + m] = out
         if need_weight:
             h_rows = ops.h_sel[s : s + m] if ops.h_sel is not None else hidden.index_select(0, rows[s : s + m])
             if s == 0:

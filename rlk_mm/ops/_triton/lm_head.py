@@ -65,9 +65,10 @@ class LogprobConfig:
     the copy engine (tensor descriptors) where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
     ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
-    says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk logits
-    ``[rows, V]`` (its rows per chunk). ``combine_block`` / ``combine_lanes``: rows per
-    program and lanes (partials folded at once, a power of two) of the combine kernel."""
+    says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk workspace (a
+    chunk's ``[rows, V]`` logits, fp32 d hidden rows and partials: its rows per chunk).
+    ``combine_block`` / ``combine_lanes``: rows per program and lanes (partials folded at
+    once, a power of two) of the combine kernel."""
 
     block_m: int
     block_n: int
@@ -78,7 +79,7 @@ class LogprobConfig:
     tma: bool = True
     partials_budget: int = 128 << 20
     dz_budget: int = 184 << 20
-    linear_budget: int = 640 << 20
+    linear_budget: int = 960 << 20
     combine_block: int = 4
     combine_lanes: int = 128
 
