@@ -62,30 +62,39 @@ def test_matches_fp64_oracle_within_contract(backend, dtype, H):
     assert torch.count_nonzero(hg.grad[unscored]) == 0
 
 
-def test_backward_over_several_vocabulary_chunks(monkeypatch):
-    """The Triton backward with a d-logits budget of one 32-column tile: ten vocabulary chunks,
-    the first writing d hidden (its buffer is not zero-filled), the others adding to it; the
-    last chunk is partial. Gradients within the contract of the fp64 oracle."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_in_passes_of_rows_and_chunks_of_vocabulary(monkeypatch, dtype):
+    """The Triton backward with a d-logits budget of one 32-column tile (ten vocabulary chunks,
+    the last partial; the first writes d hidden, whose buffer is not zero-filled) and, for 16-bit
+    hidden states, fp32 d hidden rows for one 16-row tile at a time (two passes over the
+    vocabulary, whose d weight and d bias add up). Gradients within the contract of the fp64
+    oracle, with scattered and repeated rows."""
     from rlk_mm.ops._triton import logprob as triton_logprob
 
     original = triton_logprob.default_config
 
-    def one_tile_chunks(dtype, device, rows=None):
+    def small(dtype, device, rows=None):
         cfg = original(dtype, device, rows=rows)
-        return type(cfg)(**{**cfg.__dict__, "dz_budget": cfg.block_n * 24 * 4})
+        return type(cfg)(**{**cfg.__dict__, "dz_budget": cfg.block_n * 16 * 2, "hidden_budget": 16 * 32 * 4})
 
-    monkeypatch.setattr(triton_logprob, "default_config", one_tile_chunks)
+    monkeypatch.setattr(triton_logprob, "default_config", small)
     T, H, V = 30, 32, 300
-    h, w, b = _inputs(T, H, V, torch.float32, seed=4, bias=True)
-    rows, targets = torch.arange(2, 26), torch.randint(0, V, (24,), generator=torch.Generator().manual_seed(4))
-    cfg = one_tile_chunks(torch.float32, torch.device("cpu"))
-    assert triton_logprob.dz_chunk_columns(24, V, torch.float32, cfg) == cfg.block_n < V
-    up = torch.linspace(-1, 2, 24)
+    h, w, b = _inputs(T, H, V, dtype, seed=4, bias=True)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.cat([torch.arange(2, 22), torch.tensor([5, 5, 9, 0])])  # 24 scored rows, some repeated
+    targets = torch.randint(0, V, (24,), generator=g)
+    cfg = small(dtype, torch.device("cpu"))
+    pass_rows = 24 if dtype == torch.float32 else 16  # fp32 rows: one pass
+    assert triton_logprob.dz_chunk_columns(pass_rows, V, dtype, cfg) == cfg.block_n < V
+    up, up_ent = torch.linspace(-1, 2, 24), torch.randn(24, generator=g)
     hg, wg, bg = (t.clone().requires_grad_() for t in (h, w, b))
     with use_backend("triton"):
-        selected_logprob(hg, wg, index=rows, targets=targets, temperature=0.9, bias=bg).backward(up)
-    _, _, r_dh, r_dw, r_db = _oracle(h, w, rows, targets, 0.9, b, up, torch.zeros(24))
-    tol = LOGPROB_GRAD_REL.fp32
+        logp, ent = selected_logprob(hg, wg, index=rows, targets=targets, temperature=0.9, bias=bg,
+                                     return_entropy=True)
+        torch.autograd.backward([logp, ent], [up, up_ent])
+    _, _, r_dh, r_dw, r_db = _oracle(h, w, rows, targets, 0.9, b, up, up_ent)
+    tol = LOGPROB_GRAD_REL.for_dtype(dtype)
+    assert hg.grad.dtype == wg.grad.dtype == dtype
     assert relative_error(hg.grad, r_dh) <= tol and relative_error(wg.grad, r_dw) <= tol
     assert relative_error(bg.grad, r_db) <= tol
 

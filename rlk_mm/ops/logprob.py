@@ -198,11 +198,10 @@ def _backward_grads(
 
         d_sel, d_weight, d_bias = _tri.backward(
             grad_logp, grad_entropy, hidden, weight, rows, targets, bias, lse, entropy, all_rows,
-            temperature, need_hidden, need_weight, need_bias and bias is not None,
+            temperature, need_hidden, need_weight, need_bias and bias is not None, rows_dtype=hidden.dtype,
         )
         d_hidden = None
         if need_hidden:
-            d_sel = d_sel.to(hidden.dtype)
             if all_rows:
                 d_hidden = d_sel
             else:  # sort-based accumulation on CUDA: deterministic, sums repeated rows

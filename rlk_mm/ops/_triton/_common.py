@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "dot_precision", "grouped_tile_ids", "interpreted", "INTERPRETER_PROGRAMS", "num_sms", "persistent_programs",
+    "dot_precision", "equal_chunks", "grouped_tile_ids", "interpreted", "INTERPRETER_PROGRAMS", "num_sms",
+    "persistent_programs",
 ]
 
 #: programs of a persistent launch in Triton's interpreter: more than one, so that the
@@ -38,6 +39,15 @@ def grouped_tile_ids(tile, num_m, num_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (tile % (GROUP_M * num_n)) % group_rows
     pid_n = (tile % (GROUP_M * num_n)) // group_rows
     return pid_m, pid_n
+
+
+def equal_chunks(n: int, most: int, tile: int) -> int:
+    """Rows per chunk, whole tiles: the fewest chunks of at most ``most`` rows (at least one
+    tile), all of one size but the last (shorter by less than a tile per chunk), so no chunk
+    is a short remainder and buffers are no larger than the chunks need."""
+    most = max(tile, most // tile * tile)
+    chunks = max(1, triton.cdiv(n, most))
+    return triton.cdiv(triton.cdiv(n, chunks), tile) * tile
 
 
 def interpreted(t: torch.Tensor) -> bool:

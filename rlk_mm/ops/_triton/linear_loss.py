@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import equal_chunks
 from .lm_head import (
     Exchange,
     LogprobConfig,
@@ -84,14 +85,11 @@ def _dz_kernel(
 
 
 def chunk_rows(n: int, V: int, H: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
-    """Rows per chunk (whole row tiles): the fewest chunks whose workspace ``cfg.linear_budget``
-    holds (per row: its logits in ``dtype``, its fp32 d hidden and its three fp32 partials per
-    segment), all of one size but the last (shorter by less than a tile per chunk), so no chunk
-    is a short remainder and the buffers are no larger than the chunks need."""
+    """Rows per chunk: the fewest equal chunks (``equal_chunks``) whose workspace
+    ``cfg.linear_budget`` holds (per row: its logits in ``dtype``, its fp32 d hidden and its
+    three fp32 partials per segment)."""
     per_row = V * torch.finfo(dtype).bits // 8 + 4 * H + 12 * triton.cdiv(V, partial_columns(cfg))
-    most = max(cfg.block_m, cfg.linear_budget // per_row // cfg.block_m * cfg.block_m)
-    chunks = max(1, triton.cdiv(n, most))
-    return triton.cdiv(triton.cdiv(n, chunks), cfg.block_m) * cfg.block_m
+    return equal_chunks(n, cfg.linear_budget // per_row, cfg.block_m)
 
 
 def loss_grads(

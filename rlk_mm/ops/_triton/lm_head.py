@@ -64,9 +64,11 @@ class LogprobConfig:
     row's arithmetic as it is), so a row's reduction order is fixed. ``tma``: read tiles with
     the copy engine (tensor descriptors) where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
     one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
-    ``[n, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
+    ``[rows, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
     says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk workspace (a
     chunk's ``[rows, V]`` logits, fp32 d hidden rows and partials: its rows per chunk).
+    ``hidden_budget``: bytes of the backward's fp32 d hidden rows held at once (its rows per
+    pass over the vocabulary, for 16-bit hidden states).
     ``combine_block`` / ``combine_lanes``: rows per program and lanes (partials folded at
     once, a power of two) of the combine kernel."""
 
@@ -80,6 +82,7 @@ class LogprobConfig:
     partials_budget: int = 128 << 20
     dz_budget: int = 184 << 20
     linear_budget: int = 960 << 20
+    hidden_budget: int = 256 << 20
     combine_block: int = 4
     combine_lanes: int = 128
 

@@ -7,9 +7,9 @@ max); ``lm_head``); the program whose block holds a row's target also writes tha
 second kernel folds the partials of each row over the segments in vocabulary order. A
 vocabulary shard (``vocab_parallel``) gathers every shard's partials between the two
 (``exchange``), so the fold is the single device's. Backward: the same tiles are recomputed
-and turned into ``dz`` for one vocabulary chunk at a time (``[n, chunk]``, the only buffer
-of that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator) and the
-chunk's rows of ``d weight``.
+and turned into ``dz`` for one vocabulary chunk at a time (``[rows, chunk]``, the only buffer
+of that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator, a pass of rows at
+a time) and the chunk's rows of ``d weight``.
 
 Tiles are read by the copy engine (tensor descriptors; hidden rows gathered into one
 copy first unless all rows are scored in order) or, where alignment does not allow it,
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import grouped_tile_ids, persistent_programs
+from ._common import equal_chunks, grouped_tile_ids, persistent_programs
 from .lm_head import (
     Exchange,
     LogprobConfig,
@@ -156,41 +156,66 @@ def backward(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
     rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor, all_rows: bool,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
-    config: Optional[LogprobConfig] = None,
+    config: Optional[LogprobConfig] = None, rows_dtype: torch.dtype = torch.float32,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """``(d hidden[rows] fp32 [n, H], d weight [V, H], d bias fp32 [V])``, each None when
-    not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it (``all_rows`` as in
-    ``forward``); ``entropy`` (the forward's) is read only with ``grad_entropy``."""
+    """``(d hidden[rows] [n, H] in rows_dtype, d weight [V, H], d bias fp32 [V])``, each None
+    when not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it (``all_rows`` as in
+    ``forward``); ``entropy`` (the forward's) is read only with ``grad_entropy``.
+
+    The rows go in passes over the vocabulary. Each pass accumulates its rows' d hidden over
+    the vocabulary chunks in fp32 and rounds them once to ``rows_dtype``; a 16-bit
+    ``rows_dtype`` takes as many rows per pass as ``cfg.hidden_budget`` bytes of fp32 rows
+    hold, so that memory does not grow with the rows; an fp32 ``rows_dtype`` (a vocabulary
+    shard's, summed over the group) is one pass. d weight and d bias add the passes' products
+    (d weight in its dtype)."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     cfg = config or default_config(weight.dtype, dev)
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
-    h_src, w_src, _ = ops.args(0, n)
-    # the first vocabulary chunk's product writes d_sel whole; an empty shard (V = 0) has no chunk
-    d_sel = (torch.empty if V else torch.zeros)((n, H), dtype=torch.float32, device=dev) if need_hidden else None
+    step = equal_chunks(n, cfg.hidden_budget // (4 * H), cfg.block_m) if rows_dtype != torch.float32 else n
+    passes = step < n and need_hidden  # else one pass: its fp32 rows are rounded after the loop
+    new = torch.empty if V else torch.zeros  # every chunk's first product writes its buffers; V = 0 has none
+    d_rows = new((n, H), dtype=rows_dtype if passes else torch.float32, device=dev) if need_hidden else None
+    d_pass = new((step, H), dtype=torch.float32, device=dev) if passes else None
     d_weight = torch.empty_like(weight) if need_weight else None
     d_bias = torch.empty(V, dtype=torch.float32, device=dev) if need_bias else None
-    cols = dz_chunk_columns(n, V, weight.dtype, cfg)
-    dz_buf = torch.empty(n * cols, dtype=weight.dtype, device=dev)
+    cols = dz_chunk_columns(step, V, weight.dtype, cfg)
+    dz_buf = torch.empty(step * cols, dtype=weight.dtype, device=dev)
     has_ge = grad_entropy is not None
-    for c0 in range(0, V, cols):
-        c = min(cols, V - c0)
-        dz = dz_buf[: n * c].view(n, c)
-        programs = persistent_programs(triton.cdiv(n, cfg.block_m) * triton.cdiv(c, cfg.block_n), dev)
-        _dlogits_kernel[(programs,)](
-            h_src, w_src, bias_arg(bias, weight), rows, targets, lse,
-            entropy if has_ge else lse, grad_logp, grad_entropy if has_ge else grad_logp, dz,
-            n, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, c0, c, programs,
-            HAS_BIAS=bias is not None, HAS_GE=has_ge, IEEE=ieee(weight),
-            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        w_c = weight[c0 : c0 + c]
-        if need_hidden:
-            accumulate_mm(d_sel, dz, w_c, add=c0 > 0)
-        if need_weight:
-            torch.mm(dz.T, ops.h_sel, out=d_weight[c0 : c0 + c])
-        if need_bias:
-            d_bias[c0 : c0 + c] = dz.sum(0, dtype=torch.float32)
-    return d_sel, d_weight, d_bias
+    for r0 in range(0, n, step):
+        m = min(step, n - r0)
+        h_src, w_src, rows_r = ops.args(r0, m)
+        acc = d_pass[:m] if passes else d_rows[r0 : r0 + m] if need_hidden else None
+        for c0 in range(0, V, cols):
+            c = min(cols, V - c0)
+            dz = dz_buf[: m * c].view(m, c)
+            programs = persistent_programs(triton.cdiv(m, cfg.block_m) * triton.cdiv(c, cfg.block_n), dev)
+            _dlogits_kernel[(programs,)](
+                h_src, w_src, bias_arg(bias, weight), rows_r, targets[r0:], lse[r0:],
+                entropy[r0:] if has_ge else lse, grad_logp[r0:], grad_entropy[r0:] if has_ge else grad_logp, dz,
+                m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, c0, c, programs,
+                HAS_BIAS=bias is not None, HAS_GE=has_ge, IEEE=ieee(weight),
+                EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            if need_hidden:
+                accumulate_mm(acc, dz, weight[c0 : c0 + c], add=c0 > 0)
+            if need_weight:
+                h_r, d_w = ops.h_sel[r0 : r0 + m], d_weight[c0 : c0 + c]
+                if r0 == 0:
+                    torch.mm(dz.T, h_r, out=d_w)
+                else:
+                    d_w.addmm_(dz.T, h_r)
+            if need_bias:
+                d_b = dz.sum(0, dtype=torch.float32)
+                if r0 == 0:
+                    d_bias[c0 : c0 + c] = d_b
+                else:
+                    d_bias[c0 : c0 + c] += d_b
+        if passes:
+            d_rows[r0 : r0 + m] = acc
+    dz = dz_buf = None  # freed before one pass's rows are rounded: the loop's buffers stay the peak
+    if need_hidden and not passes:
+        d_rows = d_rows.to(rows_dtype)
+    return d_rows, d_weight, d_bias
