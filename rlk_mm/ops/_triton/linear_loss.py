@@ -1,6 +1,7 @@
 """The fused LM-head policy loss on CUDA: one logits product per chunk of scored rows.
 
-For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in order):
+For each chunk of rows (``chunk_rows``: equal chunks whose workspace fits
+``LogprobConfig.linear_budget``, in order):
 
 1. ``lm_head.forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its per-(row,
    segment) partials in fp32 (so the log-sum-exp, log-prob and entropy are
@@ -11,8 +12,9 @@ For each chunk of rows (as many as ``LogprobConfig.linear_budget`` holds, in ord
 3. the caller's ``upstream``: each token's loss gradient with respect to its log-prob and
    entropy (a function of that token alone and of inputs known before the forward);
 4. ``_dz_kernel``: the stored logits become d loss / d logits in place;
-5. cuBLAS: d hidden of the chunk's rows (fp32, then rounded to the caller's dtype) and d weight (the first chunk's product, then
-   accumulated over the chunks in the weight's dtype: no zero-filled buffer) and d bias (fp32).
+5. cuBLAS: d hidden of the chunk's rows (fp32, then rounded to the caller's dtype), d weight
+   (the first chunk's product, then the others added in the weight's dtype: no zero-filled
+   buffer) and d bias (fp32).
 
 Three logits-sized products in all (forward, d hidden, d weight) instead of four. The stored
 difference to the segment's max keeps the dtype's precision where probability mass is (near the
@@ -101,11 +103,11 @@ def loss_grads(
     """``(log-prob [n], entropy [n], d hidden of the scored rows [n, H] in ``rows_dtype``, d
     weight [V, H], d bias fp32 [V])`` for the scored ``rows`` of ``hidden`` at ``targets``, each
     gradient None when not needed. A chunk's d hidden rows are one fp32 product, rounded once
-    to ``rows_dtype`` (a 16-bit dtype needs only a chunk's fp32 rows at a time). Inputs are validated by the caller; ``all_rows`` as in
-    ``logprob.forward``. A vocabulary shard (``vocab_parallel``) gives ``exchange`` (as
-    ``logprob.forward``: once per chunk, between the tiles and the combine; targets off the
-    shard are -1) and ``chunk_vocab``, the group's largest shard: every rank then cuts the
-    same chunks."""
+    to ``rows_dtype`` (a 16-bit dtype needs only a chunk's fp32 rows at a time). Inputs are
+    validated by the caller; ``all_rows`` as in ``logprob.forward``. A vocabulary shard
+    (``vocab_parallel``) gives ``exchange`` (as ``logprob.forward``: once per chunk, between
+    the tiles and the combine; targets off the shard are -1) and ``chunk_vocab``, the group's
+    largest shard: every rank then cuts the same chunks."""
     n, (V, H) = rows.numel(), weight.shape
     dev = hidden.device
     cfg = config or default_config(weight.dtype, dev)
