@@ -116,7 +116,7 @@ def forward(
     n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
     k = 3 if with_entropy else 2
     per_row = triton.cdiv(total_vocab or V, cols) * 4 * k * (2 if exchange is not None else 1)
-    step = min(n, max(cfg.block_m, cfg.partials_budget // per_row // cfg.block_m * cfg.block_m))
+    step = min(n, equal_chunks(n, cfg.partials_budget // per_row, cfg.block_m))
     parts = torch.empty((k, n_parts * step), dtype=torch.float32, device=dev)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
@@ -174,9 +174,9 @@ def backward(
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     step = equal_chunks(n, cfg.hidden_budget // (4 * H), cfg.block_m) if rows_dtype != torch.float32 else n
     passes = step < n and need_hidden  # else one pass: its fp32 rows are rounded after the loop
-    new = torch.empty if V else torch.zeros  # every chunk's first product writes its buffers; V = 0 has none
-    d_rows = new((n, H), dtype=rows_dtype if passes else torch.float32, device=dev) if need_hidden else None
-    d_pass = new((step, H), dtype=torch.float32, device=dev) if passes else None
+    # not zero-filled: each pass's first vocabulary chunk writes its rows (callers keep V = 0 shards out)
+    d_rows = torch.empty((n, H), dtype=rows_dtype if passes else torch.float32, device=dev) if need_hidden else None
+    d_pass = torch.empty((step, H), dtype=torch.float32, device=dev) if passes else None
     d_weight = torch.empty_like(weight) if need_weight else None
     d_bias = torch.empty(V, dtype=torch.float32, device=dev) if need_bias else None
     cols = dz_chunk_columns(step, V, weight.dtype, cfg)

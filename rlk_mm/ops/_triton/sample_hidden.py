@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .._torch import sampling as _ref
-from ._common import grouped_tile_ids
+from ._common import equal_chunks, grouped_tile_ids
 from .lm_head import (
     Operands,
     bias_arg,
@@ -138,7 +138,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     per_row = (triton.cdiv(total, cols) * 4 * 2 * copies
                + (tiles * (8 + 4 + 4 * _ref.NOISE_BLOCK) if draw else 4 * total * copies))
     budget = min(cfg.partials_budget, scfg.logits_budget)
-    step = min(B, max(cfg.block_m, budget // per_row // cfg.block_m * cfg.block_m))
+    step = min(B, equal_chunks(B, budget // per_row, cfg.block_m))
     parts = torch.empty((2, n_parts * step), dtype=torch.float32, device=dev)
     best = torch.empty(n_vblocks * step if draw else 1, dtype=torch.float64, device=dev)
     best_block = torch.empty(best.numel(), dtype=torch.int32, device=dev)
