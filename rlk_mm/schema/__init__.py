@@ -1,7 +1,7 @@
 """Typed batch objects: spans, media identity, coordinates and RLBatch.
 
 Imports nothing else of rlk_mm. Modules, bottom up: ``checks`` (argument checks), ``spans``,
-``choice``, ``media``, ``coordinates`` (coordinate systems and their conversions),
+``choice``, ``layouts`` (the Qwen-VL generations' token layouts), ``media``, ``coordinates`` (coordinate systems and their conversions),
 ``unsupported`` (the modalities the ops support, the check and the fallback), ``turns``
 (assistant turns of a chat in token ids); ``_assemble`` (per-sample parts ↔ fields),
 ``_inputs`` (the builders' arguments), ``_build`` (the builders' core), ``_validate`` (the
@@ -16,6 +16,7 @@ from .batch import PaddingSide, RLBatch, dense_group_index
 from .choice import Choice
 from .coordinates import CoordinateSystem, convert_boxes, convert_points
 from .io import BatchFileError
+from .layouts import LayoutFamily, layout_family_of
 from .media import MediaItem, ResizeSettings, key_settings, media_cache_key, media_token_counts, processor_fingerprint, vision_token_offsets
 from .spans import (
     Modality,
@@ -42,10 +43,11 @@ from_messages = RLBatch.from_messages
 from_trajectories = RLBatch.from_trajectories
 
 __all__ = [
-    "BatchFileError", "Choice", "CoordinateSystem", "MediaItem", "Modality", "ResizeSettings", "PaddingSide", "RLBatch", "SchemaError", "Span",
+    "BatchFileError", "Choice", "CoordinateSystem", "LayoutFamily", "MediaItem", "Modality",
+    "ResizeSettings", "PaddingSide", "RLBatch", "SchemaError", "Span",
     "SpanTable", "SUPPORTED_MODALITIES", "VideoLayout", "UnsupportedModalityError", "complement", "convert_boxes",
     "convert_points", "dense_group_index", "from_qwen_vl",
     "from_messages", "from_token_lists", "from_verl", "key_settings", "intersect", "mask_from_spans", "media_cache_key", "media_token_counts",
     "mask_unsupported_media", "mrope_positions", "normalize", "processor_fingerprint", "spans_from_mask", "subtract", "union",
-    "vision_token_offsets", "Step", "Trajectory", "from_trajectories", "step_group_index",
+    "vision_token_offsets", "layout_family_of", "Step", "Trajectory", "from_trajectories", "step_group_index",
 ]

@@ -18,6 +18,7 @@ from ._assemble import SampleParts, assemble
 from ._inputs import check_positions, coordinate_system_arg, per_sample_targets, per_sample_values, screen_sizes, str_list
 from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, bool_arg, float_arg, int_arg, sequence_arg, tensor_arg
 from .coordinates import CoordinateSystem
+from .layouts import LayoutFamily, layout_family_of
 from .media import (
     MediaItem,
     add_grid_checks,
@@ -44,23 +45,29 @@ class LayoutInfo:
     image_token_id: int
     video_token_id: int
     merge_size: int
-    tokens_per_second: Optional[float]  # Qwen2.5-VL temporal spacing; None for Qwen2-VL
+    tokens_per_second: Optional[float]  # Qwen2.5-VL temporal spacing; None for Qwen2-VL and Qwen3-VL
     pad_token_id: Optional[int]
     vocab_size: int  # len(tokenizer): every token id is below it
+    family: Optional[LayoutFamily] = None  # None: a bare tokenizer (the caller's positions or tokens decide)
 
     @classmethod
     def of(cls, processor: Any, tokens_per_second: Optional[float] = None) -> "LayoutInfo":
         fingerprint = processor_fingerprint(processor)  # refuses what is no processor or tokenizer
+        family = layout_family_of(processor)  # refuses a processor of another model family
         tokenizer = getattr(processor, "tokenizer", processor)
         image_id = getattr(processor, "image_token_id", None) or tokenizer.convert_tokens_to_ids("<|image_pad|>")
         video_id = getattr(processor, "video_token_id", None) or tokenizer.convert_tokens_to_ids("<|video_pad|>")
         image_processor = getattr(processor, "image_processor", None)
         merge = int(getattr(image_processor, "merge_size", 2) or 2)
-        if tokens_per_second is None and "2_5" in type(processor).__name__:
-            tokens_per_second = 2.0  # Qwen2.5-VL's vision_config.tokens_per_second default
         if tokens_per_second is not None:
             tokens_per_second = float_arg("tokens_per_second", tokens_per_second, min=0.0, min_open=True)
-        return cls(fingerprint, int(image_id), int(video_id), merge, tokens_per_second, tokenizer.pad_token_id, len(tokenizer))
+            if family is not None and not family.scales_video_time:
+                raise ValueError(f"tokens_per_second={tokens_per_second}: {family.label} does not scale video time by it "
+                                 "(only Qwen2.5-VL's positions do); leave it None")
+        elif family is LayoutFamily.QWEN2_5_VL:
+            tokens_per_second = 2.0  # Qwen2.5-VL's vision_config.tokens_per_second in the released checkpoints
+        return cls(fingerprint, int(image_id), int(video_id), merge, tokens_per_second, tokenizer.pad_token_id,
+                   len(tokenizer), family)
 
 
 # ---------------------------------------------------------------------- M-RoPE positions
@@ -145,17 +152,20 @@ class _MediaPool:
     grids: Tensor  # [N, 3]
     pixels: Optional[Tensor]
     seconds: Optional[Tensor]
+    sources: Tensor  # int64 [N]: the input grid row each item comes from (a split video's temporal patches share one)
     next: int = 0
     row: int = 0
 
-    def take(self) -> MediaItem:
+    def take(self) -> tuple[MediaItem, int]:
+        """The next item and the input grid row it comes from."""
         grid = self.grids[self.next]
         rows = int(grid.prod())
         pix = None if self.pixels is None else self.pixels[self.row : self.row + rows]
         second = None if self.seconds is None else float(self.seconds[self.next])
+        source = int(self.sources[self.next])
         self.next += 1
         self.row += rows
-        return MediaItem(self.modality, grid.long(), pix, second)
+        return MediaItem(self.modality, grid.long(), pix, second), source
 
     @property
     def remaining(self) -> int:
@@ -169,6 +179,7 @@ class _Placed:
     start: int
     end: int
     media: MediaItem
+    source: int  # the input grid row (video: the video, also for one temporal patch of it)
 
 
 def _place_media(b: int, prompt: Tensor, pools: dict, info: LayoutInfo) -> list[_Placed]:
@@ -187,23 +198,37 @@ def _place_media(b: int, prompt: Tensor, pools: dict, info: LayoutInfo) -> list[
                         f"but {mod.label}_grid_thw has no item left for them ({pool.grids.shape[0]} items in all): "
                         f"the placeholder count does not match the grids"
                     )
-                item = pool.take()
+                item, source = pool.take()
                 need = int(token_counts(item.grid[None], info.merge_size)[0])
                 have = run.end - cursor
                 if have < need:
-                    hint = (
-                        "the media span was cut by truncation: raise the prompt length limit (max_prompt_length) "
-                        "or lower max_pixels so the item needs fewer tokens"
-                        if run.end == P
-                        else "the placeholder count does not match the grid (was the image re-processed at another size?)"
-                    )
-                    raise SchemaError(
-                        f"modality_spans: sample {b}, {mod.label} {pool.next - 1} at positions [{cursor}, {run.end}) has "
-                        f"{have} placeholder tokens but {mod.label}_grid_thw {item.grid.tolist()} implies {need}; {hint}"
-                    )
-                placed.append(_Placed(cursor, cursor + need, item))
+                    raise SchemaError(f"modality_spans: sample {b}, {_item_name(pool, mod, source)} at positions [{cursor}, "
+                                      f"{run.end}) has {have} placeholder tokens but {mod.label}_grid_thw "
+                                      f"{item.grid.tolist()} implies {need}; {_short_run_hint(item, have, need, run.end == P, info)}")
+                placed.append(_Placed(cursor, cursor + need, item, source))
                 cursor += need
     return sorted(placed, key=lambda p: p.start)
+
+
+def _item_name(pool: _MediaPool, mod: Modality, source: int) -> str:
+    """An item in errors: ``image 2``, ``video 0``, or ``video 0 (temporal patch 1)`` for a split video."""
+    patch = int((pool.sources[: pool.next - 1] == source).sum())
+    split = int((pool.sources == source).sum()) > 1
+    return f"{mod.label} {source}" + (f" (temporal patch {patch})" if split else "")
+
+
+def _short_run_hint(item: MediaItem, have: int, need: int, at_end: bool, info: LayoutInfo) -> str:
+    """Why a placeholder run is shorter than its item's grid, and what to change."""
+    frames = int(item.grid[0])
+    if item.modality is Modality.VIDEO and frames > 1 and have == need // frames:
+        family = "a tokenizer without a processor" if info.family is None else f"{info.family.label}'s processor"
+        return ("the run holds one temporal patch's placeholders: the prompt writes the video per temporal patch with "
+                f"timestamps (Qwen3-VL's layout), but the batch is built with {family}; build it with the model's own "
+                "processor (a Qwen3VLProcessor for Qwen3-VL)")
+    if at_end:
+        return ("the media span was cut by truncation: raise the prompt length limit (max_prompt_length) or lower "
+                "max_pixels so the item needs fewer tokens")
+    return "the placeholder count does not match the grid (was the image re-processed at another size?)"
 
 
 def _check_response(b: int, prompt: Tensor, response: Tensor, info: LayoutInfo) -> None:
@@ -235,7 +260,15 @@ def _media_pool(mod: Modality, grids, pixels, seconds, info: LayoutInfo) -> _Med
         if seconds.shape[0] != grids.shape[0]:
             raise SchemaError(f"second_per_grid_ts has {seconds.shape[0]} entries; video_grid_thw has {grids.shape[0]} videos")
     checks.run()
-    return _MediaPool(mod, grids, pixels, seconds)
+    sources = torch.arange(grids.shape[0])
+    if mod is Modality.VIDEO and info.family is not None and info.family.splits_video:
+        # one item per temporal patch, as the model's own get_rope_index splits video_grid_thw
+        frames = grids[:, 0]
+        sources = torch.repeat_interleave(sources, frames)
+        grids = torch.repeat_interleave(grids, frames, dim=0)
+        grids[:, 0] = 1
+        seconds = None if seconds is None else torch.repeat_interleave(seconds, frames)
+    return _MediaPool(mod, grids, pixels, seconds, sources)
 
 
 _DRIFT_FIX = (", or, if the rollout really ran with these positions, pass allow_position_drift=True to record them "
@@ -374,12 +407,13 @@ def build(
         image_token_id=info.image_token_id,
         video_token_id=info.video_token_id,
         spatial_merge_size=info.merge_size,
+        layout_family=None if info.family is None else info.family.value,
     )
 
 
 def _check_media_count(b: int, placed: list[_Placed], held: dict, source: str) -> None:
     for mod in (Modality.IMAGE, Modality.VIDEO):
-        used = sum(1 for p in placed if p.media.modality == mod)
+        used = len({p.source for p in placed if p.media.modality == mod})
         if used != held.get(mod, 0):
             raise SchemaError(f"{source}: sample {b} holds {held.get(mod, 0)} {mod.label}(s) but its prompt has placeholders "
                               f"for {used}: each sample's inputs hold exactly its own media")

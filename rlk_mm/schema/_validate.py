@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from .checks import FLOAT_DTYPES, DeviceChecks, first_true
 from .coordinates import CoordinateSystem
+from .layouts import layout_family_arg
 from .media import add_grid_checks, add_pixel_checks, offsets, token_counts
 from .spans import Modality, SchemaError, Span, SpanTable, refuse
 
@@ -52,6 +53,7 @@ def check(batch) -> None:
     lengths = _check_tokens(batch, checks)
     _check_per_sample(batch, checks, lengths)
     _check_media(batch, checks)
+    _check_layout_family(batch, checks)
     token_modality, token_media = _check_modality_spans(batch, checks, lengths)
     _check_groups(batch, checks, token_media, lengths)
     _check_placeholders(batch, checks, token_modality)
@@ -83,6 +85,19 @@ def _table(batch, name: str, B: int) -> Optional[SpanTable]:
     if table.num_samples != B:
         raise SchemaError(f"{name} covers {table.num_samples} samples; the batch has {B}")
     return table
+
+
+def _check_layout_family(batch, checks: DeviceChecks) -> None:
+    """A known ``layout_family``; in a Qwen3-VL batch every video item is one temporal patch."""
+    family = layout_family_arg(batch.layout_family, "layout_family", SchemaError)
+    if family is None or not family.splits_video or batch.media_grid_thw is None:
+        return
+    long_video = (batch.media_modality == int(Modality.VIDEO)) & (batch.media_grid_thw[:, 0] != 1)
+    checks.add(long_video.any(), lambda: refuse(
+        f"media_grid_thw: video item {(g := first_true(long_video)[0])} has grid {batch.media_grid_thw[g].tolist()}, but in a "
+        f"{family.label} batch each temporal patch of a video is its own item of grid (1, h, w) (its placeholders sit "
+        "between their own timestamp text and vision markers): build the batch with RLBatch.from_qwen_vl or "
+        "from_token_lists and the model's own processor"))
 
 
 def _check_tokens(batch, checks: DeviceChecks) -> Tensor:

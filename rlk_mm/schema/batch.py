@@ -96,6 +96,7 @@ class RLBatch(BaseModel):
     image_token_id: Optional[int] = None
     video_token_id: Optional[int] = None
     spatial_merge_size: int = 2
+    layout_family: Optional[str] = None  # LayoutFamily of the processor that built it; None: unknown (a bare tokenizer)
     prompt_lengths: Optional[Tensor] = None  # int64 [B]: tokens before the response (multi-turn: before the first scored turn)
     # media, one entry per item; order: images (order of image_grid_thw), then videos
     media_ids: list[str] = []
@@ -286,6 +287,7 @@ class RLBatch(BaseModel):
             video_token_id=self.video_token_id,
             spatial_merge_size=self.spatial_merge_size,
             coordinate_system=self.coordinate_system,
+            layout_family=self.layout_family,
         )
 
     def select(self, indices: Sequence[int]) -> "RLBatch":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
+from .layouts import layout_family_of
 from .spans import Modality, SchemaError, refuse
 
 __all__ = [
@@ -204,6 +206,20 @@ def _vocabulary(tokenizer: Any) -> dict:
     return part
 
 
+def _layout(processor: Any) -> dict:
+    """The fingerprint's layout part: the model family, and for Qwen3-VL the transformers
+    version, on which its video layout depends (an outer vision_start/vision_end pair around
+    the timestamped frames in some 5.x releases, not in others)."""
+    family = layout_family_of(processor)  # refuses a processor of an unsupported family
+    if family is None:
+        return {}
+    part = {"layout_family": family.value}
+    if family.splits_video:
+        part["video_layout"] = "timestamped temporal patches, transformers " + getattr(
+            sys.modules.get("transformers"), "__version__", "unknown")
+    return part
+
+
 def processor_fingerprint(processor: Any) -> str:
     """sha256 over processor/tokenizer classes, vocabulary, special-token ids, chat template
     and image/video processor settings. Recomputed on every call (a changed setting changes
@@ -226,6 +242,7 @@ def processor_fingerprint(processor: Any) -> str:
         "image_processor": _vision_settings(getattr(processor, "image_processor", None)),
         "video_processor_class": type(getattr(processor, "video_processor", None)).__name__,
         "video_processor": _vision_settings(getattr(processor, "video_processor", None)),
+        **_layout(processor),
     }
     return _sha256(json.dumps(_jsonable(description), sort_keys=True).encode())
 
