@@ -45,7 +45,7 @@ import torch
 from PIL import Image
 
 from rlk_mm import fixtures
-from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, forward_hidden, group_logprobs
+from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, group_logprobs
 from rlk_mm.ops._triton import attention as TA
 from rlk_mm.ops._triton import matmul as TM
 from rlk_mm.ops.invariant.attention import attention_interface

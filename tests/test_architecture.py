@@ -199,7 +199,7 @@ def test_reader_resolves_relative_nested_and_type_checking_imports():
     ])
     ops = {i.target for i in imports_of("rlk_mm.ops")}
     assert "rlk_mm.ops.loss" in ops and "rlk_mm.ops.invariant.mode" in ops  # both under TYPE_CHECKING
-    assert "rlk_mm.models.qwen2_5_vl" not in ops  # importlib.import_module strings do not count
+    assert "rlk_mm.models" not in ops  # importlib.import_module strings do not count
     assert "rlk_mm.schema" in {i.target for i in imports_of("rlk_mm.ops._backend")}  # from ..schema import Choice
     assert {"rlk_mm.models", "rlk_mm.ops",
             "rlk_mm.schema"} <= {i.target for i in imports_of("rlk_mm")}  # from . import models, ops

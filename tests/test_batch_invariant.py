@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from rlk_mm import fixtures
-from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, group_logprobs
+from rlk_mm.models import VisionCache, batch_logprobs, group_logprobs
 from rlk_mm.models.vision_cache import _GatherRows
 from rlk_mm.ops import batch_invariant
 from rlk_mm.ops._torch import invariant as R

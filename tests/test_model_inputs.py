@@ -16,7 +16,7 @@ from context_cases import (
     fail,
 )
 from rlk_mm import RLBatch
-from rlk_mm.models.qwen2_5_vl import VisionCache, batch_logprobs, forward_hidden, group_logprobs, layout_inputs
+from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, group_logprobs, layout_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,9 +44,9 @@ BAD = [
          Raises(TypeError, r"pad_token_id must be an int")),
     # ---------------------------------------------------------------- forward_hidden / batch_logprobs
     Case("forward_hidden.model.none", lambda c: forward_hidden(None, c.image_batch),
-         Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
+         Raises(TypeError, r"model \w+ is not a supported model family")),
     Case("forward_hidden.model.linear", lambda c: forward_hidden(torch.nn.Linear(2, 2), c.image_batch),
-         Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
+         Raises(TypeError, r"model \w+ is not a supported model family")),
     Case("forward_hidden.batch.dict", lambda c: forward_hidden(c.model, {"input_ids": c.batch.input_ids}),
          Raises(TypeError, r"batch must be an RLBatch")),
     Case("forward_hidden.padding", lambda c: forward_hidden(c.model, c.image_batch, padding="packd"),
@@ -79,10 +79,10 @@ BAD = [
     Case("batch_logprobs.temperature.bool", lambda c: batch_logprobs(c.model, c.image_batch, temperature=True),
          Raises(TypeError, r"temperature must be a number")),
     Case("batch_logprobs.model.none", lambda c: batch_logprobs(None, c.image_batch),
-         Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
+         Raises(TypeError, r"model \w+ is not a supported model family")),
     # ---------------------------------------------------------------- VisionCache
     Case("VisionCache.model.none", lambda c: VisionCache(None),
-         Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
+         Raises(TypeError, r"model \w+ is not a supported model family")),
     Case("VisionCache.keep.int", lambda c: VisionCache(c.model, keep=1),
          Raises(TypeError, r"keep must be True or False")),
     Case("VisionCache.batch.list", lambda c: VisionCache(c.model)([c.image_batch]),
@@ -104,7 +104,7 @@ BAD = [
     Case("group_logprobs.batch.none", lambda c: group_logprobs(c.model, None),
          Raises(TypeError, r"batch must be an RLBatch")),
     Case("group_logprobs.model.none", lambda c: group_logprobs(None, c.image_batch),
-         Raises(TypeError, r"model must be a transformers Qwen2\.5-VL")),
+         Raises(TypeError, r"model \w+ is not a supported model family")),
 ]
 
 

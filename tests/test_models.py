@@ -11,7 +11,7 @@ import torch
 
 from rlk_mm import RLBatch, models
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text
-from rlk_mm.models.qwen2_5_vl import batch_logprobs, forward_hidden, group_logprobs, layout_inputs
+from rlk_mm.models.forward import batch_logprobs, forward_hidden, group_logprobs, layout_inputs
 from rlk_mm.schema import PaddingSide
 from rlk_mm.schema.checks import MIN_TEMPERATURE
 

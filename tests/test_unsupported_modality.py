@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import rlk_mm
 from rlk_mm import models, ops, parity, viz
 from rlk_mm.fixtures import Sample, processor_inputs, qwen_vl_processor, synthetic_image_text
-from rlk_mm.models import qwen2_5_vl
+from rlk_mm.models import forward as qwen_forward
 from rlk_mm.schema import Modality, RLBatch, SpanTable, UnsupportedModalityError, mask_unsupported_media
 from rlk_mm.schema.media import offsets, token_counts
 from rlk_mm.schema.unsupported import RFC_PATH, require_supported, require_supported_messages
@@ -110,10 +110,12 @@ REFUSED = {
     "models.batch_logprobs": lambda b, model, tmp: models.batch_logprobs(model, b),
     "models.VisionCache.__call__": lambda b, model, tmp: models.VisionCache(model)(b),
     "models.group_logprobs": lambda b, model, tmp: models.group_logprobs(model, b),
-    "models.qwen2_5_vl.group_hidden": lambda b, model, tmp: qwen2_5_vl.group_hidden(model, b),
-    "models.qwen2_5_vl.check_inputs": lambda b, model, tmp: qwen2_5_vl.check_inputs(model, b),
-    "models.qwen2_5_vl.fill_media":
-        lambda b, model, tmp: qwen2_5_vl.fill_media(torch.zeros(b.num_tokens, 16), b, torch.zeros(1, 16)),
+    "models.forward.group_hidden": lambda b, model, tmp: qwen_forward.group_hidden(model, b),
+    "models.forward.check_inputs": lambda b, model, tmp: qwen_forward.check_inputs(model, b),
+    "models.forward.language_inputs":
+        lambda b, model, tmp: qwen_forward.language_inputs(model, b, torch.zeros(1, 64)),
+    "models.forward.fill_media":
+        lambda b, model, tmp: qwen_forward.fill_media(torch.zeros(b.num_tokens, 16), b, torch.zeros(1, 16)),
     "parity.check_layout_parity": lambda b, model, tmp: parity.check_layout_parity(b, image_batch()),
     "parity.compare_logprobs":
         lambda b, model, tmp: parity.compare_logprobs(torch.zeros(12), torch.zeros(12), image_batch(), b),
@@ -126,7 +128,7 @@ TOKEN_LAYOUT_OPS = {
     "ops.scatter_rewards": lambda b: ops.scatter_rewards(b),
     "ops.pack": lambda b: ops.pack(b, align=8).input_ids,
     "ops.unpack": lambda b: ops.unpack(ops.pack(b, align=8)).input_ids,
-    "models.qwen2_5_vl.prompt_lengths": lambda b: torch.tensor(qwen2_5_vl.prompt_lengths(b)),
+    "models.forward.prompt_lengths": lambda b: torch.tensor(qwen_forward.prompt_lengths(b)),
     "ops.group_advantages": lambda b: ops.group_advantages(torch.arange(b.num_samples, dtype=torch.float32), batch=b),
     "ops.lagrangian_advantages": lambda b: ops.lagrangian_advantages(
         torch.arange(b.num_samples, dtype=torch.float32), torch.ones(b.num_samples), lam=torch.tensor(0.5),
@@ -159,7 +161,7 @@ def test_pack_round_trip_keeps_the_audio_items():
 def test_the_table_covers_every_public_function_that_takes_a_batch():
     """A new public op taking an RLBatch must join REFUSED or TOKEN_LAYOUT_OPS."""
     found = set()
-    for prefix, module in (("ops", ops), ("models", models), ("models.qwen2_5_vl", qwen2_5_vl), ("parity", parity),
+    for prefix, module in (("ops", ops), ("models", models), ("models.forward", qwen_forward), ("parity", parity),
                            ("viz", viz)):
         for attr in getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]:
             value = getattr(module, attr)

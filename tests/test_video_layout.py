@@ -11,7 +11,7 @@ from PIL import Image
 
 from rlk_mm import RLBatch
 from rlk_mm.fixtures import processor_inputs, synthetic_image_text, synthetic_video_text
-from rlk_mm.models.qwen2_5_vl import VisionCache
+from rlk_mm.models import VisionCache
 from rlk_mm.schema import Modality
 from rlk_mm.schema.video import VideoLayout
 

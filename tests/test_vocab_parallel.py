@@ -316,7 +316,7 @@ def _fsdp_worker(rank, group, numbers):
     from torch.distributed.fsdp import fully_shard
 
     from rlk_mm import fixtures
-    from rlk_mm.models.qwen2_5_vl import forward_hidden
+    from rlk_mm.models import forward_hidden
     from rlk_mm.schema import RLBatch
 
     processor = fixtures.qwen_vl_processor()

@@ -219,7 +219,7 @@ def test_fsdp2_tiny_qwen_step_equals_one_process_gpu(pair):
     from torch.distributed.fsdp import fully_shard
 
     from rlk_mm import fixtures
-    from rlk_mm.models.qwen2_5_vl import forward_hidden
+    from rlk_mm.models import forward_hidden
     from rlk_mm.schema import RLBatch
 
     processor = fixtures.qwen_vl_processor()

@@ -1,4 +1,4 @@
-"""Exactly on-policy rollouts of a Qwen2.5-VL model: ``generate_on_policy``.
+"""Exactly on-policy rollouts of a supported Qwen-VL model (``rlk_mm.models.family``): ``generate_on_policy``.
 
 The model decodes step by step with transformers' KV cache, under ``batch_invariant()`` by
 default, and every token is drawn by ``ops.sample_from_hidden`` from the final hidden
@@ -39,8 +39,9 @@ from ..schema.checks import (
     temperature_arg,
     tensor_arg,
 )
-from .qwen2_5_vl import cache_keyword, check_inputs, fill_media, prompt_lengths
-from .vision_cache import VisionCache, check_model
+from .family import ModelFamily, check_processor_family, model_family
+from .forward import LanguageInputs, cache_keyword, check_inputs, language_inputs, prompt_lengths
+from .vision_cache import VisionCache
 
 __all__ = ["cache_keyword", "decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
 
@@ -151,20 +152,18 @@ def _row_seeds(seeds, seed, step, group_ids: list, rows: int) -> torch.Tensor:
     return seeds.detach().to("cpu", torch.int64)
 
 
-def _media_rows(model, batch: RLBatch, vision_cache: Optional[VisionCache]) -> torch.Tensor:
-    """Every media item's vision-tower rows, items in batch order (images, then videos)."""
+def _media_rows(model, family: ModelFamily, batch: RLBatch, vision_cache: Optional[VisionCache]) -> torch.Tensor:
+    """Every media item's vision-tower rows, items in batch order (images, then videos):
+    ``[R, H]``, or ``[R, 1 + k, H]`` with a DeepStack family's levels."""
     if vision_cache is not None:
         return vision_cache(batch)
-    inner = model.model
-    parts = []
-    for pixels, grids, features in ((batch.pixel_values, batch.image_grid_thw, inner.get_image_features),
-                                    (batch.pixel_values_videos, batch.video_grid_thw, inner.get_video_features)):
-        if grids is not None and grids.shape[0]:
-            out = features(pixels.type(inner.visual.dtype), grids)
-            pooled = out.pooler_output if hasattr(out, "pooler_output") else out
-            parts.append(torch.cat(list(pooled)) if isinstance(pooled, (list, tuple)) else pooled)
+    parts = [family.vision_rows(model, pixels, grids)
+             for pixels, grids in ((batch.pixel_values, batch.image_grid_thw),
+                                   (batch.pixel_values_videos, batch.video_grid_thw))
+             if grids is not None and grids.shape[0]]
+    levels = [1 + family.deepstack_levels(model)] if family.deepstack else []
     width = model.config.text_config.hidden_size
-    return torch.cat(parts) if parts else torch.zeros((0, width), device=batch.device)
+    return torch.cat(parts) if parts else torch.zeros((0, *levels, width), device=batch.device)
 
 
 # --------------------------------------------------------------------------- the rollout
@@ -193,13 +192,13 @@ def generate_on_policy(
 
     Parameters
     ----------
-    model : Qwen2_5_VLForConditionalGeneration
+    model : a supported Qwen-VL model (``rlk_mm.models.family``)
         The policy; not changed (runs under ``torch.no_grad()``).
     prompts : processor output, list of chat conversations, or RLBatch
-        A Qwen2.5-VL processor output (either padding side), conversations in
+        The model's processor output (either padding side), conversations in
         ``RLBatch.from_messages``' form, or a prompt-only ``RLBatch``.
-    processor : Qwen2.5-VL processor
-        The model's processor (it builds the returned batch).
+    processor : the model's processor
+        It builds the returned batch; a processor of another family is refused.
     max_new_tokens : int >= 1
         Tokens per answer at most.
     samples_per_prompt : int >= 1
@@ -234,10 +233,11 @@ def generate_on_policy(
     TypeError, ValueError
         A bad argument, named (before any forward).
     """
-    check_model(model)
+    family = model_family(model)
     if processor is None or not callable(getattr(processor, "apply_chat_template", None)):
-        raise TypeError(f"processor must be the model's Qwen2.5-VL processor (it builds the returned RLBatch), "
+        raise TypeError(f"processor must be the model's {family.label} processor (it builds the returned RLBatch), "
                         f"got {type(processor).__name__}")
+    check_processor_family(family, processor)
     kernels = Kernels.parse(kernels, "kernels")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'torch' or 'triton' (batch_invariant's), got {backend!r}")
@@ -309,8 +309,9 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     device = embed.weight.device
     pad = getattr(model.config.text_config, "pad_token_id", None) or 0
     key = cache_keyword(lm)
-    embeds = fill_media(embed(prompt_batch.input_ids), prompt_batch, _media_rows(model, prompt_batch, vision_cache))
-    out, cache, mask, _, _ = _prefill(lm, prompt_batch, embeds, prompt_batch.seq_lengths().tolist())
+    family = model_family(model)
+    lm_inputs = language_inputs(model, prompt_batch, _media_rows(model, family, prompt_batch, vision_cache), family=family)
+    out, cache, mask, _, _ = _prefill(lm, prompt_batch, lm_inputs, prompt_batch.seq_lengths().tolist())
     hidden = out[:, -1]  # left padding: every prompt's last token is the last column
     # the next text position of each prompt: one past its largest M-RoPE position
     sample = torch.repeat_interleave(torch.arange(prompt_batch.num_samples, device=device),
@@ -357,12 +358,14 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     return tokens, logps, sampled, lengths, ended, steps
 
 
-def _prefill(lm, batch: RLBatch, embeds: torch.Tensor, prompt: list[int]):
+def _prefill(lm, batch: RLBatch, lm_inputs: LanguageInputs, prompt: list[int]):
     """The first ``prompt[b]`` tokens of every sample, left-padded, through the language model
-    into a new KV cache. Returns the output ``[B, width, H]``, the cache, the attention mask
-    ``[B, width]``, each prompt token's row in the padded layout and its packed index."""
+    (with its DeepStack features, if any) into a new KV cache. Returns the output
+    ``[B, width, H]``, the cache, the attention mask ``[B, width]``, each prompt token's row in
+    the padded layout and its packed index."""
     from transformers import DynamicCache
 
+    embeds = lm_inputs.embeds
     device, n, width = embeds.device, batch.num_samples, max(prompt)
     count = torch.tensor(prompt, dtype=torch.int64, device=device)
     sample = torch.repeat_interleave(torch.arange(n, device=device), count)
@@ -375,7 +378,8 @@ def _prefill(lm, batch: RLBatch, embeds: torch.Tensor, prompt: list[int]):
     positions[:, rows] = batch.position_ids[:, src]
     cache = DynamicCache()
     out = lm(inputs_embeds=padded.view(n, width, -1), attention_mask=mask.view(n, width),
-             position_ids=positions.view(3, n, width), use_cache=True, **{cache_keyword(lm): cache})
+             position_ids=positions.view(3, n, width), use_cache=True, **{cache_keyword(lm): cache},
+             **lm_inputs.deepstack_kwargs(src, rows, (n, width)))
     return out.last_hidden_state, cache, mask.view(n, width), rows, src
 
 
@@ -389,7 +393,7 @@ def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor]
 
     Parameters
     ----------
-    model : Qwen2_5_VLForConditionalGeneration
+    model : a supported Qwen-VL model (``rlk_mm.models.family``)
     batch : RLBatch
         Prompts and responses (the prompt of a sample: ``prompt_lengths``, the tokens before
         its first loss span); every sample needs at least one prompt token.
@@ -405,7 +409,7 @@ def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor]
     ValueError, TypeError
         A bad batch, model or ``media_embeds`` (``check_inputs``), or a sample without prompt.
     """
-    check_model(model)
+    family = model_family(model)
     batch_arg("batch", batch)
     device = model.get_input_embeddings().weight.device
     if batch.device != device:
@@ -418,9 +422,10 @@ def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor]
                              "needs a prompt to prefill")
     lm = model.model.language_model
     if media_embeds is None:
-        media_embeds = _media_rows(model, batch, None)
-    embeds = fill_media(model.get_input_embeddings()(batch.input_ids), batch, media_embeds)
-    out, cache, mask, rows, src = _prefill(lm, batch, embeds, prompt)
+        media_embeds = _media_rows(model, family, batch, None)
+    lm_inputs = language_inputs(model, batch, media_embeds, family=family)
+    embeds = lm_inputs.embeds
+    out, cache, mask, rows, src = _prefill(lm, batch, lm_inputs, prompt)
     hidden = out.new_empty((batch.num_tokens, out.shape[-1]))
     hidden[src] = out.reshape(-1, out.shape[-1])[rows]
     starts = batch.cu_seqlens.long().tolist()
@@ -437,7 +442,8 @@ def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor]
         index = torch.tensor([starts[b] + prompt[b] + j for b in going], device=device)
         mask = torch.cat([mask, mask.new_ones((len(going), 1))], dim=1)
         step = lm(inputs_embeds=embeds[index][:, None], attention_mask=mask,
-                  position_ids=batch.position_ids[:, index, None], use_cache=True, **{key: cache})
+                  position_ids=batch.position_ids[:, index, None], use_cache=True, **{key: cache},
+                  **lm_inputs.deepstack_kwargs(index, torch.arange(len(going), device=device), (len(going), 1)))
         hidden[index] = step.last_hidden_state[:, -1]
     return hidden
 

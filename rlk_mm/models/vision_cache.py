@@ -1,7 +1,7 @@
 """``VisionCache``: vision-tower rows of media items by ``media_cache_key`` (each unique
-item through the tower once), and the two checks every Qwen2.5-VL runner makes first:
-``check_model`` (a transformers Qwen2.5-VL) and ``check_pixels`` (every media item's
-vision-tower input rows are in the batch)."""
+item through the tower once; for a DeepStack family its DeepStack levels with it), and
+``check_pixels``, the check every runner makes first (every media item's vision-tower input
+rows are in the batch)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,9 @@ import torch
 from ..schema import Modality
 from ..schema.batch import batch_arg
 from ..schema.checks import DeviceChecks, bool_arg
+from .family import check_batch_family, model_family
 
-__all__ = ["VisionCache", "check_model", "check_pixels"]
-
-
-def check_model(model) -> None:
-    """``model`` must be a transformers Qwen2.5-VL (what these runners drive)."""
-    inner = getattr(model, "model", None)
-    if not (isinstance(model, torch.nn.Module) and hasattr(inner, "language_model") and hasattr(inner, "visual")
-            and callable(getattr(model, "get_output_embeddings", None))):
-        raise TypeError(f"model must be a transformers Qwen2.5-VL model (Qwen2_5_VLForConditionalGeneration), got {type(model).__name__}")
+__all__ = ["VisionCache", "check_pixels"]
 
 
 def check_pixels(batch) -> None:
@@ -56,7 +49,8 @@ class VisionCache:
     """Vision-tower rows of media items by ``media_cache_key``: each unique item runs once.
 
     ``cache(batch)`` returns every media item's rows, items in batch order, concatenated
-    (the ``media_embeds`` of ``forward_hidden``). Items sharing a key (a GRPO
+    (the ``media_embeds`` of ``forward_hidden``): ``[R, H]``, or ``[R, 1 + k, H]`` for a
+    DeepStack family (Qwen3-VL: the merged rows, then the ``k`` DeepStack levels). Items sharing a key (a GRPO
     group's image) go through the tower once and are gathered to each user; the backward
     of that gather sums the users' gradients in item order (no atomics). With
     ``keep=True`` rows also stay cached across calls until ``clear()`` (no-grad use, e.g.
@@ -68,7 +62,7 @@ class VisionCache:
     """
 
     def __init__(self, model, *, keep: bool = False):
-        check_model(model)
+        self.family = model_family(model)
         self.model = model
         self.keep = bool_arg("keep", keep)
         self._kept: dict[str, torch.Tensor] = {}
@@ -83,10 +77,13 @@ class VisionCache:
     def __call__(self, batch) -> torch.Tensor:
         visual = self.model.model.visual
         m = batch_arg("batch", batch).num_media
+        check_batch_family(self.family, batch)
         if self.keep and torch.is_grad_enabled():
             raise RuntimeError("VisionCache(keep=True) keeps rows across calls; use it under torch.no_grad()")
         if m == 0:
-            return torch.zeros((0, self.model.config.text_config.hidden_size), dtype=visual.dtype, device=visual.device)
+            levels = [1 + self.family.deepstack_levels(self.model)] if self.family.deepstack else []
+            return torch.zeros((0, *levels, self.model.config.text_config.hidden_size), dtype=visual.dtype,
+                               device=visual.device)
         check_pixels(batch)
         keys, pixels = batch.media_cache_keys, batch.media_pixel_rows()
         grids, modality = batch.media_grid_thw.tolist(), batch.media_modality.tolist()
@@ -99,9 +96,9 @@ class VisionCache:
             if not todo:
                 continue
             grid = torch.tensor([grids[i] for i in todo], device=visual.device)
-            out = visual(torch.cat([pixels[i] for i in todo]).type(visual.dtype), grid_thw=grid)
+            out = self.family.vision_rows(self.model, torch.cat([pixels[i] for i in todo]), grid)
             counts = [g[0] * g[1] * g[2] // batch.spatial_merge_size**2 for g in (grids[i] for i in todo)]
-            for i, part in zip(todo, torch.split(out.pooler_output, counts)):
+            for i, part in zip(todo, torch.split(out, counts)):
                 rows[keys[i]] = part
             self.items_encoded += len(todo)
         if self.keep:

@@ -63,7 +63,7 @@ _EXPORTS = {
     "group_seeds": "sampling",
     "SampleResult": "sampling",
 }
-#: names that moved to rlk_mm.models.qwen2_5_vl (model runners are not ops); still served here
+#: names that moved to rlk_mm.models (model runners are not ops); still served here
 _MOVED = ("batch_logprobs", "forward_hidden", "VisionCache", "group_logprobs")
 
 __all__ = sorted(_EXPORTS)
@@ -72,10 +72,10 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name in _MOVED:
         warnings.warn(
-            f"rlk_mm.ops.{name} moved to rlk_mm.models.qwen2_5_vl.{name}; import it from there",
+            f"rlk_mm.ops.{name} moved to rlk_mm.models.{name}; import it from there",
             DeprecationWarning, stacklevel=2,
         )
-        return getattr(importlib.import_module("rlk_mm.models.qwen2_5_vl"), name)
+        return getattr(importlib.import_module("rlk_mm.models"), name)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rlk_mm.ops' has no attribute {name!r}")

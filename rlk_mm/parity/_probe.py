@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from ..models.qwen2_5_vl import VisionCache, forward_hidden, group_hidden, layout_inputs, prompt_lengths
+from ..models.forward import forward_hidden, group_hidden, layout_inputs, prompt_lengths
+from ..models.vision_cache import VisionCache
 from ..schema import PaddingSide, RLBatch
 from .invariance_report import Divergence
 

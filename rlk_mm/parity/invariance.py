@@ -19,8 +19,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.qwen2_5_vl import VisionCache, check_model, forward_hidden, prompt_lengths
+from ..models.family import model_family
+from ..models.forward import forward_hidden, prompt_lengths
 from ..models.rollout import decode_hidden
+from ..models.vision_cache import VisionCache
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, PaddingSide, RLBatch
@@ -312,7 +314,7 @@ def invariance_sweep(
     token): a drift between NaNs would be no measurement. ``progress``, if given, is called as
     ``progress(done, total, what)`` after each case of each mode (``rlk-mm invariance`` draws its bar so).
     """
-    check_model(model)
+    model_family(model)
     if not callable(getattr(processor, "apply_chat_template", None)) or not callable(processor):
         raise TypeError(f"processor must be a Qwen2.5-VL processor (rlk_mm.fixtures.qwen_vl_processor() or the model's "
                         f"AutoProcessor), got {type(processor).__name__}")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..models.qwen2_5_vl import layout_inputs
+from ..models.forward import layout_inputs
 from ..parity import LOGPROB_MAX_ABS, check_layout_parity, compare_logprobs
 from ..parity.layout import LayoutParityError
 from ..schema import Modality, RLBatch

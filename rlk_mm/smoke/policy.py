@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..fixtures import processor_inputs, qwen_vl_processor, tiny_qwen2_5_vl
-from ..models.qwen2_5_vl import forward_hidden
+from ..models.forward import forward_hidden
 from ..ops import selected_logprob
 from ..schema import Modality, RLBatch
 from .tasks import Task
