@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..models.family import model_family
+from ..models.family import check_processor_family, model_family
 from ..models.forward import forward_hidden, prompt_lengths
 from ..models.rollout import decode_hidden
 from ..models.vision_cache import VisionCache
@@ -314,10 +314,11 @@ def invariance_sweep(
     token): a drift between NaNs would be no measurement. ``progress``, if given, is called as
     ``progress(done, total, what)`` after each case of each mode (``rlk-mm invariance`` draws its bar so).
     """
-    model_family(model)
+    family = model_family(model)
     if not callable(getattr(processor, "apply_chat_template", None)) or not callable(processor):
-        raise TypeError(f"processor must be a Qwen2.5-VL processor (rlk_mm.fixtures.qwen_vl_processor() or the model's "
-                        f"AutoProcessor), got {type(processor).__name__}")
+        raise TypeError(f"processor must be the model's {family.label} processor (e.g. its AutoProcessor), got "
+                        f"{type(processor).__name__}")
+    check_processor_family(family, processor)
     samples = sequence_arg("samples", samples, "samples (objects with messages, images and videos, like fixtures.Sample)")
     for i, sample in enumerate(samples):
         if not hasattr(sample, "messages"):

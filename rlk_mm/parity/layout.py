@@ -9,7 +9,9 @@ right-padded compares equal. Every log-prob comparison must pass it first.
 The first mismatch carries a diagnosis where the cause can be told from the two batches: a
 differing media item (both sides' placeholder counts, grids and recorded resize settings, and
 the cause: other processor settings, another input image, other pixel values, placeholders
-expanded twice), a text difference under other processors (the chat template or tokenizer),
+expanded twice), a text difference among a Qwen3-VL video's frames (other timestamps, or the
+outer vision pair some transformers releases write), a text difference under other processors
+(the chat template or tokenizer),
 or 1-D positions where M-RoPE was expected. Otherwise it is None: the cause is unknown, and no
 guess is made.
 """
@@ -324,6 +326,10 @@ def _diagnose(ra: RLBatch, tb: RLBatch, first: Mismatch, fingerprints_differ: bo
     media = _media_cause(ra, tb, b, fingerprints_differ)
     if media is not None:
         return media
+    if first.field in ("input_ids", "modality_spans") and first.position is not None:
+        video = _video_text_cause(ra, tb, b, first.position)
+        if video is not None:
+            return video
     if fingerprints_differ and first.field == "input_ids" and first.position is not None:
         return (f"sample {b}, position {first.position}: a text token differs and the processor fingerprints differ: "
                 "most likely the processors' chat templates or tokenizers differ (or the prompts' text does)")
@@ -370,6 +376,38 @@ def _media_cause(ra: RLBatch, tb: RLBatch, b: int, fingerprints_differ: bool) ->
                 return f"{head}: identical pixel rows under other cache keys: the keys were given differently"
             return f"{head}: same grid, other pixel values: another image, or other resampling or normalization"
     return None
+
+
+#: tokens of text before a Qwen3-VL video's first temporal patch that belong to it: an outer
+#: <|vision_start|> and the timestamp text ("<0.2 seconds>") with the patch's own <|vision_start|>
+_VIDEO_LEAD = 12
+
+
+def _video_text(batch: RLBatch, b: int) -> Optional[tuple[int, int, int]]:
+    """(start, end, text tokens) of the stretch of sample ``b`` that holds its timestamped video
+    frames (Qwen3-VL layout: each temporal patch its own item, text between them); None without."""
+    if batch.layout_family != "qwen3_vl":
+        return None
+    frames = [s for s in batch.modality_spans_of(b) if s.modality == int(Modality.VIDEO)]
+    if not frames:
+        return None
+    start, end = max(frames[0].start - _VIDEO_LEAD, 0), frames[-1].end + 2
+    return start, end, (end - start) - sum(s.end - s.start for s in frames)
+
+
+def _video_text_cause(ra: RLBatch, tb: RLBatch, b: int, p: int) -> Optional[str]:
+    """A text difference among a Qwen3-VL video's frames: the timestamps, or the outer vision pair."""
+    vr, vt = _video_text(ra, b), _video_text(tb, b)
+    if vr is None or vt is None or not (vr[0] <= p < vr[1] or vt[0] <= p < vt[1]):
+        return None
+    if abs(vr[2] - vt[2]) == 2:
+        return (f"sample {b}, position {p}: the video's text differs by two tokens: one side writes an outer "
+                "<|vision_start|> ... <|vision_end|> pair around the timestamped frames and the other does not "
+                "(transformers 5.x releases differ here; the processor fingerprints record the version): build "
+                "rollout and training batches with the same transformers")
+    return (f"sample {b}, position {p}: the text between the video's temporal patches differs: the timestamps "
+            "('<t seconds>' before each patch) come from another frame rate or other sampled frame indices "
+            "(the video metadata given to the processor)")
 
 
 def _one_d_media_positions(batch: RLBatch, b: int) -> bool:
