@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=command.folder,
                    help="a Geo3K folder (problems.jsonl + images); implies --task geo3k "
                         "(which reads the 3-problem sample in rlk_mm/fixtures/geo3k_sample without it)")
-    p.add_argument("--model-path", type=command.folder, help="a local Qwen2.5-VL checkpoint directory; default: a tiny random Qwen2.5-VL")
+    p.add_argument("--model", default="qwen2.5-vl", choices=("qwen2.5-vl", "qwen3-vl"),
+                   help="the model family: a tiny random policy of it, or --model-path's checkpoint (default qwen2.5-vl)")
+    p.add_argument("--model-path", type=command.folder, help="a local checkpoint directory of the --model family; default: a tiny random model")
     p.add_argument("--steps", type=count(1), help=f"GRPO steps ({_defaults('steps')})")
     p.add_argument("--seed", type=int, default=0, help="seed of data, weights and sampling (default 0)")
     p.add_argument("--device", type=command.device, default="cpu", help="cpu or cuda (Triton kernels on cuda; default cpu)")

@@ -1,4 +1,4 @@
-"""The policy: the tiny Qwen2.5-VL (or a checkpoint) with the real processor, the hooks that
+"""The policy: a tiny Qwen2.5-VL or Qwen3-VL (or a checkpoint) with the real processor, the hooks that
 encode a GRPO group's repeated images once, the training-side forward and
 log-probs (with the `image-swap` bug), and the supervised warm-up on the answer format."""
 
@@ -12,15 +12,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..fixtures import processor_inputs, qwen_vl_processor, tiny_qwen2_5_vl
+from .. import fixtures
+from ..fixtures import processor_inputs
 from ..models.forward import forward_hidden
 from ..ops import selected_logprob
 from ..schema import Modality, RLBatch
 from .tasks import Task
 
 __all__ = [
-    "freeze_embeddings_and_head", "hidden_states", "load_policy", "Policy", "policy_logprobs", "swap_pair",
-    "TINY_MODEL", "warm_up",
+    "freeze_embeddings_and_head", "hidden_states", "load_policy", "Policy", "policy_logprobs", "SMOKE_MODELS",
+    "swap_pair", "TINY_MODEL", "warm_up",
 ]
 
 TINY_MODEL = dict(hidden_size=128, num_layers=2, vision_depth=1, vision_hidden_size=64)
@@ -54,18 +55,30 @@ class Policy:
         return self.model.lm_head.weight
 
 
-def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype, tiny: Optional[Mapping] = None) -> Policy:
-    """The real Qwen2.5-VL processor and the tiny random policy (``tiny``: its sizes, default
-    ``TINY_MODEL``), or a local checkpoint."""
-    if model_path:
-        from transformers import Qwen2_5_VLForConditionalGeneration
+#: the smoke test's model families (``--model``): the fixtures' processor and tiny policy, and the
+#: transformers class a ``--model-path`` checkpoint loads with
+SMOKE_MODELS = {
+    "qwen2.5-vl": ("qwen_vl_processor", "tiny_qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3-vl": ("qwen3_vl_processor", "tiny_qwen3_vl", "Qwen3VLForConditionalGeneration"),
+}
 
-        processor = qwen_vl_processor(model_path)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+
+def load_policy(model_path, seed: int, device: torch.device, dtype: torch.dtype, tiny: Optional[Mapping] = None,
+                model: str = "qwen2.5-vl") -> Policy:
+    """The real processor of the ``model`` family (a ``SMOKE_MODELS`` key) and its tiny random
+    policy (``tiny``: its sizes, default ``TINY_MODEL``), or a local checkpoint of that family."""
+    if model not in SMOKE_MODELS:
+        raise ValueError(f"model={model!r}: expected one of {', '.join(SMOKE_MODELS)}")
+    make_processor, make_tiny, checkpoint_class = SMOKE_MODELS[model]
+    if model_path:
+        import transformers
+
+        processor = getattr(fixtures, make_processor)(model_path)
+        policy_model = getattr(transformers, checkpoint_class).from_pretrained(model_path, dtype=dtype, local_files_only=True)
     else:
-        processor = qwen_vl_processor()
-        model = tiny_qwen2_5_vl(seed, **(TINY_MODEL if tiny is None else tiny)).to(dtype)
-    model.to(device).eval()
+        processor = getattr(fixtures, make_processor)()
+        policy_model = getattr(fixtures, make_tiny)(seed, **(TINY_MODEL if tiny is None else tiny)).to(dtype)
+    model = policy_model.to(device).eval()
     distinct = _DistinctImages(model.config.vision_config.spatial_merge_size)
     model.model.visual.register_forward_pre_hook(distinct.before, with_kwargs=True)
     model.model.visual.register_forward_hook(distinct.after, with_kwargs=True)
@@ -113,6 +126,8 @@ class _DistinctImages:
         if isinstance(output, Tensor):  # transformers versions whose tower returns the merged rows
             return output[rows]
         output.pooler_output = output.pooler_output[rows]
+        if getattr(output, "deepstack_features", None) is not None:  # Qwen3-VL: each DeepStack level's rows too
+            output.deepstack_features = [feature[rows] for feature in output.deepstack_features]
         return output
 
 

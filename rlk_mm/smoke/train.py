@@ -98,9 +98,9 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
     log(f"rlk-mm smoke: task {task.name}, {args.steps} steps of {args.prompts} prompts x {args.samples} answers, "
         f"seed {args.seed}, device {report['device']}" + (f", BREAK {args.break_mode}" if args.break_mode else ""))
     t = time.perf_counter()
-    policy = load_policy(args.model_path, args.seed, device, dtype, tiny=tuning.tiny_model)
+    policy = load_policy(args.model_path, args.seed, device, dtype, tiny=tuning.tiny_model, model=args.model)
     timings["setup_s"] = time.perf_counter() - t
-    log(f"policy: {'local checkpoint ' + str(args.model_path) if args.model_path else 'tiny random Qwen2.5-VL'} "
+    log(f"policy: {'local checkpoint ' + str(args.model_path) if args.model_path else 'tiny random ' + args.model} "
         f"({sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, {timings['setup_s']:.1f}s)")
 
     t = time.perf_counter()
