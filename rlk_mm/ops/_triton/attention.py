@@ -22,7 +22,10 @@ import triton.language as tl
 
 from ._common import dot_precision, interpreted
 
-__all__ = ["AttentionConfig", "default_config", "segment_attention"]
+__all__ = ["AttentionConfig", "SHARED_MEMORY_LIMIT", "default_config", "segment_attention", "shared_memory_bytes"]
+
+#: shared memory one block may take on Hopper (H100 / H200): 227 KiB
+SHARED_MEMORY_LIMIT = 232448
 
 _LOG2E = 1.4426950408889634
 
@@ -40,11 +43,22 @@ class AttentionConfig:
 
 def default_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
     """Tiles: a function of the head dim and dtype only (16-bit: the fastest candidate at
-    Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``)."""
+    Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``). Head dims above 128
+    pipeline two key/value stages instead of three, so that 256 fits Hopper's shared memory
+    (``shared_memory_bytes``)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         return AttentionConfig(block_m=32, block_n=32, block_d=block_d, num_warps=4, num_stages=2)
-    return AttentionConfig(block_m=64, block_n=64, block_d=block_d, num_warps=4, num_stages=3)
+    return AttentionConfig(block_m=64, block_n=64, block_d=block_d, num_warps=4, num_stages=3 if block_d <= 128 else 2)
+
+
+def shared_memory_bytes(config: AttentionConfig, dtype: torch.dtype) -> int:
+    """Shared memory one block of the kernel takes: ``num_stages`` pipelined key and value tiles
+    (``block_n x block_d`` each) and the query tile (``block_m x block_d``), in ``dtype``'s bytes.
+    Triton's launch failure at head dim 512 (bf16, 64 x 64 tiles, 3 stages) reported exactly this
+    sum, 458,752 bytes."""
+    element = torch.finfo(dtype).bits // 8
+    return (config.num_stages * 2 * config.block_n + config.block_m) * config.block_d * element
 
 
 @triton.jit(do_not_specialize=["max_q"])

@@ -15,7 +15,11 @@ from ...schema.checks import INTEGER_DTYPES, KERNEL_FLOAT_DTYPES, bool_arg, floa
 from .._torch import invariant as _ref
 from ._dispatch import cached, through_op, triton_for
 
-__all__ = ["attention_interface", "full_bool_mask", "segment_attention", "segments_from_mask", "varlen_attention"]
+#: the largest head dim the invariant attention runs, on either backend (Qwen3.5's full-attention
+#: layers use 256; the Triton kernel's tiles fit Hopper's shared memory up to it)
+MAX_HEAD_DIM = 256
+
+__all__ = ["MAX_HEAD_DIM", "attention_interface", "full_bool_mask", "segment_attention", "segments_from_mask", "varlen_attention"]
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,
@@ -205,6 +209,10 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
         raise ValueError(f"segment_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"segment_attention: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"batch_invariant(): attention head_dim {q.shape[3]} is above the largest the invariant attention "
+                         f"runs, {MAX_HEAD_DIM}: a model with wider heads (hidden_size / num_attention_heads) cannot run "
+                         "under batch_invariant(); use more heads or leave the mode off")
     tensor_arg("q", q, dtypes=KERNEL_FLOAT_DTYPES)
     causal, max_q = bool_arg("causal", causal), int_arg("max_q", max_q, min=0)
     scale = float_arg("scale", scale, min=0, min_open=True)
