@@ -378,33 +378,37 @@ def _media_cause(ra: RLBatch, tb: RLBatch, b: int, fingerprints_differ: bool) ->
     return None
 
 
-#: tokens of text before a Qwen3-VL video's first temporal patch that belong to it: an outer
+#: how far before a Qwen3-VL video's first temporal patch its own text may start: an outer
 #: <|vision_start|> and the timestamp text ("<0.2 seconds>") with the patch's own <|vision_start|>
 _VIDEO_LEAD = 12
 
 
-def _video_text(batch: RLBatch, b: int) -> Optional[tuple[int, int, int]]:
-    """(start, end, text tokens) of the stretch of sample ``b`` that holds its timestamped video
-    frames (Qwen3-VL layout: each temporal patch its own item, text between them); None without."""
+def _video_text(batch: RLBatch, b: int) -> Optional[tuple[int, int, bool]]:
+    """(start, end, outer pair) of the stretch of sample ``b`` that holds its timestamped video
+    frames (Qwen3-VL layout: each temporal patch its own item between its own vision markers);
+    ``outer pair``: one vision-start token more than frames there. None without video."""
     if batch.layout_family != "qwen3_vl":
         return None
     frames = [s for s in batch.modality_spans_of(b) if s.modality == int(Modality.VIDEO)]
-    if not frames:
+    if not frames or frames[0].start == 0:
         return None
-    start, end = max(frames[0].start - _VIDEO_LEAD, 0), frames[-1].end + 2
-    return start, end, (end - start) - sum(s.end - s.start for s in frames)
+    ids = batch.input_ids[int(batch.cu_seqlens[b]) : int(batch.cu_seqlens[b + 1])]
+    start, end = max(frames[0].start - _VIDEO_LEAD, 0), min(frames[-1].end + 2, ids.numel())
+    vision_start = ids[frames[0].start - 1]  # each temporal patch's own marker
+    return start, end, int((ids[start:end] == vision_start).sum()) > len(frames)
 
 
 def _video_text_cause(ra: RLBatch, tb: RLBatch, b: int, p: int) -> Optional[str]:
-    """A text difference among a Qwen3-VL video's frames: the timestamps, or the outer vision pair."""
+    """A text difference among a Qwen3-VL video's frames: the outer vision pair, or the timestamps."""
     vr, vt = _video_text(ra, b), _video_text(tb, b)
     if vr is None or vt is None or not (vr[0] <= p < vr[1] or vt[0] <= p < vt[1]):
         return None
-    if abs(vr[2] - vt[2]) == 2:
-        return (f"sample {b}, position {p}: the video's text differs by two tokens: one side writes an outer "
-                "<|vision_start|> ... <|vision_end|> pair around the timestamped frames and the other does not "
-                "(transformers 5.x releases differ here; the processor fingerprints record the version): build "
-                "rollout and training batches with the same transformers")
+    if vr[2] != vt[2]:
+        side = "the rollout" if vr[2] else "the training batch"
+        return (f"sample {b}, position {p}: {side} writes an outer <|vision_start|> ... <|vision_end|> pair around the "
+                "video's timestamped frames and the other does not (transformers 5.x releases differ here; the "
+                "processor fingerprints record the version): build rollout and training batches with the same "
+                "transformers")
     return (f"sample {b}, position {p}: the text between the video's temporal patches differs: the timestamps "
             "('<t seconds>' before each patch) come from another frame rate or other sampled frame indices "
             "(the video metadata given to the processor)")
