@@ -225,3 +225,24 @@ def test_parity_names_the_outer_vision_pair_as_the_cause(parts):
     wrapped = RLBatch.from_token_lists([outer], [[IM_END_TOKEN_ID]], **kw)
     report = check_layout_parity(wrapped, plain)
     assert not report.ok and "outer <|vision_start|> ... <|vision_end|> pair" in report.first.diagnosis
+
+
+# --------------------------------------------------------------------------- chat messages
+def test_qwen3_vl_messages_give_one_item_per_temporal_patch_timestamped_at_the_videos_rate(parts):
+    processor, model = parts["qwen3_vl"]
+    sample = fixtures.synthetic_video_text(1, seed=4, num_frames=6, with_image=True)[0]
+
+    def conversation(fps):
+        return [{"role": "user", "content": [{"type": "image", "image": sample.images[0]},
+                                             {"type": "video", "video": sample.videos[0], "fps": fps},
+                                             {"type": "text", "text": "what?"}]}]
+
+    batch = RLBatch.from_messages([conversation(1.0)], processor=processor)
+    text = processor.tokenizer.decode(batch.input_ids)
+    assert "<0.5 seconds>" in text and "<2.5 seconds>" in text and "<4.5 seconds>" in text  # patches of 2 frames at 1 fps
+    assert batch.media_grid_thw[:, 0].tolist() == [1, 1, 1, 1] and batch.layout_family == "qwen3_vl"
+    with torch.no_grad():
+        forward_hidden(model, batch)
+    with pytest.raises(ValueError, match=r"the videos have frame rates \[1\.0, 2\.0\]; Qwen3-VL writes each temporal patch's "
+                                         r"timestamp from one frame rate"):
+        RLBatch.from_messages([conversation(1.0), conversation(2.0)], processor=processor)

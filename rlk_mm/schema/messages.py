@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ._inputs import chat_markers, check_image_size, check_plain_text, processor_limits, vl_processor_arg
+from .layouts import layout_family_of
 from .media import ResizeSettings, settings_key
 from .qwen_vl import fields_from_qwen_vl
 
@@ -357,13 +358,26 @@ def fields_from_messages(
                     f"{{'type': '{kind}'}} part"
                 )
         texts.append(text)
+    family = layout_family_of(processor)
+    video_kwargs = {}
+    if videos and family is not None and family.splits_video:  # Qwen3-VL writes each patch's time from the frame rate
+        if len(set(fps)) > 1:
+            raise ValueError(f"conversations: the videos have frame rates {sorted(set(fps))}; {family.label} writes each "
+                             "temporal patch's timestamp from one frame rate per processor call: build videos of "
+                             "different frame rates in separate calls")
+        video_kwargs = {"videos_kwargs": {"fps": fps[0]}}
     output = processor(
         text=texts, images=images or None, videos=videos or None, padding=True, padding_side="left",
         return_tensors="pt", images_kwargs={"do_resize": False},  # exactly qwen-vl-utils' sizes
+        **video_kwargs,
     )
     if videos:  # the processor takes one fps for all videos: each video's own, as the processor computes it
         output["second_per_grid_ts"] = torch.tensor([ip.temporal_patch_size / f for f in fps])
     recorded = image_settings + video_settings
+    per_item = recorded
+    if videos and family is not None and family.splits_video:  # one item per temporal patch: each carries its video's settings
+        patches = output["video_grid_thw"][:, 0].tolist()
+        per_item = image_settings + [settings for settings, t in zip(video_settings, patches) for _ in range(t)]
     _check_grids(output, recorded, ip.patch_size, ip.temporal_patch_size)
     fields = fields_from_qwen_vl(
         output, processor=processor, responses=responses, response_mask=response_mask, group_ids=group_ids,
@@ -371,7 +385,7 @@ def fields_from_messages(
         bbox_targets=bbox_targets, point_targets=point_targets, screen_size=screen_size, coordinate_system=coordinate_system,
         assistant_turns=assistant_turns,
     )
-    fields["media_cache_keys"] = [settings_key(key, s) for key, (_, s) in zip(fields["media_cache_keys"], recorded)]
+    fields["media_cache_keys"] = [settings_key(key, s) for key, (_, s) in zip(fields["media_cache_keys"], per_item, strict=True)]
     return fields
 
 
