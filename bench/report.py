@@ -75,6 +75,9 @@ FAMILIES = (
     ("codec", "Codec invariance", r"codec",
       "The code-flip rate of a speech codec between each clip alone and all clips in one batch."),
     ("parity", "Layout parity", r"parity", "`check_layout_parity` on large layouts, on the CPU."),
+    ("families", "Model families on the GPU", r"families",
+     ("Each supported family's GPU checks: Qwen3-VL at its 2B and 8B widths (decode, vision cache, layouts and "
+      "rollout bitwise the training forward, bf16 and fp32) and `rlk-mm smoke --model qwen3-vl` on CUDA.")),
     ("smoke", "The smoke test", r"(smoke|point_task|gpu_tests)",
      ("Reports of `rlk-mm smoke`, the settings sweeps that chose its defaults, the point task, and the "
       "GPU-marked tests.")),
