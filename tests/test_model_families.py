@@ -22,6 +22,7 @@ from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, generate_
 from rlk_mm.models.rollout import decode_hidden
 from rlk_mm.ops import batch_invariant
 from rlk_mm.parity.contract import LOGPROB_MAX_ABS
+from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.schema import RLBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,3 +149,13 @@ def _qwen3():
     if not _QWEN3:
         _QWEN3["pair"] = (fixtures.qwen3_vl_processor(), fixtures.tiny_qwen3_vl(seed=1))
     return _QWEN3["pair"]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_the_invariance_sweep_is_bitwise_for_every_family(name):
+    make_processor, make_model = FAMILIES[name]
+    report = invariance_sweep(make_model(seed=0), make_processor(), _samples("image+video"), backend="torch",
+                              control=False, probe=False)
+    cases = [r for r in report.results if r.mode == "batch_invariant"]
+    assert cases and all(r.bitwise for r in cases), [r for r in cases if not r.bitwise]
+    assert {"decode", "vision_cache", "group_cache", "video_frames"} <= {r.case for r in cases}
