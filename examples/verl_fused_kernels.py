@@ -37,18 +37,10 @@ verl's ``FusedLinearForPPO`` and then with rlk_mm's, and prints both outputs sid
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
 
 def main() -> None:
-    try:
-        import ray  # noqa: F401  (verl imports ray at import time; a verl install has it)
-    except ImportError:  # a source checkout without ray: the tests' stand-in absorbs verl's import-time use
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        __import__("ray_stand_in").install()
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 

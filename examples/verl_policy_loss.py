@@ -16,24 +16,14 @@ on a synthetic GRPO step, and checks them against verl's own ``grpo`` and ``vani
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
+import verl  # noqa: F401  (loads the rlk_mm entry point when rlk-mm is installed)
+from verl.trainer.config import AlgoConfig
+from verl.trainer.ppo import core_algos
+from verl.workers.config import ActorConfig, PolicyLossConfig
 
-try:
-    import ray  # noqa: F401  (verl imports ray at import time; a verl install has it)
-except ImportError:  # a source checkout without ray: the tests' stand-in absorbs verl's import-time use
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    __import__("ray_stand_in").install()
-
-import verl  # noqa: E402,F401  (loads the rlk_mm entry point when rlk-mm is installed)
-from verl.trainer.config import AlgoConfig  # noqa: E402
-from verl.trainer.ppo import core_algos  # noqa: E402
-from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
-
-import rlk_mm.integrations.verl  # noqa: E402,F401  (registers explicitly, e.g. from a source checkout)
+import rlk_mm.integrations.verl  # noqa: F401  (registers explicitly, e.g. from a source checkout)
 
 
 def main() -> None:
