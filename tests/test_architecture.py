@@ -313,16 +313,18 @@ def test_no_private_names_imported_across_modules():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
-#: modules kept one release under an old name; they serve their names with a DeprecationWarning
-DEPRECATED_MODULES = ("rlk_mm.schema.grounding", "rlk_mm.schema.support", "rlk_mm.schema.media_fallback",
-                      "rlk_mm.smoke.task", "rlk_mm.smoke.point_task")
+#: module paths of the unpublished 0.1.0 that moved (their one-release shims are gone: 0.1.0 was never published)
+REMOVED_MODULES = {"rlk_mm.schema.grounding": "rlk_mm.schema.coordinates", "rlk_mm.schema.support": "rlk_mm.schema.unsupported",
+                   "rlk_mm.schema.media_fallback": "rlk_mm.schema.unsupported", "rlk_mm.ops.packing": "rlk_mm.ops.packed_batch",
+                   "rlk_mm.smoke.task": "rlk_mm.smoke.tasks.base", "rlk_mm.smoke.point_task": "rlk_mm.smoke.tasks.point"}
 
 
-def test_nothing_imports_a_deprecated_module_path():
-    """The package itself uses the new homes: only a user's old import warns."""
-    assert set(DEPRECATED_MODULES) <= set(modules())
-    bad = offending((PACKAGE,), lambda t: t not in DEPRECATED_MODULES)
-    assert not bad, "imports of deprecated module paths:\n" + "\n".join(bad)
+@pytest.mark.parametrize("old", sorted(REMOVED_MODULES))
+def test_moved_module_paths_are_gone_and_their_homes_exist(old):
+    """No shim files: an old import fails at once (ModuleNotFoundError) and the new home is a module."""
+    assert old not in modules() and REMOVED_MODULES[old] in modules()
+    with pytest.raises(ModuleNotFoundError):
+        __import__(old)
 
 
 #: the packages whose every public module (no ``_`` in its path) declares ``__all__``

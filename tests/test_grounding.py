@@ -142,15 +142,3 @@ def test_normalized_systems_need_no_sizes():
     points = torch.tensor([[0.5, 0.25]])
     assert convert_points(points, "normalized", "normalized_1000").tolist() == [[500.0, 250.0]]
     assert convert_boxes(torch.tensor([[0, 0, 1000, 500]]), "normalized_1000", "normalized").tolist() == [[0.0, 0.0, 1.0, 0.5]]
-
-
-def test_the_old_module_path_warns_and_serves_the_same_names():
-    """``rlk_mm.schema.grounding`` was renamed ``rlk_mm.schema.coordinates`` (the grounding package is rlk_mm.grounding)."""
-    import rlk_mm.schema.coordinates as coordinates
-    import rlk_mm.schema.grounding as old
-
-    for name in coordinates.__all__:
-        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.schema\.grounding is deprecated.*import {name} from rlk_mm\.schema\.coordinates"):
-            assert getattr(old, name) is getattr(coordinates, name)
-    with pytest.raises(AttributeError):
-        old.torch

@@ -291,12 +291,9 @@ def test_every_kernel_op_takes_the_one_dtype_tuple():
         rms_norm(torch.zeros(2, 4, dtype=torch.float64), torch.ones(4), 1e-6)
 
 
-def test_packing_moved_by_what_it_packs_and_the_old_module_still_serves():
+def test_packing_lives_by_what_it_packs():
     from rlk_mm.ops import packed_batch, padded
 
     for name, home in (("pack", packed_batch), ("unpack", packed_batch), ("PackedBatch", packed_batch),
                        ("pack_padded", padded), ("unpack_to_padded", padded)):
         assert getattr(ops, name) is getattr(home, name)
-        new_home = home.__name__.split(".")[-1]
-        with pytest.warns(DeprecationWarning, match=rf"rlk_mm.ops.packing.{name} moved to rlk_mm.ops.{new_home}"):
-            assert getattr(__import__("rlk_mm.ops.packing", fromlist=[name]), name) is getattr(home, name)

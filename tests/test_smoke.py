@@ -279,10 +279,8 @@ def test_geo3k_without_data_reads_the_sample_in_the_package():
     assert {s.id for s in problems} <= {s.id for s in load_geo3k(GEO3K_SAMPLE_DIR)} and task.name == "geo3k"
 
 
-def test_tasks_are_one_package_and_the_old_modules_warn():
-    """smoke/task.py (the base), smoke/tasks.py and smoke/point_task.py are the package smoke/tasks/."""
-    import importlib
-
+def test_tasks_are_one_package():
+    """The smoke tasks are the package smoke/tasks/ (the base, colour, geo3k, video, point)."""
     from rlk_mm.fixtures import SHAPE_COLOURS
     from rlk_mm.fixtures.palette import ANSWER_COLOURS
     from rlk_mm.smoke import tasks
@@ -292,12 +290,7 @@ def test_tasks_are_one_package_and_the_old_modules_warn():
                                 "point-shuffled", "point-three", "point-three-shuffled"}
     assert smoke.COLOURS is ANSWER_COLOURS and list(ANSWER_COLOURS) == ["red", "green", "blue", "yellow"]
     assert all(SHAPE_COLOURS[name] == rgb for name, rgb in ANSWER_COLOURS.items())  # one palette
-    for old, new, name in (("task", base, "Task"), ("point_task", point, "point_reward")):
-        module = importlib.import_module(f"rlk_mm.smoke.{old}")
-        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.smoke\.{old} is deprecated.*import {name} from {new.__name__}"):
-            assert getattr(module, name) is getattr(new, name)
-        with pytest.raises(AttributeError):
-            module.random
+    assert tasks.Task is base.Task and tasks.point_reward is point.point_reward
 
 
 def test_tuning_is_a_config_the_run_takes():

@@ -316,19 +316,3 @@ def test_mask_unsupported_media_refuses_a_non_batch():
 def test_error_is_a_not_implemented_error_exported_at_the_top():
     assert rlk_mm.UnsupportedModalityError is UnsupportedModalityError
     assert issubclass(UnsupportedModalityError, NotImplementedError)
-
-
-@pytest.mark.parametrize("old", ["support", "media_fallback"])
-def test_the_old_module_paths_warn_and_serve_the_same_names(old):
-    """schema/support.py and schema/media_fallback.py are now one module, schema/unsupported.py."""
-    import importlib
-
-    import rlk_mm.schema.unsupported as unsupported
-
-    module = importlib.import_module(f"rlk_mm.schema.{old}")
-    for name in ("require_supported", "mask_unsupported_media", "UnsupportedModalityError", "SUPPORTED_MODALITIES"):
-        with pytest.warns(DeprecationWarning, match=rf"rlk_mm\.schema\.{old} is deprecated.*"
-                                                    rf"import {name} from rlk_mm\.schema\.unsupported"):
-            assert getattr(module, name) is getattr(unsupported, name)
-    with pytest.raises(AttributeError):
-        module.torch
