@@ -64,3 +64,16 @@ def test_rollout_log_probs_are_the_training_log_probs(processor, model):
         for padding in (None, "left"):
             got = batch_logprobs(model, rollout.batch, padding=padding)
             assert torch.equal(got.cpu(), rollout.flat_log_probs.cpu()), padding
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_qwen3_vl_moe_rollout_and_decode_are_the_forward_bitwise(processor, dtype):
+    """Qwen3-VL-MoE at the 30B-A3B text width (2048, head dim 128), 16 experts with 4 a token."""
+    model = fixtures.tiny_qwen3_vl_moe(seed=0, hidden_size=2048, num_heads=16, num_kv_heads=4, num_experts=16,
+                                       num_experts_per_tok=4, moe_intermediate_size=768, num_layers=3,
+                                       vision_hidden_size=1024, vision_heads=16, vision_depth=3).to("cuda", dtype)
+    rollout = generate_on_policy(model, _prompts(processor), processor=processor, max_new_tokens=6, samples_per_prompt=2,
+                                 seed=4)
+    with torch.no_grad(), batch_invariant():
+        assert torch.equal(batch_logprobs(model, rollout.batch).cpu(), rollout.flat_log_probs.cpu())
+        assert torch.equal(decode_hidden(model, rollout.batch), forward_hidden(model, rollout.batch, padding="right"))

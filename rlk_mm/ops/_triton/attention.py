@@ -43,9 +43,10 @@ class AttentionConfig:
 
 def default_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
     """Tiles: a function of the head dim and dtype only (16-bit: the fastest candidate at
-    Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``). Head dims above 128
-    pipeline two key/value stages instead of three, so that 256 fits Hopper's shared memory
-    (``shared_memory_bytes``)."""
+    Qwen2.5-VL's text and vision shapes, ``bench_prefill.py --tiles``). In 16-bit, head dims above
+    128 pipeline two key/value stages instead of three: 160 KiB of Hopper's 227 at head dim 256,
+    where three take 224 KiB, too close to the limit (``shared_memory_bytes``). The stage count only
+    schedules the loads: the dots and their order, hence the bits, are those of three stages."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         return AttentionConfig(block_m=32, block_n=32, block_d=block_d, num_warps=4, num_stages=2)
@@ -53,12 +54,21 @@ def default_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
 
 
 def shared_memory_bytes(config: AttentionConfig, dtype: torch.dtype) -> int:
-    """Shared memory one block of the kernel takes: ``num_stages`` pipelined key and value tiles
-    (``block_n x block_d`` each) and the query tile (``block_m x block_d``), in ``dtype``'s bytes.
-    Triton's launch failure at head dim 512 (bf16, 64 x 64 tiles, 3 stages) reported exactly this
-    sum, 458,752 bytes."""
+    """Shared memory one block of the kernel takes, in bytes, with ``e`` = ``dtype``'s bytes::
+
+        (num_stages * 2 * block_n + block_m) * block_d * e  +  (block_m * block_n * 4 if fp32)
+
+    ``num_stages`` pipelined key and value tiles (``block_n x block_d`` each) and the query tile
+    (``block_m x block_d``); fp32's dots run on FMA units (or TF32 tensor cores) and stage the
+    probability tile ``p`` (``block_m x block_n`` fp32) through shared memory too, where 16-bit
+    wgmma reads ``p`` from registers. An upper bound of what Triton (3.6, 3.9) allocates for sm_90
+    at every head dim up to 512: exact for 16-bit inputs whose head dim is a multiple of 16 (the
+    loads pipeline; 458,752 bytes is Triton's launch failure at head dim 512, bf16, 64 x 64 tiles,
+    3 stages), less where the loads do not pipeline, and for fp32, where Triton keeps one
+    key/value stage fewer (plus a few hundred bytes of reduction scratch)."""
     element = torch.finfo(dtype).bits // 8
-    return (config.num_stages * 2 * config.block_n + config.block_m) * config.block_d * element
+    staged_p = config.block_m * config.block_n * 4 if dtype == torch.float32 else 0
+    return (config.num_stages * 2 * config.block_n + config.block_m) * config.block_d * element + staged_p
 
 
 @triton.jit(do_not_specialize=["max_q"])

@@ -186,6 +186,18 @@ def segments_from_mask(mask: torch.Tensor, batch: int, q_len: int, k_len: int):
     return _Segments(seg_rows, mask.device), max_q, causal
 
 
+def _check_head_dim(head_dim: int) -> None:
+    """The head dims both backends run (one semantics): 1 to ``MAX_HEAD_DIM``; checked before any work."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"batch_invariant(): attention head_dim {head_dim} is above the largest the invariant attention "
+                         f"runs, {MAX_HEAD_DIM} (head dims 1 to {MAX_HEAD_DIM} are supported): a model with wider heads (its "
+                         "config's head_dim, else hidden_size / num_attention_heads) cannot run under batch_invariant(); "
+                         "leave the mode off for it, or give it more, narrower heads")
+    if head_dim < 1:
+        raise ValueError(f"batch_invariant(): attention head_dim {head_dim}: q, k and v have no features (head dims 1 to "
+                         f"{MAX_HEAD_DIM} are supported)")
+
+
 def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: int) -> torch.Tensor:
     """Batch-invariant attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; out [B, Lq, Hq, D].
 
@@ -209,10 +221,7 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
         raise ValueError(f"segment_attention: {q.shape[1]} query heads is not a multiple of {k.shape[1]} key/value heads")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"segment_attention: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"batch_invariant(): attention head_dim {q.shape[3]} is above the largest the invariant attention "
-                         f"runs, {MAX_HEAD_DIM}: a model with wider heads (hidden_size / num_attention_heads) cannot run "
-                         "under batch_invariant(); use more heads or leave the mode off")
+    _check_head_dim(q.shape[3])
     tensor_arg("q", q, dtypes=KERNEL_FLOAT_DTYPES)
     causal, max_q = bool_arg("causal", causal), int_arg("max_q", max_q, min=0)
     scale = float_arg("scale", scale, min=0, min_open=True)
@@ -242,6 +251,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal: bool =
     tensor_arg("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INTEGER_DTYPES)
     if cu_seqlens_k is not None:
         tensor_arg("cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=INTEGER_DTYPES)
+    _check_head_dim(q.shape[-1])
     segments, max_q = cached(_segments_from_cu_seqlens, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -258,6 +268,7 @@ def attention_interface(module, query, key, value, attention_mask, dropout=0.0, 
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"batch_invariant(): attention with {name}={kwargs[name]} is not supported")
     batch, _, q_len, head_dim = query.shape
+    _check_head_dim(head_dim)
     k_len = key.shape[2]
     scale = head_dim ** -0.5 if scaling is None else scaling
     if attention_mask is None:
