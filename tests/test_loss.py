@@ -13,7 +13,7 @@ import torch
 
 from helpers import close, use_backend
 from oracles import loss as ref
-from rlk_mm.ops.loss import agg_loss, kl_penalty, policy_loss
+from rlk_mm.ops.loss.op import agg_loss, kl_penalty, policy_loss
 from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
 

@@ -49,8 +49,9 @@ def test_padding_side_is_served_from_options_and_schema():
     assert options.PaddingSide is PaddingSide is ops.PaddingSide
 
 
-def test_old_import_paths_still_serve_the_enums():
-    from rlk_mm.ops import loss, rewards
+def test_the_ops_modules_use_the_one_home_of_the_enums():
+    from rlk_mm.ops import rewards
+    from rlk_mm.ops.loss import op as loss
 
     assert loss.AggMode is options.AggMode and loss.KLType is options.KLType and loss.RatioMode is options.RatioMode
     assert rewards.Estimator is options.Estimator and rewards.RewardPlacement is options.RewardPlacement

@@ -28,9 +28,9 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..ops import loss as _loss
-from ..ops._loss_terms import LOG_RATIO_LIMIT, MEAN_EPS
-from ..ops.loss import agg_loss, policy_loss
-from ..ops.loss_config import PolicyLossConfig, dual_clip
+from ..ops.loss.config import PolicyLossConfig, dual_clip
+from ..ops.loss.op import agg_loss, policy_loss
+from ..ops.loss.terms import LOG_RATIO_LIMIT, MEAN_EPS
 from ..ops.options import AggMode, KLType, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
@@ -340,7 +340,7 @@ def _multi_modal(items) -> dict:
 def _run_fused_head(model, model_inputs: dict, **loss_args):
     """``model``'s forward with its LM head call replaced by ``linear_policy_loss`` over the
     given rows; returns that op's ``PolicyLossOutput``."""
-    from ..ops.linear_loss import linear_policy_loss
+    from ..ops.loss.fused import linear_policy_loss
 
     head = model.get_output_embeddings()
     result = []

@@ -32,10 +32,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops.linear_loss import linear_policy_loss
 from ..ops.logprob import selected_logprob
-from ..ops.loss import agg_loss, policy_loss
-from ..ops.loss_config import PolicyLossConfig
+from ..ops.loss.config import PolicyLossConfig
+from ..ops.loss.fused import linear_policy_loss
+from ..ops.loss.op import agg_loss, policy_loss
 from ..ops.options import RatioMode
 from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, bool_arg, float_arg, int_arg, tensor_arg
 

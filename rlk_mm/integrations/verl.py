@@ -27,8 +27,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..ops.loss import policy_loss
-from ..ops.loss_config import PolicyLossConfig
+from ..ops.loss.config import PolicyLossConfig
+from ..ops.loss.op import policy_loss
 from ..ops.options import Estimator, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index

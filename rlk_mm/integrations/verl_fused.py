@@ -50,9 +50,9 @@ from typing import Optional
 
 import torch
 
-from ..ops.linear_loss import PolicyLossOutput, linear_policy_loss
 from ..ops.logprob import TargetError, selected_logprob
-from ..ops.loss_config import PolicyLossConfig, kl_estimator
+from ..ops.loss.config import PolicyLossConfig, kl_estimator
+from ..ops.loss.fused import PolicyLossOutput, linear_policy_loss
 from ..schema.checks import INTEGER_DTYPES, bool_arg, int_arg, tensor_arg
 from ._args import clip_ratios
 

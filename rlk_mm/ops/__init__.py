@@ -18,10 +18,8 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from ._backend import BackendUnavailableError  # noqa: F401
     from .invariant.mode import batch_invariant  # noqa: F401
     from .lagrangian import Lagrangian, LagrangianAdvantages, lagrangian_advantages  # noqa: F401
-    from .linear_loss import PolicyLossOutput, linear_policy_loss  # noqa: F401
     from .logprob import selected_logprob  # noqa: F401
-    from .loss import agg_loss, kl_penalty, policy_loss  # noqa: F401
-    from .loss_config import PolicyLoss, PolicyLossConfig  # noqa: F401
+    from .loss import PolicyLoss, PolicyLossConfig, PolicyLossOutput, agg_loss, kl_penalty, linear_policy_loss, policy_loss  # noqa: F401
     from .options import AggMode, Backend, Estimator, KLType, PaddingSide, RatioMode, RewardPlacement  # noqa: F401
     from .packed_batch import PackedBatch, pack, unpack  # noqa: F401
     from .padded import pack_padded, unpack_to_padded  # noqa: F401
@@ -31,11 +29,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
 _EXPORTS = {
     "selected_logprob": "logprob",
     "policy_loss": "loss",
-    "linear_policy_loss": "linear_loss",
-    "PolicyLossOutput": "linear_loss",
+    "linear_policy_loss": "loss",
+    "PolicyLossOutput": "loss",
     "kl_penalty": "loss",
-    "PolicyLoss": "loss_config",
-    "PolicyLossConfig": "loss_config",
+    "PolicyLoss": "loss",
+    "PolicyLossConfig": "loss",
     "agg_loss": "loss",
     "AggMode": "options",
     "KLType": "options",

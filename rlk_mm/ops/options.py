@@ -19,7 +19,7 @@ one-line description (``AggMode.TOKEN_MEAN.__doc__``; ``help(AggMode)`` lists th
 from __future__ import annotations
 
 from ..schema import Choice, PaddingSide
-from ._loss_terms import KLEstimator
+from .loss.terms import KLEstimator
 
 __all__ = ["AggMode", "Backend", "Estimator", "KLType", "Option", "PaddingSide", "RatioMode", "RewardPlacement"]
 

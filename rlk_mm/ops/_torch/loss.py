@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial, num_blocks
+from ..loss.terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial, num_blocks
 
 __all__ = ["partials", "partials_backward"]
 

@@ -1,7 +1,7 @@
 """Fused policy-loss kernel: one elementwise pass over the loss tokens, forward or backward.
 
 Forward writes, per block of ``TOKENS_PER_BLOCK`` tokens, the partial sums named by
-``_loss_terms.Partial`` (weighted policy loss, KL and entropy sums; clip counts; ppo_kl;
+``loss.terms.Partial`` (weighted policy loss, KL and entropy sums; clip counts; ppo_kl;
 mask sum) to ``partials[row, block]``; the caller sums blocks in a fixed order, so the
 result is deterministic. Backward re-reads the same inputs and writes d/d log-prob (and
 d/d entropy) from the gradients of the block partials, in one pass: nothing of size n is
@@ -18,7 +18,7 @@ from typing import Optional
 import triton
 import triton.language as tl
 
-from .._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial
+from ..loss.terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, TOKENS_PER_BLOCK, KLEstimator, Partial
 
 __all__ = ["launch", "LossKernelConfig"]
 

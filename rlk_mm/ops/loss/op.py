@@ -30,13 +30,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..schema.checks import FLOAT_DTYPES, DeviceChecks, tensor_arg
-from ._deprecation import renamed_keywords
-from ._loss_args import agg_args, checked_mask, layout_of
-from ._loss_terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, KLEstimator
-from ._policy_op import SEQ_LOG_RATIO, aggregation, checked_policy, mask_f32, policy_loss_partials, seq_log_ratio
-from .loss_config import PolicyLoss, PolicyLossConfig, kl_estimator, policy_loss_config
-from .options import AggMode, KLType, RatioMode
+from ...schema.checks import FLOAT_DTYPES, DeviceChecks, tensor_arg
+from .._deprecation import renamed_keywords
+from ..options import AggMode, KLType, RatioMode
+from .checks import agg_args, checked_mask, layout_of
+from .config import PolicyLoss, PolicyLossConfig, kl_estimator, policy_loss_config
+from .custom_op import SEQ_LOG_RATIO, aggregation, checked_policy, mask_f32, policy_loss_partials, seq_log_ratio
+from .terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, KLEstimator
 
 __all__ = ["AggMode", "KLType", "PolicyLoss", "PolicyLossConfig", "RatioMode", "agg_loss", "kl_penalty", "policy_loss"]
 

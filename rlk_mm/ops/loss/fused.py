@@ -22,12 +22,15 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..schema import RLBatch
-from ..schema.checks import temperature_arg, tensor_arg
-from ._backend import use_triton
-from ._head_inputs import check_head, check_values, contiguous_rows, scored_rows, targets_named_by
-from ._loss_terms import Partial, num_blocks
-from ._policy_op import (
+from ...schema import RLBatch
+from ...schema.checks import temperature_arg, tensor_arg
+from .._backend import use_triton
+from .._head_inputs import check_head, check_values, contiguous_rows, scored_rows, targets_named_by
+from ..invariant.mode import stock_kernels
+from ..logprob import selected_logprob, sharded_head
+from ..options import PaddingSide, RatioMode
+from .config import PolicyLossConfig, policy_loss_config
+from .custom_op import (
     OP_TENSORS,
     PER_TOKEN,
     checked_policy,
@@ -35,11 +38,8 @@ from ._policy_op import (
     policy_loss_partials,
     policy_loss_partials_backward,
 )
-from .invariant.mode import stock_kernels
-from .logprob import selected_logprob, sharded_head
-from .loss import policy_loss
-from .loss_config import PolicyLossConfig, policy_loss_config
-from .options import PaddingSide, RatioMode
+from .op import policy_loss
+from .terms import Partial, num_blocks
 
 __all__ = ["PolicyLossOutput", "linear_policy_loss"]
 
@@ -191,7 +191,7 @@ def linear_policy_loss(
         if tp_group is None:
             all_rows = check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
         elif policy.ratio is RatioMode.TOKEN:  # (sequence ratios: selected_logprob checks)
-            from . import vocab_parallel
+            from .. import vocab_parallel
 
             shard, all_rows = vocab_parallel.agree(
                 flat, weight, rows, tgts, bias, temperature, tp_group, vocab_start_index, any(need),
@@ -221,18 +221,18 @@ def linear_policy_loss(
     with torch.no_grad(), stock_kernels():
         flat_c, weight_c = contiguous_rows(flat), contiguous_rows(weight)
         if shard is not None:
-            from . import vocab_parallel
+            from .. import vocab_parallel
 
             logp, entropy, d_hidden, d_weight, d_bias = vocab_parallel.loss_grads(
                 flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, need, shard)
         elif use_triton(flat_c, weight_c):
-            from ._triton import linear_loss as _backend
+            from .._triton import linear_loss as _backend
 
             logp, entropy, d_rows, d_weight, d_bias = _backend.loss_grads(
                 flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, *need, rows_dtype=hidden.dtype)
             d_hidden = None if d_rows is None else _scatter_rows(d_rows, rows, flat, all_rows)
         else:
-            from ._torch import linear_loss as _backend
+            from .._torch import linear_loss as _backend
 
             logp, entropy, d_hidden, d_weight, d_bias = _backend.loss_grads(
                 flat_c, weight_c, rows, tgts, bias, temperature, upstream, *need)
@@ -280,7 +280,7 @@ def _scaled(grad: Tensor, scale: Tensor) -> Tensor:
     """``grad`` times ``scale`` in place: on the Triton backend a kernel that does nothing when
     the scale is 1 (without reading it on the host), else torch's ``mul_``."""
     if use_triton(grad) and grad.is_contiguous():
-        from ._triton.linear_loss import scale_
+        from .._triton.linear_loss import scale_
 
         return scale_(grad, scale)
     return grad.mul_(scale)

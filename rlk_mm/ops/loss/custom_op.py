@@ -1,6 +1,6 @@
 """The fused policy loss's custom ops and the checked form of their arguments.
 
-``policy_loss`` (``loss.py``) and ``linear_policy_loss`` (``linear_loss.py``) both check their
+``policy_loss`` (``op``) and ``linear_policy_loss`` (``fused``) both check their
 inputs with ``checked_policy`` into a ``CheckedPolicy`` (the op's arguments, in the three
 lists below, and how the op's per-block partial sums become the loss), then run the op
 ``rlk_mm::policy_loss_partials`` (one fused pass over the tokens: Triton on CUDA, the same
@@ -17,13 +17,13 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..schema.checks import DeviceChecks
-from ._backend import use_triton
-from ._loss_args import Agg, Layout, agg_args, check_data, checked_mask, layout_of, like
-from ._loss_terms import MEAN_EPS, KLEstimator, Partial, num_blocks
-from ._torch import loss as _torch_loss
-from .loss_config import PolicyLoss, PolicyLossConfig
-from .options import AggMode, RatioMode
+from ...schema.checks import DeviceChecks
+from .._backend import use_triton
+from .._torch import loss as _torch_loss
+from ..options import AggMode, RatioMode
+from .checks import Agg, Layout, agg_args, check_data, checked_mask, layout_of, like
+from .config import PolicyLoss, PolicyLossConfig
+from .terms import MEAN_EPS, KLEstimator, Partial, num_blocks
 
 __all__ = [
     "OP_FLOATS", "OP_INTS", "OP_TENSORS", "PER_TOKEN", "SEQ_LOG_RATIO", "CheckedPolicy", "aggregation",
@@ -112,7 +112,7 @@ def policy_loss_partials(
     args = _unpack(log_probs, entropy, tensors, floats, ints)
     if not use_triton(log_probs):
         return _torch_loss.partials(args)
-    from ._triton import loss as kernels
+    from .._triton import loss as kernels
 
     partials = torch.empty(len(Partial), num_blocks(log_probs.numel()), dtype=torch.float32, device=log_probs.device)
     kernels.launch(backward=False, partials=partials, **_launch_args(args))
@@ -137,7 +137,7 @@ def policy_loss_partials_backward(
     if not use_triton(log_probs):
         grad_logp, grad_kl, grad_ent = _torch_loss.partials_backward(grad_partials, args, separate_kl=spread)
     else:
-        from ._triton import loss as kernels
+        from .._triton import loss as kernels
 
         grad_logp = torch.empty_like(log_probs, dtype=torch.float32 if spread else None)
         grad_kl = torch.empty_like(grad_logp) if spread and args["kl_kind"] != KLEstimator.NONE else None

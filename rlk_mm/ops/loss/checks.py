@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
-from .loss_config import SEQ_MODES, PolicyLossConfig
-from .options import AggMode
+from ...schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
+from ..options import AggMode
+from .config import SEQ_MODES, PolicyLossConfig
 
 __all__ = [
     "Agg", "COUNT_ROUNDING", "Layout", "WEIGHTED_COUNT_SLACK", "add_count_check", "agg_args", "check_data",

@@ -16,9 +16,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..schema.checks import float_arg, int_arg
-from ._loss_terms import LOG_RATIO_LIMIT, KLEstimator
-from .options import AggMode, KLType, RatioMode
+from ...schema.checks import float_arg, int_arg
+from ..options import AggMode, KLType, RatioMode
+from .terms import LOG_RATIO_LIMIT, KLEstimator
 
 __all__ = ["PolicyLoss", "PolicyLossConfig", "SEQ_MODES", "dual_clip", "f32_arg", "kl_estimator", "log_ratio_bounds",
            "policy_loss_config"]
