@@ -187,3 +187,6 @@ def test_results_unpack_as_the_tuples_they_replace():
     loss, metrics, log_probs, entropy = full
     assert full._fields[:2] == PolicyLoss._fields and full._fields == ("loss", "metrics", "log_probs", "entropy")
     assert PolicyLoss(*full[:2]) == (loss, metrics) and log_probs.shape == entropy.shape == (int(mask.sum()),)
+    assert isinstance(full, PolicyLoss) and full.log_probs is log_probs and full.entropy is entropy
+    assert full._asdict()["entropy"] is entropy and full._replace(loss=metrics).loss is metrics
+    assert type(full)._make(full) == full and repr(full).startswith("PolicyLossOutput(loss=tensor(")

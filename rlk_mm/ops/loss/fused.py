@@ -17,7 +17,8 @@ gradient). The loss terms and their per-token gradients are ``policy_loss``'s ow
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from operator import itemgetter
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ from .._head_inputs import check_head, check_values, contiguous_rows, scored_row
 from ..invariant.mode import stock_kernels
 from ..logprob import selected_logprob, sharded_head
 from ..options import PaddingSide, RatioMode
-from .config import PolicyLossConfig, policy_loss_config
+from .config import PolicyLoss, PolicyLossConfig, policy_loss_config
 from .custom_op import (
     OP_TENSORS,
     PER_TOKEN,
@@ -44,8 +45,10 @@ from .terms import Partial, num_blocks
 __all__ = ["PolicyLossOutput", "linear_policy_loss"]
 
 
-class PolicyLossOutput(NamedTuple):
-    """``linear_policy_loss``'s result: ``loss, metrics, log_probs, entropy = linear_policy_loss(...)``.
+class PolicyLossOutput(PolicyLoss):
+    """``linear_policy_loss``'s result, a ``PolicyLoss`` with two more fields:
+    ``loss, metrics, log_probs, entropy = linear_policy_loss(...)``; code written for
+    ``policy_loss``'s result reads ``.loss`` and ``.metrics`` of it alike.
 
     Attributes
     ----------
@@ -57,10 +60,25 @@ class PolicyLossOutput(NamedTuple):
         The scored tokens' fp32 log-probs and entropies, detached, in scored-row order, for logging.
     """
 
-    loss: Tensor
-    metrics: dict[str, Tensor]
-    log_probs: Tensor
-    entropy: Tensor
+    __slots__ = ()
+    _fields = ("loss", "metrics", "log_probs", "entropy")
+    __match_args__ = _fields
+
+    def __new__(cls, loss: Tensor, metrics: dict, log_probs: Tensor, entropy: Tensor):
+        return tuple.__new__(cls, (loss, metrics, log_probs, entropy))
+
+    log_probs = property(itemgetter(2), doc="The scored tokens' fp32 log-probs, detached.")
+    entropy = property(itemgetter(3), doc="The scored tokens' fp32 entropies, detached.")
+
+    @classmethod
+    def _make(cls, iterable) -> "PolicyLossOutput":
+        return cls(*iterable)
+
+    def _replace(self, **fields) -> "PolicyLossOutput":
+        return type(self)(*(fields.pop(name, value) for name, value in zip(self._fields, self)))
+
+    def __repr__(self) -> str:
+        return f"PolicyLossOutput({', '.join(f'{n}={v!r}' for n, v in zip(self._fields, self))})"
 
 
 def linear_policy_loss(
