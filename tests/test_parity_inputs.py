@@ -159,7 +159,7 @@ BAD = [
     Case("invariance_sweep.model.none", lambda c: invariance_sweep(None, c.processor, c.samples),
          Raises(TypeError, r"model \w+ is not a supported model family")),
     Case("invariance_sweep.processor.none", lambda c: invariance_sweep(c.model, None, c.samples),
-         Raises(TypeError, r"processor must be a Qwen2\.5-VL processor")),
+         Raises(TypeError, r"processor must be the model's Qwen2\.5-VL processor")),
     Case("invariance_sweep.non_finite_scores", _nan_at_final_norm,
          Raises(ValueError, r"run 'right'.* sample 0, .*not finite")),
     # ---------------------------------------------------------------- InvarianceReport
