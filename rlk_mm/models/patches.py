@@ -41,10 +41,11 @@ def _vision_attention_forward(self, hidden_states, cu_seqlens, position_embeddin
 
 def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """Routed experts (weights ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): each
-    expert's tokens in one product per projection, their outputs added in ascending expert
-    order, one expert at a time (no two additions to a token in one call)."""
+    chosen expert's tokens in one product per projection, their outputs added in ascending
+    expert order, one expert at a time (no two additions to a token in one call). The chosen
+    experts are read once (one host read a layer, not one per expert)."""
     out = torch.zeros_like(hidden_states)
-    for expert in range(self.num_experts):
+    for expert in torch.unique(top_k_index).tolist():  # ascending
         token, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
         gate, up = torch.nn.functional.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
         rows = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[expert])
