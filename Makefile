@@ -32,8 +32,8 @@ lint: $(STAMP)
 # builders under transformers 4.5x (EasyR1's)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
-	bash tests/frameworks/verl_env.sh
-	bash tests/frameworks/tf4_env.sh
+	bash tests/integrations/frameworks/verl_env.sh
+	bash tests/integrations/frameworks/tf4_env.sh
 
 $(DOCS_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[docs]"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from bench.common import write_result
 
-TESTS = ("tests/test_model_families_gpu.py", "tests/test_attention_head_dim.py", "tests/test_on_policy.py",
-         "tests/test_decode_invariance.py", "tests/test_batch_invariant.py")
+TESTS = ("tests/models/test_model_families_gpu.py", "tests/ops/test_attention_head_dim.py", "tests/models/test_on_policy.py",
+         "tests/models/test_decode_invariance.py", "tests/ops/test_batch_invariant.py")
 
 
 def run_tests(out: Path, timeout: int) -> dict:

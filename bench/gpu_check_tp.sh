@@ -8,7 +8,7 @@ OUT=${OUT:-.}
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 for ranks in ${RANKS:-2 3 4}; do
   timeout ${RANK_TIMEOUT:-240} torchrun --nproc-per-node "$ranks" -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_vocab_parallel_gpu.py > "$OUT/vp_gpu_tests_${ranks}.log" 2>&1
+    tests/ops/test_vocab_parallel_gpu.py > "$OUT/vp_gpu_tests_${ranks}.log" 2>&1
   echo "ranks $ranks: exit $? ($(grep -cE '[0-9]+ passed' "$OUT/vp_gpu_tests_${ranks}.log") ranks reported passed)"
 done
 timeout ${BENCH_TIMEOUT:-300} torchrun --nproc-per-node 4 -m bench.bench_tp --tp 1 2 4 --out "$OUT" ${BENCH_TP_ARGS:-} \

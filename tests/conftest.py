@@ -50,8 +50,8 @@ def _install_row_independent_dot() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _install_row_independent_dot()
 
-import ray_stand_in  # noqa: E402  (after TRITON_INTERPRET is set)
-from helpers import BACKENDS, GPU_NEEDED, VERL_MISSING, use_backend, verl_installed  # noqa: E402
+from support import ray_stand_in  # noqa: E402  (after TRITON_INTERPRET is set)
+from support.helpers import BACKENDS, GPU_NEEDED, VERL_MISSING, use_backend, verl_installed  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -138,7 +138,7 @@ def own_tiny_model():
 @pytest.fixture(scope="module")
 def input_context(processor, tiny_model, own_tiny_model, tmp_path_factory):
     """The real inputs of the input tables that take a context (``context_cases.make_context``)."""
-    from context_cases import make_context
+    from support.context_cases import make_context
 
     return make_context(processor, tiny_model, own_tiny_model, tmp_path_factory.mktemp("inputs"))
 

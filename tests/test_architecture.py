@@ -293,9 +293,9 @@ def ray_stand_ins(path: Path) -> list[str]:
 
 
 def test_ray_stand_in_reader_finds_the_tests_one():
-    """The check below would see tests/ray_stand_in.py's own installer, were it under rlk_mm/."""
+    """The check below would see tests/support/ray_stand_in.py's own installer, were it under rlk_mm/."""
     assert RAY_STAND_IN_NAME.search("ray_stand_in") and not RAY_STAND_IN_NAME.search("array_ops")
-    assert ray_stand_ins(ROOT / "tests" / "ray_stand_in.py")
+    assert ray_stand_ins(ROOT / "tests" / "support" / "ray_stand_in.py")
 
 
 def test_no_ray_stand_in_in_the_package():

@@ -1,7 +1,7 @@
 """Every script in examples/ runs as a user runs it, on the CPU, and exits 0.
 
 verl imports ray at import time; where ray is not installed (a source checkout's test run) the
-scripts run with the tests' ray stand-in installed first (``tests/ray_stand_in.py``), so the
+scripts run with the tests' ray stand-in installed first (``tests/support/ray_stand_in.py``), so the
 examples themselves need nothing of tests/. The smoke example runs its gates and one step."""
 
 import subprocess
@@ -27,6 +27,6 @@ def test_every_example_is_listed():
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_the_example_runs(script, tmp_path):
     args = [*ARGS.get(script.name, [])] + (["--out", str(tmp_path / "out")] if script.name == "grpo_smoke.py" else [])
-    code = LAUNCH.format(tests=str(ROOT / "tests"), script=str(script))
+    code = LAUNCH.format(tests=str(ROOT / "tests" / "support"), script=str(script))
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -1,7 +1,7 @@
 """EasyR1 adapter: drop-in functions with the signatures of EasyR1's ``verl/trainer/core_algos.py``.
 
 EasyR1 (hiyouga/EasyR1) is not on PyPI; these follow its semantics (checked against its own
-functions by ``tests/frameworks/easyr1_equivalence.py`` where its source is at hand):
+functions by ``tests/integrations/frameworks/easyr1_equivalence.py`` where its source is at hand):
 PPO clipping in log space with ``clip_ratio_high`` 0.3 by default (DAPO's clip-higher),
 the ratio's log clamped to ±20 before ``exp``, dual clip for negative advantages,
 ``loss_avg_mode`` ``token`` (masked mean over the batch) or ``seq`` (mean of per-sequence

@@ -42,7 +42,7 @@ Bytes each rank sends per scored token (``comm_bytes_per_token``): forward
 ``(P-1)·4·(k·⌈L/G⌉ + 1)``, backward ``2·(P-1)·4·⌈H/P⌉``. The 7B head (H = 3584, V = 152,064,
 bf16, even shards), with entropy: P = 2, 7,132 B forward and 14,336 B backward; P = 4, 10,704
 B and 21,504 B: about 12·V/128 B per row over the group, never a vocabulary-sized row
-(``bench/bench_tp.py`` and ``tests/test_vocab_parallel.py`` check it against the profiler).
+(``bench/bench_tp.py`` and ``tests/ops/test_vocab_parallel.py`` check it against the profiler).
 ``sample_from_hidden``: plain temperature gathers each rank's best noise block per row (144 B)
 and the partials; top-k, top-p and min-p gather the fp32 logits. DTensor heads: a ``Shard(0)``
 weight on a 1-D mesh runs on its local shard over the mesh's group (its gradient lands as the

@@ -3,7 +3,7 @@
 FlashInfer draws with its own Philox stream from one ``torch.Generator`` per call; here it
 is seeded from a hash of every row's seed and step, so the same batch gives the same tokens,
 but a row's token depends on the rest of the batch (FlashInfer makes no batch-invariance
-claim; ``bench/bench_sampling.py`` and ``tests/test_sampling_gpu.py`` measure it). The
+claim; ``bench/bench_sampling.py`` and ``tests/ops/test_sampling_gpu.py`` measure it). The
 log-probs of its tokens are scored by rlk_mm's own kernel under rlk_mm's filter rules: where
 FlashInfer's rules keep a token that ours drop, its ``sampled_log_probs`` is -inf.
 """

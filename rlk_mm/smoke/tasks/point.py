@@ -61,7 +61,7 @@ def third_edges(width: int) -> list[int]:
 STRIP_SHADES = (250, 160, 70)
 """The grey of each vertical third's background, left to right: the tiny policy's only cue to
 where a token lies, since its M-RoPE gives the width and height axes the lowest rotary
-frequencies (``tests/test_point_task.py`` measures how little an image column turns a query).
+frequencies (``tests/smoke/test_point_task.py`` measures how little an image column turns a query).
 Without the shades it does not learn the points even when supervised on them
 (``bench/results/smoke_tasks_h200.json``)."""
 

@@ -1,0 +1,192 @@
+"""``PolicyLossConfig``: built and checked once, the keyword knobs as sugar, the result tuples.
+
+A config's bad value raises naming the field; ``config=`` and the same keywords give bitwise
+the same loss, gradients and metrics (torch and the Triton interpreter); ``PolicyLoss`` and
+``PolicyLossOutput`` unpack as the tuples they replace.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from support.helpers import use_backend
+from rlk_mm.ops import (
+    AggMode,
+    KLType,
+    PolicyLoss,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    RatioMode,
+    linear_policy_loss,
+    policy_loss,
+)
+
+B, R, H, V = 3, 5, 16, 40
+
+
+# ----------------------------------------------------------------------------- construction
+def test_defaults_are_vanilla_ppo_and_strings_become_members():
+    c = PolicyLossConfig()
+    assert (c.clip_ratio_low, c.clip_ratio_high, c.clip_ratio_c) == (0.2, 0.2, 3.0)
+    assert c.ratio is RatioMode.TOKEN and c.kl_type is KLType.LOW_VAR_KL and c.loss_agg_mode is AggMode.TOKEN_MEAN
+    assert (c.kl_coef, c.entropy_coeff, c.dp_size, c.log_ratio_clamp) == (0.0, 0.0, 1, (-20.0, 20.0))
+    s = PolicyLossConfig(ratio="gspo", kl_type="k3", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=1,
+                         log_ratio_clamp=(None, 10), batch_num_tokens=7)
+    assert s.ratio is RatioMode.GSPO and s.kl_type is KLType.K3 and s.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_MEAN
+    assert s.log_ratio_clamp == (-math.inf, 10.0) and s.clip_ratio_low == 1.0 and type(s.batch_num_tokens) is float
+    assert PolicyLossConfig(kl_type="k3+").kl_type == "k3+"  # the straight-through form stays a name
+    assert PolicyLossConfig(kl_type=KLType.MSE).kl_estimator == (KLType.K2.estimator, False)
+    assert PolicyLossConfig(ratio=RatioMode.GSPO) == PolicyLossConfig(ratio="gspo")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.kl_coef = 1.0
+    assert dataclasses.replace(c, kl_coef=0.5).kl_coef == 0.5
+
+
+BAD = [  # (field values, error type, the message names the field)
+    (dict(clip_ratio_low=1.5), ValueError, r"clip_ratio_low=1\.5 is out of range"),
+    (dict(clip_ratio_low=-0.1), ValueError, r"clip_ratio_low"),
+    (dict(clip_ratio_low="0.2"), TypeError, r"clip_ratio_low must be a number"),
+    (dict(clip_ratio_high=-1), ValueError, r"clip_ratio_high"),
+    (dict(clip_ratio_high=float("nan")), ValueError, r"clip_ratio_high"),
+    (dict(clip_ratio_c=1.0), ValueError, r"clip_ratio_c=1\.0: the dual-clip bound must be > 1"),
+    (dict(ratio="seq"), ValueError, r"ratio='seq': expected one of token, gspo_token, gspo"),
+    (dict(log_ratio_clamp=5.0), TypeError, r"log_ratio_clamp must be a pair"),
+    (dict(log_ratio_clamp=(3, 1)), ValueError, r"log_ratio_clamp=\(3\.0, 1\.0\)"),
+    (dict(log_ratio_clamp=(None, True)), TypeError, r"log_ratio_clamp\[1\]"),
+    (dict(kl_type="k4"), ValueError, r"kl_type: kl type 'k4' is unknown"),
+    (dict(kl_type=None), ValueError, r"kl_type: kl type None is unknown"),
+    (dict(kl_coef=-1.0), ValueError, r"kl_coef"),
+    (dict(kl_coef=1e39), ValueError, r"kl_coef=1e\+39 is out of range: float32"),
+    (dict(entropy_coeff=-0.1), ValueError, r"entropy_coeff"),
+    (dict(loss_agg_mode="mean"), ValueError, r"loss_agg_mode='mean': expected one of token-mean"),
+    (dict(dp_size=0), ValueError, r"dp_size=0 is out of range"),
+    (dict(dp_size=2.0), TypeError, r"dp_size must be an int"),
+    (dict(dp_size=2), ValueError, r"batch_num_tokens \(the global token count\) is required when dp_size > 1"),
+    (dict(dp_size=2, loss_agg_mode="seq-mean-token-sum"), ValueError, r"global_batch_size is required"),
+    (dict(batch_num_tokens=-1), ValueError, r"batch_num_tokens=-1\.0 is out of range"),
+    (dict(global_batch_size=torch.ones(2)), ValueError, r"global_batch_size must be a number or a 0-d tensor"),
+    (dict(global_batch_size=torch.tensor(True)), ValueError, r"global_batch_size must be a number or a 0-d tensor"),
+    (dict(loss_scale_factor=0), ValueError, r"loss_scale_factor=0\.0 is out of range"),
+]
+
+
+@pytest.mark.parametrize("values, error, match", BAD, ids=[next(iter(v)) + str(i) for i, (v, _, _) in enumerate(BAD)])
+def test_bad_values_name_the_field(values, error, match):
+    with pytest.raises(error, match=match):
+        PolicyLossConfig(**values)
+
+
+def test_config_and_keywords_do_not_mix_and_unknown_knobs_are_named():
+    logp, old, adv, mask = _padded(0)
+    with pytest.raises(TypeError, match="either as config= or as keywords, not both"):
+        policy_loss(logp, old, adv, mask, config=PolicyLossConfig(), kl_coef=0.1)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'clip_low'; the loss knobs are Policy"):
+        policy_loss(logp, old, adv, mask, clip_low=0.1)
+    with pytest.raises(TypeError, match="config must be a PolicyLossConfig, got dict"):
+        policy_loss(logp, old, adv, mask, config={"kl_coef": 0.1})
+    h, w, idx, tgt = _head(torch.float32, int(mask.sum()))
+    with pytest.raises(TypeError, match="linear_policy_loss: pass the loss knobs either"):
+        linear_policy_loss(h, w, index=idx, targets=tgt, old_log_probs=old[mask], advantages=adv[mask],
+                           sample_index=_sample_index(mask), num_samples=B, config=PolicyLossConfig(), ratio="gspo")
+
+
+def test_a_tensor_count_value_is_checked_in_the_op():
+    logp, old, adv, mask = _padded(0)
+    config = PolicyLossConfig(batch_num_tokens=torch.tensor(-3.0))  # built: its value is the op's to read
+    with pytest.raises(ValueError, match="batch_num_tokens is -3.0; a count must be a finite number >= 0"):
+        policy_loss(logp, old, adv, mask, config=config)
+
+
+# ----------------------------------------------------------------------------- sugar = config, bitwise
+KNOBS = [
+    dict(),
+    dict(clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=None, loss_agg_mode="seq-mean-token-sum-norm",
+         loss_scale_factor=4.0, kl_coef=0.05, kl_type="k3+", entropy_coeff=0.01),
+    dict(ratio="gspo_token", log_ratio_clamp=(None, 10.0), loss_agg_mode="seq-mean-token-mean", dp_size=2,
+         global_batch_size=torch.tensor(6.0)),
+    dict(ratio=RatioMode.GSPO, loss_agg_mode=AggMode.TOKEN, kl_coef=0.1, kl_type=KLType.ABS),
+]
+
+
+def _padded(seed):
+    g = torch.Generator().manual_seed(seed)
+    logp = (torch.randn(B, R, generator=g) * 0.3 - 1.0).requires_grad_()
+    old = logp.detach() + torch.randn(B, R, generator=g) * 0.2
+    adv = torch.randn(B, R, generator=g)
+    mask = torch.arange(R)[None] < torch.tensor([[5], [2], [4]])
+    return logp, old, adv, mask
+
+
+def _sample_index(mask):
+    return torch.arange(B)[:, None].expand(B, R)[mask]
+
+
+def _head(dtype, n):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n + 2, H, generator=g).to(dtype), (torch.randn(V, H, generator=g) * 0.3).to(dtype),
+            torch.randperm(n + 2, generator=g)[:n], torch.randint(0, V, (n,), generator=g))
+
+
+def _run_policy_loss(logp, old, adv, mask, extra, **how):
+    x = logp.detach().clone().requires_grad_()
+    out = policy_loss(x, old, adv, mask, **extra, **how)
+    out.loss.backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("k", range(len(KNOBS)))
+def test_policy_loss_config_equals_keywords_bitwise(backend, k):
+    knobs = KNOBS[k]
+    logp, old, adv, mask = _padded(k)
+    extra = dict(ref_log_probs=old - 0.1) if "kl_coef" in knobs else {}
+    if "entropy_coeff" in knobs:
+        extra["entropy"] = torch.rand(B, R)
+    with use_backend(backend):
+        (a, ga), (b, gb) = (_run_policy_loss(logp, old, adv, mask, extra, **how)
+                            for how in (knobs, dict(config=PolicyLossConfig(**knobs))))
+    assert isinstance(a, PolicyLoss) and isinstance(b, PolicyLoss)
+    assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
+    assert a.metrics.keys() == b.metrics.keys() and all(torch.equal(a.metrics[m], b.metrics[m]) for m in a.metrics)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_linear_policy_loss_config_equals_keywords_bitwise(backend, k):
+    knobs = {k_: v for k_, v in KNOBS[k].items() if k_ != "entropy_coeff"} | {"entropy_coeff": 0.01}
+    _, old, adv, mask = _padded(k)
+    extra = dict(ref_log_probs=(old - 0.1)[mask]) if "kl_coef" in knobs else {}
+    outs = []
+    with use_backend(backend):
+        for how in (knobs, dict(config=PolicyLossConfig(**knobs))):
+            h, w, idx, tgt = _head(torch.float32, int(mask.sum()))
+            h.requires_grad_(), w.requires_grad_()
+            out = linear_policy_loss(h, w, index=idx, targets=tgt, old_log_probs=old[mask], advantages=adv[mask],
+                                     sample_index=_sample_index(mask), num_samples=B, **extra, **how)
+            out.loss.backward()
+            outs.append((out, h.grad, w.grad))
+    (a, ha, wa), (b, hb, wb) = outs
+    assert isinstance(a, PolicyLossOutput)
+    for x, y in ((a.loss, b.loss), (a.log_probs, b.log_probs), (a.entropy, b.entropy), (ha, hb), (wa, wb)):
+        assert torch.equal(x, y)
+    assert all(torch.equal(a.metrics[m], b.metrics[m]) for m in a.metrics)
+
+
+# ----------------------------------------------------------------------------- the result tuples
+def test_results_unpack_as_the_tuples_they_replace():
+    logp, old, adv, mask = _padded(3)
+    out = policy_loss(logp, old, adv, mask)
+    loss, metrics = out
+    assert out._fields == ("loss", "metrics") and loss is out.loss and metrics is out.metrics and out[0] is loss
+    _, old, adv, mask = _padded(4)
+    h, w, idx, tgt = _head(torch.float32, int(mask.sum()))
+    full = linear_policy_loss(h, w, index=idx, targets=tgt, old_log_probs=old[mask], advantages=adv[mask],
+                              sample_index=_sample_index(mask), num_samples=B)
+    loss, metrics, log_probs, entropy = full
+    assert full._fields[:2] == PolicyLoss._fields and full._fields == ("loss", "metrics", "log_probs", "entropy")
+    assert PolicyLoss(*full[:2]) == (loss, metrics) and log_probs.shape == entropy.shape == (int(mask.sum()),)
+    assert isinstance(full, PolicyLoss) and full.log_probs is log_probs and full.entropy is entropy
+    assert full._asdict()["entropy"] is entropy and full._replace(loss=metrics).loss is metrics
+    assert type(full)._make(full) == full and repr(full).startswith("PolicyLossOutput(loss=tensor(")
