@@ -17,12 +17,15 @@ count (``rlk_mm.ops`` serves a few moved names that way, on purpose).
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from rlk_mm.deprecations import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "rlk_mm"
@@ -233,8 +236,13 @@ def test_schema_imports_nothing_else_of_rlk_mm():
 
 
 def test_ops_import_only_schema_and_ops():
-    bad = offending(("rlk_mm.ops",), lambda t: under(t, "rlk_mm.schema", "rlk_mm.ops"))
-    assert not bad, "rlk_mm.ops must import only rlk_mm.schema and rlk_mm.ops:\n" + "\n".join(bad)
+    bad = offending(("rlk_mm.ops",), lambda t: under(t, "rlk_mm.schema", "rlk_mm.ops", "rlk_mm.deprecations"))
+    assert not bad, "rlk_mm.ops must import only rlk_mm.schema, rlk_mm.ops and the deprecation table:\n" + "\n".join(bad)
+
+
+def test_the_deprecation_table_imports_nothing_of_rlk_mm():
+    bad = offending(("rlk_mm.deprecations",), lambda t: False)
+    assert not bad, "rlk_mm.deprecations must import nothing of rlk_mm:\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():
@@ -313,18 +321,12 @@ def test_no_private_names_imported_across_modules():
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
 
 
-#: module paths of the unpublished 0.1.0 that moved (their one-release shims are gone: 0.1.0 was never published)
-REMOVED_MODULES = {"rlk_mm.schema.grounding": "rlk_mm.schema.coordinates", "rlk_mm.schema.support": "rlk_mm.schema.unsupported",
-                   "rlk_mm.schema.media_fallback": "rlk_mm.schema.unsupported", "rlk_mm.ops.packing": "rlk_mm.ops.packed_batch",
-                   "rlk_mm.smoke.task": "rlk_mm.smoke.tasks.base", "rlk_mm.smoke.point_task": "rlk_mm.smoke.tasks.point"}
-
-
-@pytest.mark.parametrize("old", sorted(REMOVED_MODULES))
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
 def test_moved_module_paths_are_gone_and_their_homes_exist(old):
-    """No shim files: an old import fails at once (ModuleNotFoundError) and the new home is a module."""
-    assert old not in modules() and REMOVED_MODULES[old] in modules()
-    with pytest.raises(ModuleNotFoundError):
-        __import__(old)
+    """No shim files: an old import fails at once, naming the new home, and the new home is a module."""
+    assert old not in modules() and MOVED_MODULES[old] in modules()
+    with pytest.raises(ModuleNotFoundError, match=f"{old} moved to {MOVED_MODULES[old]}"):
+        importlib.import_module(old)
 
 
 #: the packages whose every public module (no ``_`` in its path) declares ``__all__``

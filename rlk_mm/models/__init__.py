@@ -10,8 +10,6 @@ through the vision tower once. ``rollout``: ``generate_on_policy``, exactly on-p
 (decode under ``batch_invariant()``, log-probs bitwise those of the training forward).
 """
 
-import warnings
-
 from . import family, forward, qwen2_5_vl, qwen2_vl, qwen3_vl, rollout, vision_cache
 from .family import FAMILIES, ModelFamily, model_family
 from .forward import batch_logprobs, forward_hidden, group_logprobs, layout_inputs
@@ -24,13 +22,3 @@ __all__ = [
     "qwen3_vl", "rollout", "vision_cache",
 ]
 
-
-def __getattr__(name: str):
-    if name == "Layout":  # deprecated: padding= and rlk_mm.schema.PaddingSide replace it
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            layout = qwen2_5_vl.Layout
-        warnings.warn("rlk_mm.models.Layout is deprecated and will be removed in the next release: pass padding=None "
-                      "(packed), 'left' or 'right' (rlk_mm.schema.PaddingSide)", DeprecationWarning, stacklevel=2)
-        return layout
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

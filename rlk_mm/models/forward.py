@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..deprecations import renamed_keywords
 from ..ops.logprob import selected_logprob
 from ..schema.batch import PaddingSide, batch_arg
 from ..schema.checks import DeviceChecks, first_true, int_arg, temperature_arg, tensor_arg
@@ -42,56 +42,29 @@ __all__ = [
     "group_logprobs", "language_inputs", "layout_inputs", "padding_arg", "prompt_lengths",
 ]
 
-class _NotGiven:
-    """The default of the deprecated ``layout=`` keyword: it was not passed."""
-
-    def __repr__(self) -> str:
-        return "<deprecated: use padding=>"
-
-
-_NOT_GIVEN = _NotGiven()
-
-
-def padding_arg(padding, layout=_NOT_GIVEN, *, where: str) -> Optional[PaddingSide]:
+def padding_arg(padding, *, where: str) -> Optional[PaddingSide]:
     """The layout a runner was asked for: None (packed: one row ``[1, T]``, no padding) or the
-    ``PaddingSide`` of a padded ``[B, L]`` layout. ``layout`` is the keyword of the previous
-    release (``"packed"``, ``"right"``, ``"left"``): it still works, with a
-    ``DeprecationWarning`` naming ``padding=``; so does ``padding="packed"``. ``where`` names
-    the caller in messages."""
-    if layout is not _NOT_GIVEN:
-        warnings.warn(f"{where}(layout=...) is deprecated and will be removed in the next release: use padding= "
-                      "(None for the packed layout, 'left' or 'right' for a padded one)", DeprecationWarning, stacklevel=3)
-        if padding is not None:
-            raise TypeError(f"{where}: give padding= only (layout= is its deprecated name), not both")
-        if isinstance(layout, str) and layout in ("packed", "left", "right"):
-            return None if layout == "packed" else PaddingSide(layout)
-        raise ValueError(f"layout={layout!r}: expected 'packed', 'right' or 'left' (layout= is deprecated: pass padding=None "
-                         "for packed, or 'left' / 'right')")
+    ``PaddingSide`` of a padded ``[B, L]`` layout. ``where`` names the caller in messages."""
     if padding is None:
-        return None
-    if isinstance(padding, str) and padding == "packed":
-        warnings.warn(f"{where}(padding='packed') is deprecated and will be removed in the next release: padding=None is "
-                      "the packed layout", DeprecationWarning, stacklevel=3)
         return None
     try:
         return PaddingSide(padding)
     except ValueError:
-        raise ValueError(f"padding={padding!r}: expected None (packed: one row, no padding), 'left' or 'right'") from None
+        raise ValueError(f"{where}: padding={padding!r}: expected None (packed: one row, no padding), 'left' or "
+                         "'right'") from None
 
 
-
-# --------------------------------------------------------------------------- running the model on an RLBatch
-def layout_inputs(batch, padding: PaddingSide | str | None = None, pad_token_id: int = 0, *, layout=_NOT_GIVEN) -> tuple[dict, torch.Tensor]:
+@renamed_keywords
+def layout_inputs(batch, padding: PaddingSide | str | None = None, pad_token_id: int = 0) -> tuple[dict, torch.Tensor]:
     """A Qwen-VL model's token inputs for ``batch`` in one layout, and each token's row.
 
     ``padding=None``: packed, one row ``[1, T]`` with 4-row position ids (per-sample text
     positions first, which is how transformers recognises packed sequences); ``"right"`` /
     ``"left"``: ``[B, L]`` padded with ``pad_token_id`` and an attention mask. ``rows``
     (int64 [T]) is each packed token's row in the output flattened to ``[-1, H]``.
-    ``layout=`` is ``padding``'s deprecated name.
     """
     batch_arg("batch", batch)
-    padding = padding_arg(padding, layout, where="layout_inputs")
+    padding = padding_arg(padding, where="layout_inputs")
     pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
     device = batch.input_ids.device
     lengths = batch.seq_lengths().to(device)
@@ -122,12 +95,13 @@ def _media_inputs(batch) -> dict:
     return {name: getattr(batch, name) for name in names if getattr(batch, name) is not None}
 
 
-def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None, layout=_NOT_GIVEN) -> torch.Tensor:
+@renamed_keywords
+def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None) -> torch.Tensor:
     """Last hidden states ``[T, H]`` (packed token order) of a supported transformers Qwen-VL
     model (``rlk_mm.models.family``).
 
     ``padding``: the layout the model runs on, None (packed in one row, the default) or
-    ``"left"``/``"right"`` (padded ``[B, L]``); ``layout=`` is its deprecated name.
+    ``"left"``/``"right"`` (padded ``[B, L]``).
 
     Without ``media_embeds`` the model's own forward runs the vision tower on the batch's
     pixels. With ``media_embeds`` (a ``VisionCache``'s output: every media item's vision
@@ -137,7 +111,7 @@ def forward_hidden(model, batch, *, padding: PaddingSide | str | None = None, me
     the language model runs. A batch on another device than the model is moved to it.
     """
     family = model_family(model)
-    padding = padding_arg(padding, layout, where="forward_hidden")
+    padding = padding_arg(padding, where="forward_hidden")
     device = model.get_input_embeddings().weight.device
     if batch_arg("batch", batch).device != device:
         batch = batch.to(device)
@@ -301,14 +275,15 @@ def _raise_token(batch, outside: torch.Tensor, vocab: int):
                      f"the model's vocabulary of {vocab} tokens: build the batch with this model's processor")
 
 
-def batch_logprobs(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None, temperature: float = 1.0,
-                   layout=_NOT_GIVEN) -> torch.Tensor:
+@renamed_keywords
+def batch_logprobs(model, batch, *, padding: PaddingSide | str | None = None, media_embeds=None,
+                   temperature: float = 1.0) -> torch.Tensor:
     """Selected log-probs ``[n]`` of the batch's loss tokens: ``forward_hidden`` (``padding``:
-    None packed, or ``"left"``/``"right"``; ``layout=`` is its deprecated name) then the LM
+    None packed, or ``"left"``/``"right"``) then the LM
     head through ``selected_logprob`` (never materialising logits). ``temperature``
     (>= ``rlk_mm.schema.checks.MIN_TEMPERATURE``) divides the logits."""
     temperature_arg(temperature)
-    hidden = forward_hidden(model, batch, padding=padding_arg(padding, layout, where="batch_logprobs"), media_embeds=media_embeds)
+    hidden = forward_hidden(model, batch, padding=padding_arg(padding, where="batch_logprobs"), media_embeds=media_embeds)
     head = model.get_output_embeddings()
     return selected_logprob(hidden, head.weight, batch, temperature=temperature, bias=getattr(head, "bias", None))
 

@@ -6,27 +6,10 @@ shares live in ``rlk_mm.models.forward``; the family itself in ``rlk_mm.models.f
 
 from __future__ import annotations
 
-import warnings
-
 from ..ops.invariant.mode import register_module_patches
-from ..schema import Choice
 from .patches import family_patches
 
 __all__: list[str] = []
-
-_LEGACY: dict = {}
-
-
-def __getattr__(name: str):
-    """``Layout`` (packed/right/left) was this module's padding enum; ``padding=`` and
-    ``rlk_mm.schema.PaddingSide`` replace it (None is packed)."""
-    if name == "Layout":
-        warnings.warn("rlk_mm.models.qwen2_5_vl.Layout is deprecated and will be removed in the next release: pass "
-                      "padding=None (packed), 'left' or 'right' (rlk_mm.schema.PaddingSide)", DeprecationWarning, stacklevel=2)
-        if name not in _LEGACY:
-            _LEGACY[name] = Choice("Layout", [("PACKED", "packed"), ("RIGHT", "right"), ("LEFT", "left")], module=__name__)
-        return _LEGACY[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- batch-invariant module patches

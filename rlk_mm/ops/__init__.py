@@ -11,8 +11,9 @@ kernels load only when an op that needs them is called). Ops depend only on
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING
+
+from ..deprecations import moved_name
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from ._backend import BackendUnavailableError  # noqa: F401
@@ -61,22 +62,14 @@ _EXPORTS = {
     "group_seeds": "sampling",
     "SampleResult": "sampling",
 }
-#: names that moved to rlk_mm.models (model runners are not ops); still served here
-_MOVED = ("batch_logprobs", "forward_hidden", "VisionCache", "group_logprobs")
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name in _MOVED:
-        warnings.warn(
-            f"rlk_mm.ops.{name} moved to rlk_mm.models.{name}; import it from there",
-            DeprecationWarning, stacklevel=2,
-        )
-        return getattr(importlib.import_module("rlk_mm.models"), name)
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'rlk_mm.ops' has no attribute {name!r}")
+        return moved_name(__name__, name)  # the model runners moved to rlk_mm.models
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

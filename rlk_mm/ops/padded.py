@@ -21,10 +21,10 @@ from typing import Callable, NoReturn, Optional, Union
 
 import torch
 
+from ..deprecations import renamed_keywords
 from ..schema import PaddingSide
 from ..schema.checks import INTEGER_DTYPES, DeviceChecks, int_arg, tensor_arg
 from ._backend import use_triton
-from ._deprecation import renamed_keywords
 
 Tensor = torch.Tensor
 
@@ -146,7 +146,7 @@ def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.rlk_mm.pack_padded(x, starts, cu, total), cu
 
 
-@renamed_keywords(side="padding")
+@renamed_keywords
 def unpack_to_padded(
     packed: Tensor, cu_seqlens: Tensor, length: int, padding: PaddingSide | str | Tensor = PaddingSide.RIGHT, *,
     fill: Union[int, float] = 0,

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..deprecations import renamed_keywords
 from ..schema import RLBatch, SchemaError, SpanTable
 from ..schema.checks import (
     FLOAT_DTYPES,
@@ -35,7 +36,6 @@ from ..schema.checks import (
     int_arg,
     tensor_arg,
 )
-from ._deprecation import renamed_keywords
 from .options import Estimator, RewardPlacement
 
 __all__ = ["Estimator", "RewardPlacement", "SpanReward", "group_advantages", "overlong_penalty", "scatter_rewards"]
@@ -126,7 +126,7 @@ def _overlong(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
     return torch.clamp(((max_length - buffer) - lengths.to(torch.float32)) / buffer, min=-1.0, max=0.0)
 
 
-@renamed_keywords(loss_spans="batch")
+@renamed_keywords
 def scatter_rewards(
     batch: RLBatch | SpanTable,
     rewards: Optional[Tensor] = None,

@@ -82,7 +82,7 @@ def test_the_old_layout_keyword_warns_and_gives_the_same_result(tiny_model, batc
         want = batch_logprobs(tiny_model, batch, padding=new)
         with pytest.warns(DeprecationWarning, match=r"batch_logprobs\(layout=\.\.\.\) is deprecated"):
             assert torch.equal(batch_logprobs(tiny_model, batch, layout=old), want)
-    with pytest.warns(DeprecationWarning, match=r"padding='packed'\) is deprecated.*padding=None is the packed layout"):
+    with pytest.warns(DeprecationWarning, match=r"layout_inputs\(padding='packed'\) is deprecated: pass padding=None"):
         _same_inputs(layout_inputs(batch, "packed"), layout_inputs(batch))  # the old positional form
 
 
@@ -91,21 +91,17 @@ def test_bad_padding_names_the_argument_and_the_choices(tiny_model, batch):
         layout_inputs(batch, "middle")
     with pytest.raises(ValueError, match=r"padding='up'"):
         forward_hidden(tiny_model, batch, padding="up")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"layout='packd': expected 'packed', 'right' or 'left'"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"padding='packd': expected None"):
         forward_hidden(tiny_model, batch, layout="packd")
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"give padding= only"):
+    with pytest.raises(TypeError, match=r"layout is the old name of padding; pass padding only"):
         batch_logprobs(tiny_model, batch, padding="left", layout="left")
 
 
-def test_the_layout_enum_is_gone_with_a_warning():
-    with pytest.warns(DeprecationWarning, match=r"rlk_mm\.models\.Layout is deprecated.*padding=None"):
-        layout = models.Layout
-    with pytest.warns(DeprecationWarning, match=r"qwen2_5_vl\.Layout is deprecated"):
-        assert models.qwen2_5_vl.Layout is layout
-    assert layout.PACKED == "packed" and layout.LEFT == "left" and layout.RIGHT == "right"
-    assert "Layout" not in models.__all__ and "Layout" not in models.qwen2_5_vl.__all__
-    with pytest.raises(AttributeError):
-        models.qwen2_5_vl.Layouts
+def test_the_layout_enum_is_gone():
+    """``padding=`` and ``rlk_mm.schema.PaddingSide`` replaced it before 0.1.0 was published."""
+    for module in (models, models.qwen2_5_vl):
+        with pytest.raises(AttributeError, match="has no attribute 'Layout'"):
+            module.Layout
 
 
 def test_signatures_show_the_padding_option():
@@ -117,4 +113,4 @@ def test_signatures_show_the_padding_option():
     for fn in (layout_inputs, forward_hidden, batch_logprobs):
         parameter = inspect.signature(fn).parameters["padding"]
         assert parameter.default is None and "PaddingSide" in str(parameter.annotation)
-        assert repr(inspect.signature(fn).parameters["layout"].default) == "<deprecated: use padding=>"
+        assert "layout" not in inspect.signature(fn).parameters  # its deprecated name: rlk_mm.deprecations

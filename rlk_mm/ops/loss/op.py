@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...deprecations import renamed_keywords
 from ...schema.checks import FLOAT_DTYPES, DeviceChecks, tensor_arg
-from .._deprecation import renamed_keywords
 from ..options import AggMode, KLType, RatioMode
 from .checks import agg_args, checked_mask, layout_of
 from .config import PolicyLoss, PolicyLossConfig, kl_estimator, policy_loss_config
@@ -115,7 +115,7 @@ def agg_loss(
 
 
 # ----------------------------------------------------------------------------- KL
-@renamed_keywords(kind="kl_type")
+@renamed_keywords
 def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kl_type: KLType | str = KLType.LOW_VAR_KL) -> Tensor:
     """Per-token KL estimate of the policy to a reference (verl's ``kl_penalty``; EasyR1's ``compute_kl``).
 
