@@ -5,7 +5,7 @@ log-prob, losses, rewards, pack, ``batch_invariant``), the model runners
 (``rlk_mm.models``) and the parity checks (``rlk_mm.parity``).
 """
 
-from . import deprecations, models, ops  # deprecations: the moved-module finder; models registers its batch_invariant() module patches
+from . import deprecations, models, ops  # noqa: F401 (deprecations installs the moved-module finder; models registers patches)
 from .schema import (
     BatchFileError,
     CoordinateSystem,

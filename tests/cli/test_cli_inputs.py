@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlk_mm.cli import main as cli_main
 from support.context_cases import (
     DRIFT,
     TRAINING,
@@ -12,7 +13,6 @@ from support.context_cases import (
     Exits,
     assert_well,
 )
-from rlk_mm.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlk_mm.viz import draw_layout
 from support.context_cases import (
     Case,
     Raises,
@@ -12,7 +13,6 @@ from support.context_cases import (
     assert_well,
     fail,
 )
-from rlk_mm.viz import draw_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

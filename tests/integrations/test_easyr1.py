@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import close
 from oracles import loss as ref
 from oracles import rewards as ref_rewards
 from rlk_mm.fixtures import IM_END_TOKEN_ID, processor_inputs, synthetic_image_text
 from rlk_mm.integrations import easyr1
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
+from support.helpers import close
 
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32
 

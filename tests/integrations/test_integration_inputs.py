@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from rlk_mm.integrations import easyr1
+from rlk_mm.integrations.verl_fused import FusedLinearForPPO, enable, scoring
 from support.op_cases import (
     ADV,
     LOGP,
@@ -24,8 +26,6 @@ from support.op_cases import (
     table,
     with_value,
 )
-from rlk_mm.integrations import easyr1
-from rlk_mm.integrations.verl_fused import FusedLinearForPPO, enable, scoring
 
 
 def _verl():

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import close, skip_module_without_verl
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS
+from support.helpers import close, skip_module_without_verl
 
 skip_module_without_verl()  # an installed verl that fails to import errors below, never skips
 import verl.trainer.ppo.core_algos as core_algos  # noqa: E402

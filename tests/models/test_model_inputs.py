@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from rlk_mm import RLBatch
+from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, group_logprobs, layout_inputs
 from support.context_cases import (
     Case,
     Raises,
@@ -15,8 +17,6 @@ from support.context_cases import (
     assert_well,
     fail,
 )
-from rlk_mm import RLBatch
-from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, group_logprobs, layout_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

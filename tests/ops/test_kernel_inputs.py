@@ -12,6 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlk_mm.ops import batch_invariant
+from rlk_mm.ops.invariant import attention as A
+from rlk_mm.ops.invariant import matmul as M
+from rlk_mm.ops.invariant import rmsnorm as N
 from support.context_cases import (
     Case,
     Raises,
@@ -20,10 +24,6 @@ from support.context_cases import (
     fail,
     same,
 )
-from rlk_mm.ops import batch_invariant
-from rlk_mm.ops.invariant import attention as A
-from rlk_mm.ops.invariant import matmul as M
-from rlk_mm.ops.invariant import rmsnorm as N
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.helpers import GRAD_SCALES, same_bits, scaled_pair
 from oracles import loss as ref
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
@@ -24,6 +23,7 @@ from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
+from support.helpers import GRAD_SCALES, same_bits, scaled_pair
 
 B, R, H, V = 4, 9, 48, 160  # n = B * R scored rows of T hidden rows
 T = 45

@@ -6,10 +6,10 @@ log-prob invariance and bitwise gradients run to run. Run on the GPU machine:
 import pytest
 import torch
 
-from support.helpers import GRAD_SCALES, same_bits, scaled_pair, use_backend
 from rlk_mm.ops import linear_policy_loss, policy_loss, selected_logprob
 from rlk_mm.ops._triton import linear_loss as triton_linear_loss
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+from support.helpers import GRAD_SCALES, same_bits, scaled_pair, use_backend
 
 pytestmark = pytest.mark.gpu  # without CUDA: fails at setup with a clear message (conftest.py)
 

@@ -6,12 +6,12 @@ selection; torch.compile. tests/ops/test_logprob_inputs.py holds the full table 
 import pytest
 import torch
 
-from support.helpers import use_backend
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as reference_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
+from support.helpers import use_backend
 
 
 def _inputs(T, H, V, dtype, seed=0, bias=False):

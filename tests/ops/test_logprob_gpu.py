@@ -6,11 +6,11 @@ realistic hidden size, and its host syncs. Run on the GPU machine:
 import pytest
 import torch
 
-from support.helpers import count_syncs
 from rlk_mm.ops import selected_logprob
 from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.ops._triton import logprob as triton_logprob
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+from support.helpers import count_syncs
 
 pytestmark = pytest.mark.gpu  # without CUDA: fails at setup with a clear message (conftest.py)
 

@@ -8,6 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlk_mm.ops import (
+    selected_logprob,
+)
+from rlk_mm.schema import RLBatch
+from rlk_mm.schema.spans import Span, SpanTable
 from support.op_cases import (
     BATCH,
     BIAS,
@@ -27,11 +32,6 @@ from support.op_cases import (
     table,
     with_value,
 )
-from rlk_mm.ops import (
-    selected_logprob,
-)
-from rlk_mm.schema import RLBatch
-from rlk_mm.schema.spans import Span, SpanTable
 
 
 def _sl(**kw):

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from support.helpers import close, use_backend
 from oracles import loss as ref
 from rlk_mm.ops.loss.op import agg_loss, kl_penalty, policy_loss
 from rlk_mm.ops.options import AggMode
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
+from support.helpers import close, use_backend
 
 TOL = ELEMENTWISE_LOSS_MAX_ABS.fp32
 VERL_MODES = [m.value for m in AggMode if m not in (AggMode.TOKEN, AggMode.SEQ)]
@@ -489,8 +489,8 @@ def test_triton_on_gpu_matches_verl_and_torch(core_algos, mode):
 def test_host_syncs_gpu():
     """policy_loss reads the device once a call (its value checks), its backward never;
     group_advantages never reads it. (``count_syncs`` counts the syncs of calls on this thread.)"""
-    from support.helpers import count_syncs
     from rlk_mm.ops import group_advantages
+    from support.helpers import count_syncs
 
     logp, old, adv, mask = (t.cuda() for t in inputs(16, B=8, R=300))
     logp = logp.detach().requires_grad_()

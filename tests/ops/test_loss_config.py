@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from support.helpers import use_backend
 from rlk_mm.ops import (
     AggMode,
     KLType,
@@ -22,6 +21,7 @@ from rlk_mm.ops import (
     linear_policy_loss,
     policy_loss,
 )
+from support.helpers import use_backend
 
 B, R, H, V = 3, 5, 16, 40
 

@@ -8,6 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlk_mm.ops import (
+    Lagrangian,
+    agg_loss,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+    selected_logprob,
+)
+from rlk_mm.ops.logprob import MIN_TEMPERATURE
 from support.op_cases import (
     ADV,
     F32_MAX,
@@ -32,15 +41,6 @@ from support.op_cases import (
     table,
     with_value,
 )
-from rlk_mm.ops import (
-    Lagrangian,
-    agg_loss,
-    group_advantages,
-    kl_penalty,
-    policy_loss,
-    selected_logprob,
-)
-from rlk_mm.ops.logprob import MIN_TEMPERATURE
 
 
 def _pl(**kw):

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import rlk_mm.ops as ops
-from support.helpers import use_backend
 from rlk_mm.ops import options
 from rlk_mm.ops._backend import BackendUnavailableError, backend_arg, resolve_backend
 from rlk_mm.schema import RLBatch, Span, SpanTable
+from support.helpers import use_backend
 
 OPTION_SETS = [options.AggMode, options.KLType, options.RatioMode, options.Estimator, options.RewardPlacement,
                options.Backend]

@@ -12,14 +12,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.context_cases import Case, Raises, Returns, assert_well, equal_nan, fail, same
-from support.helpers import use_backend
 from oracles import pack as ref
 from rlk_mm import fixtures as F
 from rlk_mm.ops.packed_batch import PackedBatch, pack, unpack
 from rlk_mm.ops.padded import pack_padded, unpack_to_padded
 from rlk_mm.schema import RLBatch, Span, media_token_counts
 from rlk_mm.schema.spans import SpanTable
+from support.context_cases import Case, Raises, Returns, assert_well, equal_nan, fail, same
+from support.helpers import use_backend
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: where the Triton backend runs: the GPU, or Triton's interpreter on CPU (conftest sets it)

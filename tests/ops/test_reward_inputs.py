@@ -8,6 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlk_mm.ops import (
+    SpanReward,
+    group_advantages,
+    overlong_penalty,
+    scatter_rewards,
+)
+from rlk_mm.schema import SchemaError
+from rlk_mm.schema.spans import Span, SpanTable
 from support.op_cases import (
     GROUPS,
     INF,
@@ -20,14 +28,6 @@ from support.op_cases import (
     table,
     with_value,
 )
-from rlk_mm.ops import (
-    SpanReward,
-    group_advantages,
-    overlong_penalty,
-    scatter_rewards,
-)
-from rlk_mm.schema import SchemaError
-from rlk_mm.schema.spans import Span, SpanTable
 
 
 def _adv(**kw):

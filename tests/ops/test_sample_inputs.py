@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlk_mm.ops import (
+    sample,
+)
 from support.op_cases import (
     Case,
     assert_well,
     bad,
     ok,
     table,
-)
-from rlk_mm.ops import (
-    sample,
 )
 
 

@@ -14,10 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.helpers import use_backend
 from rlk_mm.ops import batch_invariant, group_seeds, sample, sample_from_hidden, selected_logprob
 from rlk_mm.ops._flashinfer import sampling as _fi
 from rlk_mm.ops._torch import sampling as ref
+from support.helpers import use_backend
 
 FILTERS = [
     {},

@@ -34,11 +34,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from support.helpers import use_backend
 from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
 from rlk_mm.ops import vocab_parallel as vp
 from rlk_mm.ops._torch import logprob as torch_logprob
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
+from support.helpers import use_backend
 
 WORLD = 4
 GROUPS = (1, 2, 3, 4)

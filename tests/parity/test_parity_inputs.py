@@ -10,6 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlk_mm import RLBatch
+from rlk_mm.parity import check_layout_parity, compare_logprobs
+from rlk_mm.parity.invariance import invariance_sweep
+from rlk_mm.parity.invariance_report import InvarianceReport
 from support.context_cases import (
     Case,
     Raises,
@@ -17,10 +21,6 @@ from support.context_cases import (
     assert_well,
     fail,
 )
-from rlk_mm import RLBatch
-from rlk_mm.parity import check_layout_parity, compare_logprobs
-from rlk_mm.parity.invariance import invariance_sweep
-from rlk_mm.parity.invariance_report import InvarianceReport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

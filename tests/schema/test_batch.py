@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.helpers import count_syncs
 from rlk_mm import BatchFileError, Modality, RLBatch, SchemaError, Span, SpanTable
 from rlk_mm.fixtures import load_geo3k, processor_inputs, synthetic_image_text, synthetic_video_text
+from support.helpers import count_syncs
 
 IM_END = 151645
 

@@ -31,7 +31,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.helpers import PACKAGE_DIR, raised_by_rlk_mm
 from rlk_mm.fixtures import processor_inputs, qwen_vl_processor, synthetic_image_text, synthetic_video_text
 from rlk_mm.schema import (
     BatchFileError,
@@ -55,6 +54,7 @@ from rlk_mm.schema import (
     union,
     vision_token_offsets,
 )
+from support.helpers import PACKAGE_DIR, raised_by_rlk_mm
 
 IM_END, PAD, IMAGE, VIDEO = 151645, 151643, 151655, 151656
 

@@ -30,10 +30,10 @@ from typing import Callable
 
 import torch
 
-from support.helpers import raised_by_rlk_mm
 from rlk_mm import RLBatch, fixtures
 from rlk_mm.ops.packed_batch import pack
 from rlk_mm.ops.padded import pack_padded
+from support.helpers import raised_by_rlk_mm
 
 __all__ = [
     "DRIFT", "PIXEL_DIM", "TRAINING", "Case", "Ctx", "Exits", "Raises", "Returns", "assert_well", "classify",

@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
-from support.helpers import raised_by_rlk_mm
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
+from support.helpers import raised_by_rlk_mm
 
 __all__ = [
     "ADV", "BATCH", "BIAS", "F32_MAX", "F32_TINY", "GROUPS", "H", "IDX", "INF", "LEFT", "LOGP", "MASK", "NAN", "OLD",

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import helpers
 import rlk_mm.fixtures  # noqa: F401  (imported before any inner session: see the docstring)
-from support.helpers import GPU_NEEDED, VERL_MISSING, use_backend
 from rlk_mm.ops._backend import backend_name
+from support import helpers
+from support.helpers import GPU_NEEDED, VERL_MISSING, use_backend
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
