@@ -18,7 +18,7 @@ from . import command
 from .command import UsageError
 from .progress import Progress, add_progress_flags, progress_wanted
 
-__all__ = ["BUILDERS", "COMMANDS", "HELP", "main"]
+__all__ = ["main"]
 
 #: the sub-commands, in the order the help lists them
 COMMANDS = ("inspect", "parity", "invariance", "smoke")

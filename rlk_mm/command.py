@@ -20,8 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-__all__ = ["add_debug_flag", "device", "folder", "image_file", "IMAGE_SUFFIXES", "int_at_least", "main", "number",
-           "output_file", "output_folder", "UsageError"]
+__all__: list[str] = []
 
 OK, NEGATIVE, BAD_INPUT, INTERNAL = 0, 1, 2, 3
 _PACKAGE = Path(__file__).resolve().parent

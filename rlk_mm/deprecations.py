@@ -16,7 +16,7 @@ import inspect
 import sys
 import warnings
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "RENAMED_KEYWORDS", "RENAMED_VALUES", "moved_name", "renamed_keywords"]
+__all__ = ["MOVED_MODULES", "MOVED_NAMES", "RENAMED_KEYWORDS", "RENAMED_VALUES"]
 
 #: old module path -> its new home; ``import old`` raises ``ModuleNotFoundError`` naming the new one
 MOVED_MODULES: dict[str, str] = {

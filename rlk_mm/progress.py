@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
-__all__ = ["Progress", "add_progress_flags", "progress_wanted"]
+__all__: list[str] = []
 
 #: characters of the bar itself
 WIDTH = 24

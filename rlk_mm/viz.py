@@ -9,7 +9,7 @@ from .schema import Modality, RLBatch
 from .schema.batch import batch_arg
 from .schema.checks import int_arg, sequence_arg
 
-__all__ = ["COLOURS", "draw_layout", "LOSS_COLOUR"]
+__all__ = ["draw_layout"]
 
 COLOURS = {
     Modality.TEXT: "#c8c8c8",

@@ -27,7 +27,7 @@ import torch
 
 from ..schema import LayoutFamily, Modality, layout_family_of
 
-__all__ = ["FAMILIES", "ModelFamily", "check_batch_family", "check_processor_family", "model_family"]
+__all__ = ["FAMILIES", "ModelFamily", "model_family"]
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,7 @@ from ..schema.checks import DeviceChecks, first_true, int_arg, temperature_arg, 
 from .family import ModelFamily, check_batch_family, model_family
 from .vision_cache import VisionCache, check_pixels
 
-__all__ = [
-    "LanguageInputs", "batch_logprobs", "cache_keyword", "check_inputs", "fill_media", "forward_hidden", "group_hidden",
-    "group_logprobs", "language_inputs", "layout_inputs", "padding_arg", "prompt_lengths",
-]
+__all__ = ["LanguageInputs", "batch_logprobs", "forward_hidden", "group_logprobs", "language_inputs", "layout_inputs"]
 
 def padding_arg(padding, *, where: str) -> Optional[PaddingSide]:
     """The layout a runner was asked for: None (packed: one row ``[1, T]``, no padding) or the

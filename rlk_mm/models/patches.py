@@ -20,7 +20,7 @@ from ..ops.invariant.attention import varlen_attention
 from ..ops.invariant.matmul import shared_input_patch
 from ..ops.invariant.rmsnorm import rms_norm
 
-__all__ = ["family_patches"]
+__all__: list[str] = []
 
 
 def _rms_norm_forward(self, hidden_states):

@@ -43,7 +43,7 @@ from .family import ModelFamily, check_processor_family, model_family
 from .forward import LanguageInputs, cache_keyword, check_inputs, language_inputs, prompt_lengths
 from .vision_cache import VisionCache
 
-__all__ = ["cache_keyword", "decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
+__all__ = ["decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
 
 
 class Kernels(Choice):

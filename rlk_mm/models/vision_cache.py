@@ -12,7 +12,7 @@ from ..schema.batch import batch_arg
 from ..schema.checks import DeviceChecks, bool_arg
 from .family import check_batch_family, model_family
 
-__all__ = ["VisionCache", "check_pixels"]
+__all__ = ["VisionCache"]
 
 
 def check_pixels(batch) -> None:

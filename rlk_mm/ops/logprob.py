@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..schema import RLBatch
-from ..schema.checks import MIN_TEMPERATURE, bool_arg, temperature_arg
+from ..schema.checks import bool_arg, temperature_arg
 from ._backend import use_triton
 from ._head_inputs import TargetError, check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ._torch import logprob as _ref
@@ -26,7 +26,7 @@ from .options import PaddingSide
 
 Tensor = torch.Tensor
 
-__all__ = ["MIN_TEMPERATURE", "TargetError", "scored_rows", "selected_logprob", "sharded_head", "targets_named_by"]
+__all__ = ["TargetError", "selected_logprob"]
 
 
 def selected_logprob(

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..schema import Choice, PaddingSide
 from .loss.terms import KLEstimator
 
-__all__ = ["AggMode", "Backend", "Estimator", "KLType", "Option", "PaddingSide", "RatioMode", "RewardPlacement"]
+__all__ = ["AggMode", "Backend", "Estimator", "KLType", "PaddingSide", "RatioMode", "RewardPlacement"]
 
 
 class Option(Choice):

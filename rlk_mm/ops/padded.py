@@ -28,10 +28,7 @@ from ._backend import use_triton
 
 Tensor = torch.Tensor
 
-__all__ = [
-    "DTYPES", "DTYPE_NAMES", "INT32_LIMIT", "cu_seqlens_of", "data_arg", "fill_arg", "mask_runs", "pack_padded",
-    "packed_source_rows", "padded_source_rows", "unpack_to_padded",
-]
+__all__ = ["pack_padded", "unpack_to_padded"]
 
 #: packed row counts must fit int32 ``cu_seqlens``
 INT32_LIMIT = 2**31

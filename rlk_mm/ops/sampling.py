@@ -50,7 +50,7 @@ from ._torch import sampling as _ref
 from .logprob import sharded_head
 from .options import Backend
 
-__all__ = ["BACKENDS", "group_seeds", "MAX_VOCAB", "sample", "sample_from_hidden", "SampleResult"]
+__all__ = ["group_seeds", "sample", "sample_from_hidden", "SampleResult"]
 
 Tensor = torch.Tensor
 

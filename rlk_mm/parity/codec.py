@@ -20,7 +20,7 @@ from torch import Tensor
 from ..ops import batch_invariant
 from ..schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, first_true, tensor_arg
 
-__all__ = ["codec_invariance", "CodecInvariance", "CodecRun", "MODES"]
+__all__ = ["codec_invariance"]
 
 #: the kernel modes the harness runs, in order
 MODES = ("default", "batch_invariant")

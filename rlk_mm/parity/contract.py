@@ -10,10 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "CONTRACT", "ELEMENTWISE_LOSS_MAX_ABS", "INVARIANCE", "LOGPROB_GRAD_REL", "LOGPROB_MAX_ABS", "relative_error",
-    "Tolerance",
-]
+__all__ = ["CONTRACT", "ELEMENTWISE_LOSS_MAX_ABS", "LOGPROB_GRAD_REL", "LOGPROB_MAX_ABS", "Tolerance"]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ..schema.video import VideoLayout
 from ._probe import Run, Views, cached_views, first_divergence, forward_run, forward_views, group_run, vision_cache_run
 from .invariance_report import CaseResult, InvarianceReport, Mode
 
-__all__ = ["Case", "CASES", "invariance_sweep", "MODES", "Score", "VIDEO_CASES"]
+__all__ = ["invariance_sweep"]
 
 
 class Score(Choice):

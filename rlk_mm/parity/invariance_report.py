@@ -11,7 +11,7 @@ from typing import Optional
 from ..schema import Choice
 from ..schema.checks import bool_arg, float_arg, int_arg
 
-__all__ = ["CaseResult", "Divergence", "InvarianceReport", "Mode"]
+__all__: list[str] = []
 
 
 class Mode(Choice):

@@ -18,7 +18,7 @@ from ..schema.checks import first_true, float_arg, tensor_arg
 from .contract import LOGPROB_MAX_ABS
 from .layout import LayoutParityError, check_layout_parity
 
-__all__ = ["compare_logprobs", "LogprobComparison", "RATIO_BAND"]
+__all__ = ["compare_logprobs", "LogprobComparison"]
 
 #: importance ratios outside 1 ± this are counted (the PPO clip range's usual size)
 RATIO_BAND = 0.2

@@ -32,7 +32,7 @@ from .trajectories import fields_from_trajectories
 from .unsupported import require_supported
 from .verl import fields_from_verl
 
-__all__ = ["batch_arg", "dense_group_index", "PaddingSide", "RLBatch"]
+__all__ = ["dense_group_index", "PaddingSide", "RLBatch"]
 
 Tensor = torch.Tensor
 

@@ -26,11 +26,7 @@ from typing import Callable, Iterable, NoReturn, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = [
-    "bool_arg", "describe", "device_arg", "DeviceChecks", "first_true", "float_arg", "FLOAT_DTYPES", "group_id_list",
-    "int_arg", "INTEGER_DTYPES", "KERNEL_FLOAT_DTYPES", "MIN_TEMPERATURE", "sample_index", "sample_indices",
-    "sequence_arg", "temperature_arg", "tensor_arg",
-]
+__all__: list[str] = []
 
 Tensor = torch.Tensor
 

@@ -18,7 +18,7 @@ from .checks import FLOAT_DTYPES, INTEGER_DTYPES, int_arg
 from .choice import Choice
 from .spans import SchemaError
 
-__all__ = ["CoordinateSystem", "convert_boxes", "convert_points", "size_arg"]
+__all__ = ["CoordinateSystem", "convert_boxes", "convert_points"]
 
 
 class CoordinateSystem(Choice):

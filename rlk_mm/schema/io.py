@@ -20,8 +20,7 @@ import torch
 from .media import content_key
 from .spans import Modality, SchemaError, SpanTable
 
-__all__ = ["BatchFileError", "check_media_digests", "FORMAT", "FORMAT_VERSION", "load_fields", "media_digests",
-           "path_arg", "save"]
+__all__ = ["BatchFileError"]
 
 FORMAT = "rlk_mm.RLBatch"
 FORMAT_VERSION = "1"

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from .choice import Choice
 
-__all__ = ["LayoutFamily", "layout_family_arg", "layout_family_of", "PROCESSOR_CLASSES"]
+__all__ = ["LayoutFamily", "layout_family_of"]
 
 
 class LayoutFamily(Choice):

@@ -31,9 +31,8 @@ from .layouts import layout_family_of
 from .spans import Modality, SchemaError, refuse
 
 __all__ = [
-    "add_grid_checks", "add_pixel_checks", "content_key", "default_media_id", "grid_arg", "grid_row",
-    "key_settings", "media_cache_key", "media_token_counts", "MediaItem", "offsets", "processor_fingerprint",
-    "ResizeSettings", "settings_key", "SETTINGS_SEPARATOR", "token_counts", "vision_token_offsets",
+    "key_settings", "media_cache_key", "media_token_counts", "MediaItem", "processor_fingerprint", "ResizeSettings",
+    "vision_token_offsets"
 ]
 
 

@@ -403,4 +403,4 @@ def _check_grids(output, recorded: list[tuple[str, ResizeSettings]], patch: int,
             )
 
 
-__all__ = ["fields_from_messages", "vision_process"]
+__all__: list[str] = []

@@ -28,7 +28,7 @@ from .checks import INTEGER_DTYPES, bool_arg, tensor_arg
 from .spans import SchemaError, spans_from_mask
 from .turns import ChatMarkers, assistant_turn_mask
 
-__all__ = ["fields_from_qwen_vl", "fields_from_token_lists", "turn_loss_masks"]
+__all__: list[str] = []
 
 Tensor = torch.Tensor
 

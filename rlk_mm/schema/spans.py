@@ -19,8 +19,8 @@ import torch
 from .checks import INTEGER_DTYPES, DeviceChecks, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
 
 __all__ = [
-    "complement", "intersect", "mask_from_spans", "Modality", "normalize", "refuse", "SchemaError", "Span",
-    "spans_from_mask", "SpanTable", "subtract", "union",
+    "complement", "intersect", "mask_from_spans", "Modality", "normalize", "SchemaError", "Span", "spans_from_mask",
+    "SpanTable", "subtract", "union"
 ]
 
 

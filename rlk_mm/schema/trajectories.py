@@ -42,7 +42,7 @@ from .spans import SchemaError, Span, SpanTable
 if TYPE_CHECKING:  # Pillow is the [vl] extra's: imported where screenshots are read, not with the schema
     from PIL import Image
 
-__all__ = ["fields_from_trajectories", "Step", "step_group_index", "Trajectory"]
+__all__ = ["Step", "step_group_index", "Trajectory"]
 
 Tensor = torch.Tensor
 

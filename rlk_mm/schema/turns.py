@@ -19,7 +19,7 @@ from .spans import SchemaError, Span
 
 Tensor = torch.Tensor
 
-__all__ = ["ChatMarkers", "assistant_turn_mask", "assistant_turn_spans"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,7 @@ import torch
 from .checks import sequence_arg
 from .spans import Modality, SpanTable
 
-__all__ = [
-    "AUDIO_INPUT_KEYS", "RFC_PATH", "SUPPORTED_MODALITIES", "UnsupportedModalityError", "mask_unsupported_media",
-    "require_no_audio_inputs", "require_supported", "require_supported_messages", "unsupported_item_count",
-]
+__all__ = ["SUPPORTED_MODALITIES", "UnsupportedModalityError", "mask_unsupported_media"]
 
 #: the modalities every rlk_mm operator handles; an item of another one is refused
 SUPPORTED_MODALITIES = frozenset({Modality.TEXT, Modality.IMAGE, Modality.VIDEO})

@@ -16,7 +16,7 @@ from ._inputs import check_response_unpadded, check_unpadded, check_vocabulary, 
 from ._inputs import multi_modal_inputs as per_sample_inputs
 from .spans import Modality, SchemaError
 
-__all__ = ["fields_from_verl"]
+__all__: list[str] = []
 
 Tensor = torch.Tensor
 

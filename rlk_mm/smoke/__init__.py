@@ -50,14 +50,17 @@ does not offer), ``train`` (``run_smoke``), ``options`` (argparse),
 ``cli`` (the sub-command and ``python -m rlk_mm.smoke``).
 """
 
-from .cli import add_smoke_parser
-from .options import LR_FLOOR, parse_args
-from .policy import TINY_MODEL, load_policy
-from .tasks import COLOURS, colour_reward, colour_sample, geo3k_reward
-from .train import lr_factor, run_smoke
-from .tuning import SmokeTuning
+from .cli import add_smoke_parser as add_smoke_parser
+from .options import LR_FLOOR as LR_FLOOR
+from .options import parse_args as parse_args
+from .policy import TINY_MODEL as TINY_MODEL
+from .policy import load_policy as load_policy
+from .tasks import COLOURS as COLOURS
+from .tasks import colour_reward as colour_reward
+from .tasks import colour_sample as colour_sample
+from .tasks import geo3k_reward as geo3k_reward
+from .train import lr_factor as lr_factor
+from .train import run_smoke as run_smoke
+from .tuning import SmokeTuning as SmokeTuning
 
-__all__ = [
-    "COLOURS", "LR_FLOOR", "SmokeTuning", "TINY_MODEL", "add_smoke_parser", "colour_reward", "colour_sample", "geo3k_reward",
-    "load_policy", "lr_factor", "parse_args", "run_smoke",
-]
+__all__ = ["SmokeTuning", "add_smoke_parser", "parse_args", "run_smoke"]

@@ -16,7 +16,7 @@ from ..schema import Modality, RLBatch
 from .policy import Policy
 from .rollout import Rollout
 
-__all__ = ["Gate", "gate_layout", "gate_logprobs", "gate_masking", "gate_ratio"]
+__all__: list[str] = []
 
 
 @dataclass

@@ -12,10 +12,7 @@ from torch import Tensor
 from ..schema import RLBatch
 from .tasks import Task
 
-__all__ = [
-    "learning_check", "LEARNING_MAX_START", "LEARNING_MIN_FINAL", "LEARNING_MIN_STEPS", "LEARNING_WINDOW",
-    "update_direction",
-]
+__all__: list[str] = []
 
 LEARNING_MIN_STEPS = 100
 """Runs at least this long must show learning: start <= `LEARNING_MAX_START`, last 10

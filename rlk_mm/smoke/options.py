@@ -13,11 +13,7 @@ from ..command import UsageError
 from ..schema.checks import MIN_TEMPERATURE
 from .tasks import DATA_TASKS, TASK_SETTINGS, TASKS
 
-__all__ = [
-    "add_arguments", "BREAKS", "check_args", "control_report", "IMAGE_SWAP_MIN_PROMPTS", "LR_FLOOR", "OPTION_DEFAULTS",
-    "parse_args",
-    "parser", "resolve_task_settings", "task_name", "to_argv",
-]
+__all__ = ["parse_args"]
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
 LR_FLOOR = 0.1

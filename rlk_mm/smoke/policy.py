@@ -19,10 +19,7 @@ from ..ops import selected_logprob
 from ..schema import Modality, RLBatch
 from .tasks import Task
 
-__all__ = [
-    "freeze_embeddings_and_head", "hidden_states", "load_policy", "Policy", "policy_logprobs", "SMOKE_MODELS",
-    "swap_pair", "TINY_MODEL", "warm_up",
-]
+__all__: list[str] = []
 
 TINY_MODEL = dict(hidden_size=128, num_layers=2, vision_depth=1, vision_hidden_size=64)
 """The default policy: text hidden 128 (64 stalls near 0.7 reward), one vision block of

@@ -12,7 +12,7 @@ import torch
 
 from .learning import LEARNING_WINDOW
 
-__all__ = ["device_name", "draw_curves", "HEADER", "progress_row", "versions"]
+__all__: list[str] = []
 
 
 def versions() -> dict:

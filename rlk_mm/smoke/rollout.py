@@ -17,7 +17,7 @@ from ..schema import RLBatch, SpanTable
 from .policy import Policy
 from .tasks import Task
 
-__all__ = ["Rollout", "rollout", "rollout_batch", "training_batch"]
+__all__: list[str] = []
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .rollout import rollout, rollout_batch, training_batch
 from .tasks import TASKS
 from .tuning import SmokeTuning
 
-__all__ = ["keep_freed_memory", "lr_factor", "MALLOPT", "run_smoke"]
+__all__ = ["run_smoke"]
 
 MALLOPT = {"M_MMAP_MAX": (-4, 0), "M_TRIM_THRESHOLD": (-1, 2**31 - 1), "M_TOP_PAD": (-2, 256 << 20)}
 """glibc mallopt (parameter, value) pairs: big buffers come from the heap, and freed logits

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from .policy import TINY_MODEL
 from .tasks.colour import BACKGROUND_RATE, TWO_IMAGE_RATE
 
-__all__ = ["MOVED_TO_OPTIONS", "SmokeTuning"]
+__all__ = ["SmokeTuning"]
 
 #: the module constants of earlier sweep configs ("set": {...}) -> the field that replaces each
 _CONSTANTS = {"TINY_MODEL": "tiny_model", "BACKGROUND_RATE": "background_rate", "TWO_IMAGE_RATE": "two_image_rate"}

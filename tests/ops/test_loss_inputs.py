@@ -16,7 +16,7 @@ from rlk_mm.ops import (
     policy_loss,
     selected_logprob,
 )
-from rlk_mm.ops.logprob import MIN_TEMPERATURE
+from rlk_mm.schema.checks import MIN_TEMPERATURE
 from support.op_cases import (
     ADV,
     F32_MAX,

@@ -256,7 +256,7 @@ def test_triton_without_cuda_or_interpreter_is_one_error_type(no_interpreter):
 
 # ----------------------------------------------------------------------------- one temperature rule, one dtype tuple
 def test_every_op_applies_the_one_temperature_rule():
-    from rlk_mm.ops.logprob import MIN_TEMPERATURE
+    from rlk_mm.schema.checks import MIN_TEMPERATURE
     from rlk_mm.schema.checks import MIN_TEMPERATURE as RULE
 
     assert MIN_TEMPERATURE == RULE == 1e-5

@@ -19,7 +19,7 @@ from ._dispatch import cached, through_op, triton_for
 #: layers use 256; the Triton kernel's tiles fit Hopper's shared memory up to it)
 MAX_HEAD_DIM = 256
 
-__all__ = ["MAX_HEAD_DIM", "attention_interface", "full_bool_mask", "segment_attention", "segments_from_mask", "varlen_attention"]
+__all__: list[str] = []
 
 
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg_b: torch.Tensor,

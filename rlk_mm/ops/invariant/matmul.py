@@ -15,7 +15,7 @@ from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import STATE, triton_for
 
-__all__ = ["ATEN_OVERRIDES", "in_backward", "matmul", "shared_input_linears", "shared_input_patch"]
+__all__: list[str] = []
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,

@@ -33,10 +33,7 @@ from ._dispatch import SEGMENT_CACHE, STATE
 from .attention import attention_interface, full_bool_mask
 from .matmul import ATEN_OVERRIDES
 
-__all__ = [
-    "BACKENDS", "batch_invariant", "batch_invariant_active", "ModulePatches", "register_module_patches",
-    "stock_kernels", "within_batch_invariant",
-]
+__all__ = ["batch_invariant"]
 
 #: (class, attribute, replacement) triples that ``batch_invariant()`` sets while active
 ModulePatches = list[tuple[type, str, object]]

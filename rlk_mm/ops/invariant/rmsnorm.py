@@ -8,7 +8,7 @@ from ...schema.checks import KERNEL_FLOAT_DTYPES, float_arg, tensor_arg
 from .._torch import invariant as _ref
 from ._dispatch import through_op, triton_for
 
-__all__ = ["rms_norm"]
+__all__: list[str] = []
 
 
 def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, use_triton: bool) -> torch.Tensor:

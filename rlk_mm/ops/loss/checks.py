@@ -17,10 +17,7 @@ from ...schema.checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_t
 from ..options import AggMode
 from .config import SEQ_MODES, PolicyLossConfig
 
-__all__ = [
-    "Agg", "COUNT_ROUNDING", "Layout", "WEIGHTED_COUNT_SLACK", "add_count_check", "agg_args", "check_data",
-    "checked_mask", "layout_of", "like",
-]
+__all__: list[str] = []
 
 
 # ----------------------------------------------------------------------------- layout and values

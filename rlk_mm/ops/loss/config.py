@@ -20,8 +20,7 @@ from ...schema.checks import float_arg, int_arg
 from ..options import AggMode, KLType, RatioMode
 from .terms import LOG_RATIO_LIMIT, KLEstimator
 
-__all__ = ["PolicyLoss", "PolicyLossConfig", "SEQ_MODES", "dual_clip", "f32_arg", "kl_estimator", "log_ratio_bounds",
-           "policy_loss_config"]
+__all__ = ["PolicyLoss", "PolicyLossConfig"]
 
 _F32_MAX = torch.finfo(torch.float32).max
 #: the aggregation modes that average over sequences (their counts: ``global_batch_size``)

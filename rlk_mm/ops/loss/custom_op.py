@@ -25,10 +25,7 @@ from .checks import Agg, Layout, agg_args, check_data, checked_mask, layout_of, 
 from .config import PolicyLoss, PolicyLossConfig
 from .terms import MEAN_EPS, KLEstimator, Partial, num_blocks
 
-__all__ = [
-    "OP_FLOATS", "OP_INTS", "OP_TENSORS", "PER_TOKEN", "SEQ_LOG_RATIO", "CheckedPolicy", "aggregation",
-    "checked_policy", "mask_f32", "policy_loss_partials", "policy_loss_partials_backward", "seq_log_ratio",
-]
+__all__: list[str] = []
 
 # ----------------------------------------------------------------------------- aggregation
 def aggregation(layout: Layout, mask: Optional[Tensor], agg: Agg):

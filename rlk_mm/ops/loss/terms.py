@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = [
-    "K3_EXPONENT_LIMIT", "K3_VALUE_LIMIT", "KLEstimator", "LOG_RATIO_LIMIT", "MEAN_EPS", "num_blocks", "Partial",
-    "TOKENS_PER_BLOCK",
-]
+__all__: list[str] = []
 
 
 class KLEstimator(IntEnum):

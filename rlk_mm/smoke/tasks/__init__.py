@@ -13,18 +13,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ...fixtures import GEO3K_SAMPLE_DIR
-from .base import Task, draw_shape, numbered_draw
-from .colour import COLOURS, colour_pixels, colour_reward, colour_sample, colour_task
-from .geo3k import geo3k_reward, geo3k_task
-from .point import POINT_SETTINGS, POINT_TASKS, point_reward, point_task
-from .video import DIRECTIONS, VIDEO_FRAMES, VIDEO_SETTINGS, VIDEO_TASKS, direction_clip, direction_sample, video_direction_task
+from ...fixtures import GEO3K_SAMPLE_DIR as GEO3K_SAMPLE_DIR
+from .base import Task as Task
+from .base import draw_shape as draw_shape
+from .base import numbered_draw as numbered_draw
+from .colour import COLOURS as COLOURS
+from .colour import colour_pixels as colour_pixels
+from .colour import colour_reward as colour_reward
+from .colour import colour_sample as colour_sample
+from .colour import colour_task as colour_task
+from .geo3k import geo3k_reward as geo3k_reward
+from .geo3k import geo3k_task as geo3k_task
+from .point import POINT_SETTINGS as POINT_SETTINGS
+from .point import POINT_TASKS as POINT_TASKS
+from .point import point_reward as point_reward
+from .point import point_task as point_task
+from .video import DIRECTIONS as DIRECTIONS
+from .video import VIDEO_FRAMES as VIDEO_FRAMES
+from .video import VIDEO_SETTINGS as VIDEO_SETTINGS
+from .video import VIDEO_TASKS as VIDEO_TASKS
+from .video import direction_clip as direction_clip
+from .video import direction_sample as direction_sample
+from .video import video_direction_task as video_direction_task
 
-__all__ = [
-    "COLOURS", "DATA_TASKS", "DIRECTIONS", "TASK_SETTINGS", "TASKS", "VIDEO_FRAMES", "Task", "colour_pixels", "colour_reward", "colour_sample",
-    "colour_task", "direction_clip", "direction_sample", "draw_shape", "geo3k_reward", "geo3k_task", "numbered_draw",
-    "point_reward", "point_task", "video_direction_task",
-]
+__all__: list[str] = []
 
 
 def _colour(data: Optional[Path], tuning: Any = None) -> Task:

@@ -14,10 +14,7 @@ from ...fixtures import Sample
 from ...fixtures.palette import ANSWER_COLOURS, SHAPE_COLOURS
 from .base import Task, draw_shape, numbered_draw
 
-__all__ = [
-    "BACKGROUND_RATE", "ColourTask", "COLOURS", "DISTRACTOR_COLOURS", "IMAGE_SIZES", "PROMPT", "PROMPT_TWO", "SECOND_IMAGE_SIZES",
-    "TWO_IMAGE_RATE", "colour_diagnostics", "colour_pixels", "colour_reward", "colour_sample", "colour_task",
-]
+__all__: list[str] = []
 
 COLOURS = ANSWER_COLOURS
 """The answers: a colour word of the palette's four."""

@@ -10,7 +10,7 @@ from typing import Optional
 from ...fixtures import Sample, load_geo3k
 from .base import Task
 
-__all__ = ["GEO3K_FORMAT_WEIGHT", "GEO3K_INSTRUCTION", "geo3k_reward", "geo3k_task"]
+__all__: list[str] = []
 
 GEO3K_INSTRUCTION = " Give the final answer in \\boxed{}."
 GEO3K_FORMAT_WEIGHT = 0.1

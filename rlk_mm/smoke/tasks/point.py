@@ -31,11 +31,7 @@ from ...grounding import CONVENTION_SYSTEM, Convention, check_values, find_regio
 from ...schema import CoordinateSystem, convert_points
 from .base import Task, draw_shape, numbered_draw
 
-__all__ = [
-    "JSON_CONVENTIONS", "OUTCOMES", "POINT_SETTINGS", "POINT_TASKS", "PointTask", "PROMPT", "PROMPT_1000", "SCREEN_SIZES", "STRIP_SHADES",
-    "answer_point", "answer_syntax", "draw_screen", "mask_centre", "moved_mask", "point_diagnostics", "point_outcome", "point_reward", "point_sample",
-    "point_task", "resized_size", "third_edges",
-]
+__all__: list[str] = []
 
 SCREEN_SIZES = ((90, 80), (96, 72), (80, 96), (72, 90))
 """(width, height): none a multiple of 28, so the processor resizes each (the answer's pixels are

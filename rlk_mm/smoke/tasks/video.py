@@ -13,10 +13,7 @@ from ...fixtures import Sample
 from ...fixtures.palette import ANSWER_COLOURS
 from .base import Task, numbered_draw
 
-__all__ = [
-    "DIRECTIONS", "VIDEO_FRAMES", "VIDEO_FRAME_SIZE", "VIDEO_PROMPT", "VIDEO_SETTINGS", "VIDEO_SHAPE_SIDE", "VIDEO_TASKS",
-    "direction_clip", "direction_reward", "direction_sample", "video_direction_task",
-]
+__all__: list[str] = []
 
 DIRECTIONS = ("left", "right", "up", "down")
 VIDEO_PROMPT = "Which way does the shape move? Answer with one word."
