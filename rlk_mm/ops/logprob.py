@@ -13,7 +13,7 @@ a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -25,6 +25,9 @@ from ._torch import logprob as _ref
 from .options import PaddingSide
 
 Tensor = torch.Tensor
+
+if TYPE_CHECKING:  # annotations only: torch.distributed is not imported at run time here
+    from torch.distributed import ProcessGroup
 
 __all__ = ["TargetError", "selected_logprob"]
 
@@ -40,7 +43,7 @@ def selected_logprob(
     temperature: float = 1.0,
     bias: Optional[Tensor] = None,
     return_entropy: bool = False,
-    tp_group=None,
+    tp_group: Optional[ProcessGroup] = None,
     vocab_start_index: Optional[int] = None,
     gather_weight: bool = False,
 ):

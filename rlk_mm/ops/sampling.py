@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
@@ -54,6 +54,9 @@ __all__ = ["group_seeds", "sample", "sample_from_hidden", "SampleResult"]
 
 Tensor = torch.Tensor
 
+if TYPE_CHECKING:  # annotations only: torch.distributed is not imported at run time here
+    from torch.distributed import ProcessGroup
+
 #: the values of ``sample(backend=...)`` (``sample_from_hidden`` takes all but flashinfer)
 BACKENDS = (None, Backend.TORCH, Backend.TRITON, Backend.FLASHINFER)
 #: the integer masses (units of 2^-40 of the top token's) are summed in int64: V < 2^23
@@ -70,7 +73,7 @@ class SampleResult(NamedTuple):
 
 def sample(
     logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-    min_p: Optional[float] = None, seeds: Tensor, step=0, backend: Backend | str | None = None, check: bool = False,
+    min_p: Optional[float] = None, seeds: Tensor, step: int | Tensor = 0, backend: Backend | str | None = None, check: bool = False,
 ) -> SampleResult:
     """Draw one token per row of ``logits [B, V]`` (fp32/bf16/fp16; -inf masks an entry).
 
@@ -144,7 +147,8 @@ def sample(
 def sample_from_hidden(
     hidden: Tensor, weight: Tensor, *, bias: Optional[Tensor] = None, temperature: float = 1.0,
     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
-    seeds: Tensor, step=0, backend: Backend | str | None = None, tp_group=None, check: bool = False,
+    seeds: Tensor, step: int | Tensor = 0, backend: Backend | str | None = None,
+    tp_group: Optional[ProcessGroup] = None, check: bool = False,
 ) -> SampleResult:
     """``sample`` of the logits ``(hidden · weightᵀ + bias) / temperature``, the LM head fused
     with the draw: ``hidden [B, H]``, ``weight [V, H]``, ``bias [V]`` (finite, or -inf to mask

@@ -190,3 +190,18 @@ def test_results_unpack_as_the_tuples_they_replace():
     assert isinstance(full, PolicyLoss) and full.log_probs is log_probs and full.entropy is entropy
     assert full._asdict()["entropy"] is entropy and full._replace(loss=metrics).loss is metrics
     assert type(full)._make(full) == full and repr(full).startswith("PolicyLossOutput(loss=tensor(")
+
+
+def test_the_typed_knobs_are_the_config_s_fields():
+    """``**knobs: Unpack[PolicyLossKnobs]``: help() and IDEs show each knob, with the config's type."""
+    import pydoc
+
+    from rlk_mm.ops import linear_policy_loss, policy_loss
+    from rlk_mm.ops.loss.config import PolicyLossConfig, PolicyLossKnobs
+
+    fields = {f.name: str(f.type) for f in dataclasses.fields(PolicyLossConfig)}
+    knobs = {name: (kind if isinstance(kind, str) else kind.__forward_arg__)
+             for name, kind in PolicyLossKnobs.__annotations__.items()}
+    assert knobs == fields
+    for op in (policy_loss, linear_policy_loss):
+        assert "**knobs: 'Unpack[PolicyLossKnobs]'" in pydoc.render_doc(op)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, TypedDict
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from ...schema.checks import float_arg, int_arg
 from ..options import AggMode, KLType, RatioMode
 from .terms import LOG_RATIO_LIMIT, KLEstimator
 
-__all__ = ["PolicyLoss", "PolicyLossConfig"]
+__all__ = ["PolicyLoss", "PolicyLossConfig", "PolicyLossKnobs"]
 
 _F32_MAX = torch.finfo(torch.float32).max
 #: the aggregation modes that average over sequences (their counts: ``global_batch_size``)
@@ -137,6 +137,26 @@ class PolicyLossConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(PolicyLossConfig))
+
+
+class PolicyLossKnobs(TypedDict, total=False):
+    """``PolicyLossConfig``'s fields as the loss ops' keywords (``**knobs: Unpack[PolicyLossKnobs]``),
+    so that ``help()``, IDEs and type checkers show each knob and its type; a test keeps the two
+    in step."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: Optional[float]
+    ratio: RatioMode | str
+    log_ratio_clamp: tuple[Optional[float], Optional[float]]
+    kl_type: KLType | str
+    kl_coef: float
+    entropy_coeff: float
+    loss_agg_mode: AggMode | str
+    dp_size: int
+    batch_num_tokens: float | Tensor | None
+    global_batch_size: float | Tensor | None
+    loss_scale_factor: Optional[float]
 
 
 def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str) -> PolicyLossConfig:

@@ -18,7 +18,7 @@ gradient). The loss terms and their per-token gradients are ``policy_loss``'s ow
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Unpack
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from .._head_inputs import check_head, check_values, contiguous_rows, scored_row
 from ..invariant.mode import stock_kernels
 from ..logprob import selected_logprob, sharded_head
 from ..options import PaddingSide, RatioMode
-from .config import PolicyLoss, PolicyLossConfig, policy_loss_config
+from .config import PolicyLoss, PolicyLossConfig, PolicyLossKnobs, policy_loss_config
 from .custom_op import (
     OP_TENSORS,
     PER_TOKEN,
@@ -41,6 +41,9 @@ from .custom_op import (
 )
 from .op import policy_loss
 from .terms import Partial, num_blocks
+
+if TYPE_CHECKING:  # annotations only: torch.distributed is not imported at run time here
+    from torch.distributed import ProcessGroup
 
 __all__ = ["PolicyLossOutput", "linear_policy_loss"]
 
@@ -98,11 +101,11 @@ def linear_policy_loss(
     num_samples: Optional[int] = None,
     rollout_is_weights: Optional[Tensor] = None,
     ref_log_probs: Optional[Tensor] = None,
-    tp_group=None,
+    tp_group: Optional[ProcessGroup] = None,
     vocab_start_index: Optional[int] = None,
     gather_weight: bool = False,
     config: Optional[PolicyLossConfig] = None,
-    **knobs,
+    **knobs: Unpack[PolicyLossKnobs],
 ) -> PolicyLossOutput:
     """``policy_loss(selected_logprob(hidden, weight, ...), old_log_probs, advantages, ...)`` in one op.
 

@@ -25,7 +25,7 @@ argument, sample and position; see ``policy_loss``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Unpack
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ from ...deprecations import renamed_keywords
 from ...schema.checks import FLOAT_DTYPES, DeviceChecks, tensor_arg
 from ..options import AggMode, KLType, RatioMode
 from .checks import agg_args, checked_mask, layout_of
-from .config import PolicyLoss, PolicyLossConfig, kl_estimator, policy_loss_config
+from .config import PolicyLoss, PolicyLossConfig, PolicyLossKnobs, kl_estimator, policy_loss_config
 from .custom_op import SEQ_LOG_RATIO, aggregation, checked_policy, mask_f32, policy_loss_partials, seq_log_ratio
 from .terms import K3_EXPONENT_LIMIT, K3_VALUE_LIMIT, KLEstimator
 
@@ -175,7 +175,7 @@ def policy_loss(
     ref_log_probs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
     config: Optional[PolicyLossConfig] = None,
-    **knobs,
+    **knobs: Unpack[PolicyLossKnobs],
 ) -> PolicyLoss:
     """Clipped policy-gradient loss (PPO / dual-clip / GSPO) with KL and entropy terms, fused.
 
