@@ -5,7 +5,7 @@ Imports nothing else of rlk_mm. Modules, bottom up: ``checks`` (argument checks)
 ``unsupported`` (the modalities the ops support, the check and the fallback), ``turns``
 (assistant turns of a chat in token ids); ``_assemble`` (per-sample parts ↔ fields),
 ``_inputs`` (the builders' arguments), ``_build`` (the builders' core), ``_validate`` (the
-contract's invariants, docs/batch_contract.md), ``io`` (save/load); ``qwen_vl``, ``verl`` and
+contract's invariants, docs/batch_contract.md; its media clauses in ``_validate_media``), ``io`` (save/load); ``qwen_vl``, ``verl`` and
 ``messages`` (builders; ``messages``: chat messages through qwen-vl-utils); ``batch`` (the
 ``RLBatch`` model, its views and constructors); ``video`` (``VideoLayout``: a batch's videos
 frame by frame); ``trajectories`` (GUI episodes).

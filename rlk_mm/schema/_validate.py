@@ -14,10 +14,11 @@ from typing import Optional
 import torch
 from pydantic import ValidationError
 
-from .checks import FLOAT_DTYPES, DeviceChecks, first_true
+from ._validate_media import check_media, check_offsets, field, ints_on
+from .checks import DeviceChecks, first_true
 from .coordinates import CoordinateSystem
 from .layouts import layout_family_arg
-from .media import add_grid_checks, add_pixel_checks, offsets, token_counts
+from .media import token_counts
 from .spans import Modality, SchemaError, Span, SpanTable, refuse
 
 __all__ = ["check", "schema_error"]
@@ -52,32 +53,18 @@ def check(batch) -> None:
     checks = DeviceChecks()
     lengths = _check_tokens(batch, checks)
     _check_per_sample(batch, checks, lengths)
-    _check_media(batch, checks)
+    check_media(batch, checks)
     _check_layout_family(batch, checks)
     token_modality, token_media = _check_modality_spans(batch, checks, lengths)
     _check_groups(batch, checks, token_media, lengths)
     _check_placeholders(batch, checks, token_modality)
     _check_loss_spans(batch, checks, lengths, token_modality)
     _check_grounding(batch, checks, lengths)
-    _check_offsets(batch, checks)
+    check_offsets(batch, checks)
     checks.run()
 
 
 # ----------------------------------------------------------------------------- host checks
-def _field(batch, name: str, dtypes, shape: tuple, meaning: str) -> Optional[Tensor]:
-    """The tensor field ``name`` (None if absent) after checking its dtype and shape
-    (``None`` in ``shape``: any size)."""
-    value = getattr(batch, name)
-    if value is None:
-        return None
-    if value.dtype not in dtypes:
-        raise SchemaError(f"{name} must be {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got {value.dtype}")
-    if value.dim() != len(shape) or any(s is not None and s != v for s, v in zip(shape, value.shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise SchemaError(f"{name} has shape {tuple(value.shape)}; expected {want} ({meaning})")
-    return value
-
-
 def _table(batch, name: str, B: int) -> Optional[SpanTable]:
     table = getattr(batch, name)
     if table is None:
@@ -150,136 +137,18 @@ def _check_per_sample(batch, checks: DeviceChecks, lengths: Tensor) -> None:
     B = batch.num_samples
     if batch.group_ids is not None and len(batch.group_ids) != B:
         raise SchemaError(f"group_ids has {len(batch.group_ids)} entries; expected one per sample ({B})")
-    prompt = _field(batch, "prompt_lengths", (torch.int64,), (B,), "one value per sample")
+    prompt = field(batch, "prompt_lengths", (torch.int64,), (B,), "one value per sample")
     if prompt is not None:
         out = (prompt < 0) | (prompt > lengths)
         checks.add(out.any(), lambda: refuse(
             f"prompt_lengths[{(b := first_true(out)[0])}] is {int(prompt[b])} but sample {b} has {int(lengths[b])} tokens; "
             f"a prompt length is in [0, {int(lengths[b])}]"))
     for name in ("rewards", "costs"):
-        value = _field(batch, name, (torch.float32,), (B,), "one value per sample")
+        value = field(batch, name, (torch.float32,), (B,), "one value per sample")
         if value is not None:
             bad = ~torch.isfinite(value)
             checks.add(bad.any(), lambda name=name, value=value, bad=bad: refuse(
                 f"{name}[{(b := first_true(bad)[0])}] is {float(value[b])} (sample {b}); rewards and costs must be finite"))
-
-
-# ----------------------------------------------------------------------------- media
-def _check_media(batch, checks: DeviceChecks) -> None:
-    M = len(batch.media_ids)
-    if len(batch.media_cache_keys) != M:
-        raise SchemaError(f"media_cache_keys has {len(batch.media_cache_keys)} entries; media_ids has {M} (one per media item)")
-    per_item = {
-        "media_modality": ((torch.int8,), (M,), "one per media item"),
-        "media_sample": ((torch.int64,), (M,), "one per media item"),
-        "media_grid_thw": ((torch.int64,), (M, 3), "a (t, h, w) row per media item"),
-        "vision_token_offsets": ((torch.int64,), (M,), "one per media item"),
-    }
-    values = {name: _field(batch, name, *spec) for name, spec in per_item.items()}
-    for name, value in values.items():
-        if value is None and M:
-            raise SchemaError(f"{name} is missing; the batch lists {M} media items (media_ids)")
-    device = batch.input_ids.device
-    modality = torch.zeros(0, dtype=torch.int8, device=device) if values["media_modality"] is None else values["media_modality"]
-    grid = torch.zeros(0, 3, dtype=torch.int64, device=device) if values["media_grid_thw"] is None else values["media_grid_thw"]
-    B, merge = batch.num_samples, batch.spatial_merge_size
-    not_media = (modality < int(Modality.IMAGE)) | (modality > int(Modality.AUDIO))
-    checks.add(not_media.any(), lambda: refuse(
-        f"media_modality[{(g := first_true(not_media)[0])}] is {int(modality[g])}; a media item is 1 (image), 2 (video) or 3 (audio)"))
-    if M:
-        sample = values["media_sample"]
-        outside = (sample < 0) | (sample >= B)
-        checks.add(outside.any(), lambda: refuse(
-            f"media_sample[{(g := first_true(outside)[0])}] is {int(sample[g])}; the batch has samples 0..{B - 1}"))
-        add_grid_checks(checks, "media_grid_thw", grid, merge)
-    for mod, grid_name, pixel_name in ((Modality.IMAGE, "image_grid_thw", "pixel_values"), (Modality.VIDEO, "video_grid_thw", "pixel_values_videos")):
-        _check_model_inputs(batch, checks, mod, grid_name, pixel_name, modality, grid)
-    videos = 0 if batch.video_grid_thw is None else batch.video_grid_thw.shape[0]
-    seconds = _field(batch, "second_per_grid_ts", FLOAT_DTYPES, (videos,), "one per video")
-    if seconds is not None:
-        bad_second = ~torch.isfinite(seconds) | (seconds <= 0)
-        checks.add(bad_second.any(), lambda: refuse(
-            f"second_per_grid_ts[{(v := first_true(bad_second)[0])}] is {float(seconds[v])}; seconds per temporal patch are finite and > 0"))
-    _check_keys(batch, checks, modality, grid)
-
-
-def _check_offsets(batch, checks: DeviceChecks) -> None:
-    """``vision_token_offsets`` follow from the grids (checked last: a wrong grid is reported as itself)."""
-    if not batch.media_ids:
-        return
-    expected = offsets(token_counts(batch.media_grid_thw, batch.spatial_merge_size), batch.media_modality)
-    offset = batch.vision_token_offsets
-    wrong = offset != expected
-    checks.add(wrong.any(), lambda: refuse(
-        f"vision_token_offsets[{(g := first_true(wrong)[0])}] is {int(offset[g])}, expected {int(expected[g])}: "
-        "the row offset of the item in its modality's vision-tower output (order of the grids)"))
-
-
-def _check_model_inputs(batch, checks, mod: Modality, grid_name: str, pixel_name: str, modality: Tensor, grid: Tensor) -> None:
-    """``image_grid_thw``/``video_grid_thw`` are the grids of the items of that modality in
-    order; the pixel rows are as many as the grids need, all finite."""
-    label = mod.label
-    grids = _field(batch, grid_name, (torch.int64,), (None, 3), f"a (t, h, w) row per {label}")
-    mine = modality == int(mod)
-    if grids is None:
-        checks.add(mine.any(), lambda: refuse(
-            f"{grid_name} is missing: the batch has {int(mine.sum())} {label} items (the model needs their grids)"))
-    else:
-        n = grids.shape[0]
-        checks.add(mine.sum() != n, lambda: refuse(f"{grid_name} has {n} rows; the batch has {int(mine.sum())} {label} items"))
-        rank = (torch.cumsum(mine.long(), 0) - 1).clamp(0, max(n - 1, 0))
-        differ = (mine & (grids[rank] != grid).any(1)) if n else torch.zeros_like(mine)
-
-        def disagree():
-            g = first_true(differ)[0]
-            k = int(rank[g])
-            raise SchemaError(f"{grid_name}[{k}] is {grids[k].tolist()} but media item {g} ({label}) has grid {grid[g].tolist()}: "
-                  "the model inputs and the media records disagree")
-
-        checks.add(differ.any(), disagree)
-    pixels = getattr(batch, pixel_name)
-    if pixels is None:
-        return
-    if grids is None:
-        raise SchemaError(f"{pixel_name} given without {grid_name}: the vision tower needs each item's grid")
-    pixels = _field(batch, pixel_name, FLOAT_DTYPES, (None, None), f"vision-tower input rows of the {label}s")
-    add_pixel_checks(checks, pixel_name, pixels, grid_name, grids, label)
-
-
-def _check_keys(batch, checks: DeviceChecks, modality: Tensor, grid: Tensor) -> None:
-    """Media items that share a cache key share their modality and grid (a key names one
-    vision-tower input), and items that share a media id share their key (an id names one
-    content); pairs found on the host from the strings."""
-    named: dict[str, int] = {}
-    for g, (media_id, key) in enumerate(zip(batch.media_ids, batch.media_cache_keys)):
-        i = named.setdefault(media_id, g)
-        if batch.media_cache_keys[i] != key:
-            raise SchemaError(f"media_ids: media items {i} and {g} share the id {media_id!r} but have different "
-                              "media_cache_keys (different contents): give each content its own media id")
-    first: dict[str, int] = {}
-    pairs = []
-    for g, key in enumerate(batch.media_cache_keys):
-        i = first.setdefault(key, g)
-        if i != g:
-            pairs.append((i, g))
-    if not pairs:
-        return
-    a, b = (_to_device(list(side), grid.device) for side in zip(*pairs))
-    differ = (grid[a] != grid[b]).any(1) | (modality[a] != modality[b])
-
-    def shared():
-        i, j = pairs[first_true(differ)[0]]
-        raise SchemaError(f"media_cache_keys: media items {i} and {j} share a key but have different grids ({grid[i].tolist()} and "
-              f"{grid[j].tolist()}) or modalities: a key names one vision-tower input")
-
-    checks.add(differ.any(), shared)
-
-
-def _to_device(values: list[int], device: torch.device) -> Tensor:
-    """Host ints as an int64 tensor on ``device`` without a host sync (on CUDA a pinned,
-    non-blocking copy: a plain one from pageable memory waits for the device)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 # ----------------------------------------------------------------------------- spans
@@ -359,10 +228,10 @@ def _check_groups(batch, checks: DeviceChecks, token_media: Tensor, lengths: Ten
         return
     device, B, T = batch.input_ids.device, batch.num_samples, batch.num_tokens
     cu = batch.cu_seqlens.long()
-    lead = _to_device(leader, device)
+    lead = ints_on(leader, device)
     other_length = prompt != prompt[lead]
     key_first: dict[str, int] = {}
-    key_index = _to_device([key_first.setdefault(k, len(key_first)) for k in batch.media_cache_keys], device)
+    key_index = ints_on([key_first.setdefault(k, len(key_first)) for k in batch.media_cache_keys], device)
     token_key = torch.where(token_media >= 0, key_index[token_media.clamp(min=0)] if key_index.numel() else token_media,
                             token_media)
     sample = (torch.searchsorted(cu, torch.arange(T, device=device), right=True) - 1).clamp(0, B - 1)
@@ -507,14 +376,14 @@ def _check_grounding(batch, checks: DeviceChecks, lengths: Tensor) -> None:
         if table is not None:
             _check_span_bounds(checks, spans_name, table, lengths)
         n = 0 if table is None else table.num_spans
-        values = _field(batch, values_name, (torch.float32,), (n,), f"one value per span of {spans_name}")
+        values = field(batch, values_name, (torch.float32,), (n,), f"one value per span of {spans_name}")
         if values is not None:
             bad = ~torch.isfinite(values)
             checks.add(bad.any(), lambda name=values_name, values=values, bad=bad: refuse(
                 f"{name}[{(i := first_true(bad)[0])}] is {float(values[i])}; rewards must be finite"))
     _check_targets(batch, checks, "bbox_targets", "bbox_sample", "(x0, y0, x1, y1)")
     _check_targets(batch, checks, "point_targets", "point_sample", "(x, y)")
-    screen = _field(batch, "screen_size", (torch.int64,), (B, 2), "(width, height) per sample")
+    screen = field(batch, "screen_size", (torch.int64,), (B, 2), "(width, height) per sample")
     if screen is not None:
         small = (screen < 1).any(1)
         checks.add(small.any(), lambda: refuse(
@@ -525,14 +394,14 @@ def _check_targets(batch, checks: DeviceChecks, name: str, owner_name: str, row:
     """Boxes or points: finite rows (boxes with x0 <= x1, y0 <= y1), each of a sample of the
     batch, in a named coordinate system."""
     width = row.count(",") + 1
-    targets = _field(batch, name, (torch.float32,), (None, width), f"one {row} row each")
+    targets = field(batch, name, (torch.float32,), (None, width), f"one {row} row each")
     if targets is None:
         return
     if batch.coordinate_system is None:
         raise SchemaError(f"{name} given without coordinate_system; say which system the coordinates are in")
     if getattr(batch, owner_name) is None:
         raise SchemaError(f"{name} needs {owner_name}: the sample of each row")
-    owner = _field(batch, owner_name, (torch.int64,), (targets.shape[0],), f"the sample of each row of {name}")
+    owner = field(batch, owner_name, (torch.int64,), (targets.shape[0],), f"the sample of each row of {name}")
     B = batch.num_samples
     outside = (owner < 0) | (owner >= B)
     checks.add(outside.any(), lambda: refuse(
