@@ -110,22 +110,8 @@ class Lagrangian:
                    eps: float = 1e-6) -> LagrangianAdvantages:
         """``(A_r - lam * A_c) / (1 + lam)``, each part a group advantage normalized on its own.
 
-        Parameters
-        ----------
-        rewards, costs : Tensor
-            Per-sample float ``[B]``, separate tensors.
-        group_ids : Tensor, optional
-            The groups, as ``group_advantages`` takes them.
-        batch : RLBatch, optional
-            Instead of ``group_ids``.
-        estimator : Estimator or str
-            As ``group_advantages``'s.
-        eps : float
-            As ``group_advantages``'s.
-
-        Returns
-        -------
-        LagrangianAdvantages
+        The arguments are ``lagrangian_advantages``'s, with ``lam`` this multiplier's current
+        value; the result is its ``LagrangianAdvantages``.
         """
         return lagrangian_advantages(rewards, costs, group_ids, self.value, batch=batch, estimator=estimator, eps=eps)
 

@@ -5,7 +5,7 @@ differs between two runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -119,14 +119,17 @@ def forward_run(model, batch: RLBatch, padding: PaddingSide | str | None) -> Run
                 lambda s: forward_views(batch, padding, s))
 
 
-def vision_cache_run(model, batch: RLBatch) -> Run:
+def vision_cache_run(model, batch: RLBatch, media: Optional[RLBatch] = None) -> Run:
+    """The forward with ``VisionCache`` embeddings of ``media`` (default: the batch itself; the
+    batch's videos frame by frame, ``VideoLayout.frame_batch``, for the frames case)."""
     rows, _ = batch.loss_token_index()
+    media = batch if media is None else media
 
     def execute():
-        return forward_hidden(model, batch, media_embeds=VisionCache(model)(batch))[rows]
+        return forward_hidden(model, batch, media_embeds=VisionCache(model)(media))[rows]
 
     def views(s):
-        cached = cached_views(batch, s)
+        cached = cached_views(media, s)
         return Views(cached.vision, forward_views(batch, None, s).text, cached.merge)
 
     return Run(batch, execute, views)

@@ -20,15 +20,14 @@ from typing import Callable, Optional
 import torch
 
 from ..models.family import check_processor_family, model_family
-from ..models.forward import forward_hidden, prompt_lengths
+from ..models.forward import prompt_lengths
 from ..models.rollout import decode_hidden
-from ..models.vision_cache import VisionCache
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, PaddingSide, RLBatch
 from ..schema.checks import bool_arg, int_arg, sequence_arg
 from ..schema.video import VideoLayout
-from ._probe import Run, Views, cached_views, first_divergence, forward_run, forward_views, group_run, vision_cache_run
+from ._probe import Run, Views, first_divergence, forward_run, forward_views, group_run, vision_cache_run
 from .invariance_report import CaseResult, InvarianceReport, Mode
 
 __all__ = ["invariance_sweep"]
@@ -179,25 +178,15 @@ def _group_cache(r: _Runs):
     return [(f"G={r.group_size}", _each(r.group_full, r.group("group_cached", group_run), r.group_size))]
 
 
-def _frame_cache_run(model, batch: RLBatch) -> Run:
+def _frames_run(model, batch: RLBatch) -> Run:
     """Videos through the tower frame by frame: ``VideoLayout.frame_batch`` into ``VisionCache``."""
-    rows, _ = batch.loss_token_index()
-    frames = VideoLayout(batch).frame_batch()
-
-    def execute():
-        return forward_hidden(model, batch, media_embeds=VisionCache(model)(frames))[rows]
-
-    def views(s):
-        cached = cached_views(frames, s)
-        return Views(cached.vision, forward_views(batch, None, s).text, cached.merge)
-
-    return Run(batch, execute, views)
+    return vision_cache_run(model, batch, media=VideoLayout(batch).frame_batch())
 
 
 def _video_frames(r: _Runs):
     items = [it for it in r.items if getattr(it.sample, "videos", None)]
     whole = _RunRef("video_whole", lambda: vision_cache_run(r.model, r.build(items)))
-    frames = _RunRef("video_frames", lambda: _frame_cache_run(r.model, r.build(items)))
+    frames = _RunRef("video_frames", lambda: _frames_run(r.model, r.build(items)))
     return [(f"{len(items)} with video", _each(whole, frames, len(items)))]
 
 
