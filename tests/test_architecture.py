@@ -333,7 +333,7 @@ def test_moved_module_paths_are_gone_and_their_homes_exist(old):
 ALL_DECLARED = ("rlk_mm.schema", "rlk_mm.models", "rlk_mm.parity", "rlk_mm.grounding", "rlk_mm.smoke",
                 "rlk_mm.fixtures",
                 "rlk_mm.cli", "rlk_mm.command", "rlk_mm.viz")
-#: modules run as scripts, or not yet converted (the ops engineer's part of issue 29)
+#: modules run as scripts, or not yet converted
 ALL_EXEMPT = ("rlk_mm.smoke.__main__", "rlk_mm.schema.checks")
 
 

@@ -1,4 +1,4 @@
-"""The CLI's output paths (issue 31, class 8): a --png path is a file name with a picture suffix
+"""The CLI's output paths: a --png path is a file name with a picture suffix
 in an existing folder, checked at parse time (exit 2 naming the option); the file written is
 the path given."""
 

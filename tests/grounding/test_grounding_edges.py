@@ -1,5 +1,5 @@
-"""Issue 31, grounding: conversions exact at the image's edges (class 5) and ``action_match``'s
-equality (bools are not numbers, a point is any two real numbers; class 7)."""
+"""Grounding: conversions exact at the image's edges and ``action_match``'s
+equality (bools are not numbers, a point is any two real numbers)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 31, D-12, episode grounding: ``parse_grounding`` on GUI episodes (``from_trajectories``,
+"""Episode grounding: ``parse_grounding`` on GUI episodes (``from_trajectories``,
 several screenshots per sample) converts each action's coordinates with the size of the
 screenshot that action answers, recorded per media item by the builder (its resize settings,
 ``RLBatch.media_original_sizes``) and kept by select / concat / save / load; where no size is

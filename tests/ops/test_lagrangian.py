@@ -46,7 +46,7 @@ def test_a_cost_never_enters_the_reward_column():
 
 
 def test_disjoint_views_of_one_tensor_are_accepted():
-    """Issue 31, D-05: the reward and cost columns of one [B, 2] scores tensor (or two halves of
+    """The reward and cost columns of one [B, 2] scores tensor (or two halves of
     one [2B] tensor) are disjoint: accepted, with the result of separate tensors."""
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 0.2, 0.9, 0.1])
     costs = torch.tensor([5.0, 1.0, 0.0, 3.0, 0.0, 0.0, 10.0, 2.0])
@@ -115,7 +115,7 @@ def test_no_host_read_compile_fullgraph_and_meta_device():
 
 
 def test_a_negative_multiplier_gives_nan_not_a_flipped_sign():
-    """Issue 31, D-04: lam < 0 would make a cost raise the advantage (lam = -1 divides by 0). The op
+    """A lam < 0 would make a cost raise the advantage (lam = -1 divides by 0). The op
     never reads the device: such a lam gives NaN advantages (documented), as a NaN lam does."""
     rewards, costs = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.0, 1.0, 1.0, 0.0])
     groups = torch.tensor([0, 0, 1, 1])
@@ -128,7 +128,7 @@ def test_a_negative_multiplier_gives_nan_not_a_flipped_sign():
 
 @pytest.mark.parametrize("costs", [[math.inf], [-math.inf, 1.0], [math.inf, -math.inf], [1e39]])
 def test_an_infinite_mean_cost_makes_lam_nan_not_a_bound(costs):
-    """Issue 31, D-04: an infinite mean episode cost gave lam at its clamp bound (0 or max_value)
+    """An infinite mean episode cost gave lam at its clamp bound (0 or max_value)
     silently; like a NaN cost, it now makes lam NaN."""
     for max_value in (None, 5.0):
         lam = Lagrangian(budget=0.5, lr=0.1, init=0.5, max_value=max_value)
@@ -137,7 +137,7 @@ def test_an_infinite_mean_cost_makes_lam_nan_not_a_bound(costs):
 
 
 def test_step_keeps_no_autograd_graph():
-    """Issue 31, D-04: costs with autograd history (e.g. from a cost model) leave lam a plain value."""
+    """Costs with autograd history (e.g. from a cost model) leave lam a plain value."""
     lam = Lagrangian(budget=0.5, lr=0.1)
     w = torch.ones(3, requires_grad=True)
     lam.step(w * 2)

@@ -193,7 +193,7 @@ def _reference_loss(logp, old, adv, mask, *, ratio, mode, ref_logp, weights, kl_
 
 @pytest.mark.parametrize("ratio", ["token", "gspo_token", "gspo"])
 def test_every_combination_runs_backward_and_matches_fp64(backend, ratio):
-    """Issue 31, D-02 and D-03: every (mode, layout, KL, IS) combination of a ratio runs its
+    """Every (mode, layout, KL, IS) combination of a ratio runs its
     backward (all eight constant slots of the op filled used to crash it: a tensor list's
     gradient of the wrong structure), and loss and gradient equal fp64 autograd (with
     ``ratio="gspo"`` the KL gradient is per token, not spread over the sequence)."""
@@ -229,7 +229,7 @@ def test_every_combination_runs_backward_and_matches_fp64(backend, ratio):
 
 @pytest.mark.parametrize("ratio", ["gspo_token", "gspo"])
 def test_linear_policy_loss_gspo_with_kl_matches_fp64(backend, ratio):
-    """Issue 31, D-02/D-03 through the fused LM-head loss (which runs this op for sequence ratios):
+    """Every ratio mode through the fused LM-head loss (which runs this op for sequence ratios):
     with a mask, KL and IS weights in a seq mode it runs backward, and d hidden / d weight equal
     fp64 autograd of logits -> log_softmax -> the reference loss (it was 15-19% off with "gspo")."""
     from rlk_mm.ops import linear_policy_loss
@@ -302,7 +302,7 @@ def test_empty_and_fully_masked():
     assert loss.item() == 0 and empty.grad.shape == (0,)
 
 
-# ----------------------------------------------------------------------------- global counts (issue 31, D-01)
+# ----------------------------------------------------------------------------- global counts
 def _nine_tokens():
     """3 x 3 inputs, every token scored: 9 tokens in 3 sequences."""
     g = torch.Generator().manual_seed(31)

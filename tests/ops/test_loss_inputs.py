@@ -195,7 +195,7 @@ def _policy_loss_cases() -> list[Case]:
         ok("entropy nan scored propagates", _pl(entropy=with_value(torch.ones(3, 4), (0, 0), NAN), entropy_coeff=0.01),
            lambda r: bool(r[0].isnan())),
         ok("infinite clip_ratio_high", _pl(clip_ratio_high=INF), finite_scalar),
-        # issue 31, D-01: a global count below what this batch shows (8 scored tokens in 3 sequences)
+        # a global count below what this batch shows (8 scored tokens in 3 sequences)
         bad("batch_num_tokens 0 with scored tokens", _pl(batch_num_tokens=0), ValueError,
             r"batch_num_tokens is 0\.0 but this batch alone scores 8 tokens"),
         bad("batch_num_tokens 1 (8x the mean)", _pl(batch_num_tokens=1), ValueError, r"batch_num_tokens is 1\.0 but"),
@@ -209,7 +209,7 @@ def _policy_loss_cases() -> list[Case]:
             r"global_batch_size=3\.5: a count of sequences is a whole number"),
         ok("batch_num_tokens 0 with nothing scored", _pl(mask=torch.zeros_like(MASK), batch_num_tokens=0),
            lambda r: r[0].item() == 0),
-        # issue 31, D-02: GSPO with every constant slot filled (compact, mask, KL, IS weights, a seq mode) runs backward
+        # GSPO with every constant slot filled (compact, mask, KL, IS weights, a seq mode) runs backward
         ok("compact gspo + mask + KL + IS + seq mode: backward", lambda: _backward_runs(
             ratio="gspo_token", loss_agg_mode="seq-mean-token-sum", ref_log_probs=OLD[MASK], kl_coef=0.1,
             rollout_is_weights=torch.ones(8), mask=torch.ones(8, dtype=torch.bool))),
@@ -250,7 +250,7 @@ def _agg_cases() -> list[Case]:
             ValueError, r"loss_scale_factor is required"),
         ok("nan masked", agg(loss_mat=with_value(LOGP, (0, 3), NAN)), finite_scalar),
         ok("no mask", agg(mask=None), finite_scalar),
-        # issue 31, D-01: refused in the host read the call makes anyway; NaN where it makes none (bool mask)
+        # refused in the host read the call makes anyway; NaN where it makes none (bool mask)
         bad("batch_num_tokens 0, int mask", agg(mask=MASK.long(), batch_num_tokens=0), ValueError,
             r"batch_num_tokens is 0\.0 but this batch alone scores 8"),
         ok("batch_num_tokens 0, bool mask: NaN", agg(batch_num_tokens=0), lambda r: bool(r.isnan())),

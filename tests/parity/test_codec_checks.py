@@ -1,4 +1,4 @@
-"""The bundled codec fixture checks its inputs (issue 31, D-06): errors name the argument and
+"""The bundled codec fixture checks its inputs: errors name the argument and
 what to change, before torch reshapes or multiplies anything."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The parity diagnosis names the real cause or none (issue 31, class 9), on the checked-in traces
+"""The parity diagnosis names the real cause or none, on the checked-in traces
 and on single changes of one batch."""
 
 from pathlib import Path

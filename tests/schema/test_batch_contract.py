@@ -1,4 +1,4 @@
-"""The batch contract where a batch is built, combined, selected or loaded (issue 31, class 1):
+"""The batch contract where a batch is built, combined, selected or loaded:
 a GRPO group answers one prompt; group ids keep one type; a media id names one content."""
 
 import dataclasses
@@ -164,7 +164,7 @@ def test_a_file_whose_pixels_changed_is_refused(processor, two_prompts, tmp_path
 
 def test_a_transposed_group_of_three_is_not_guessed(processor, tiny_model):
     """A GRPO group of 3 identical image prompts: (B, 3, L) positions have the shape of (3, B, L);
-    read that way its text tokens look fine, but its image tokens get t = h = w (issue 31, D-09)."""
+    read that way its text tokens look fine, but its image tokens get t = h = w."""
     samples = synthetic_image_text(1, seed=8, max_images=1, sizes=[(56, 56)]) * 3
     out = processor_inputs(processor, samples, padding_side="left")
     pos, _ = tiny_model.model.get_rope_index(out["input_ids"], out["mm_token_type_ids"], out["image_grid_thw"],

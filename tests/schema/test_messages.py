@@ -169,7 +169,7 @@ BAD = [
     (lambda t: _conv({"type": "text", "text": "hi"}), TypeError, r"one conversation\): pass a list of conversations"),
     (lambda t: [], ValueError, r"conversations is empty"),
     (lambda t: [[{"content": "hi"}]], ValueError, r"conversation 0, message 0: a message is a dict with 'role'"),
-    # issue 31: text parts, contents and roles checked before the chat template sees them
+    # text parts, contents and roles checked before the chat template sees them
     (lambda t: [_conv({"type": "text"})],
      TypeError, r"conversation 0, message 0, part 0: a text part needs 'text', a str; got no text"),
     (lambda t: [_conv({"type": "text", "text": None})],
@@ -245,7 +245,7 @@ def test_any_size_and_limits_give_qwen_vl_utils_grid(processor, width, height, l
 @pytest.mark.parametrize("tps", [25.0, 1.0, 2.0])
 def test_video_layout_reads_the_batch_temporal_positions(processor, tps):
     """VideoLayout.temporal_positions() is the batch's own t row at each frame, whatever
-    tokens_per_second the batch was built with (issue 31, D-16)."""
+    tokens_per_second the batch was built with."""
     from rlk_mm.schema import VideoLayout
 
     frames = [Image.new("RGB", (56, 56), (10 * f, 0, 0)) for f in range(6)]
@@ -262,7 +262,7 @@ def test_video_layout_reads_the_batch_temporal_positions(processor, tps):
 @given(width=st.integers(28, 700), height=st.integers(28, 700), low=st.sampled_from([3136, 6272, 12544]),
        high=st.sampled_from([12544, 50176]))
 def test_video_frame_size_is_smart_resize_of_the_frame(processor, width, height, low, high):
-    """Property (issue 31, D-15): a frame list's size is qwen-vl-utils' own smart_resize of the
+    """Property: a frame list's size is qwen-vl-utils' own smart_resize of the
     original frame size under the item's limits (the documented claim), over its argument space."""
     vp = vision_process()
     frames = [Image.new("RGB", (width, height))] * 2

@@ -1,4 +1,4 @@
-"""RLBatch.from_trajectories refuses what would build a wrong batch (issue 31): duplicate episode
+"""RLBatch.from_trajectories refuses what would build a wrong batch: duplicate episode
 ids, a group of several tasks or start screens, chat markers in text fields, screenshots the image
 processor cannot resize, no processor; every error names the episode, the step and the field."""
 
