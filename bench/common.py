@@ -162,7 +162,7 @@ def install_ray_stand_in() -> None:
     """Let verl import where ray is missing (verl imports ray at import time; the benchmarks
     use only its stateless functions): installs ``tests/support/ray_stand_in.py``, loaded from its
     file (no ``sys.path`` change)."""
-    spec = importlib.util.spec_from_file_location("ray_stand_in", ROOT / "tests" / "ray_stand_in.py")
+    spec = importlib.util.spec_from_file_location("ray_stand_in", ROOT / "tests" / "support" / "ray_stand_in.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.install()
