@@ -12,7 +12,7 @@ t(tp))``, the max |Δ| of the log-probs, entropies and row log-sum-exps (of
 ``selected_logprob``, and the fused loss's log-probs and entropies) against the single-GPU
 op (the goal, and the guarantee: 0), and the bytes each rank sent per scored token,
 measured (``torch.profiler``'s c10d ops, the slope between N/2 and N rows) against
-``vocab_parallel.comm_bytes_per_token``. verl's kernel all-reduces (its bytes are counted by
+``_vocab_parallel.comm.comm_bytes_per_token``. verl's kernel all-reduces (its bytes are counted by
 wrapping ``torch.distributed.all_reduce``); verl is imported lazily and its absence
 recorded. Writes ``tp.json`` to ``--out``, naming the card. ``--quick``: the 7B head only,
 3 timed repetitions (about a minute on 4 H100s at tp 1/2/4).
@@ -147,9 +147,9 @@ def _case(n, H, V, P, rank, device, dtype):
 
 
 def _sizes(V, P):
-    """Shard sizes on the 128-row grid (``vocab_parallel.VOCAB_ALIGN``): whole segments split
+    """Shard sizes on the 128-row grid (``_head_inputs.VOCAB_ALIGN``): whole segments split
     evenly, the first shards one segment larger where they do not divide; the last ends at V."""
-    from rlk_mm.ops.vocab_parallel import VOCAB_ALIGN
+    from rlk_mm.ops._head_inputs import VOCAB_ALIGN
 
     segments = -(-V // VOCAB_ALIGN)
     sizes = [(segments // P + (r < segments % P)) * VOCAB_ALIGN for r in range(P)]
@@ -217,7 +217,7 @@ def _verl_runs(peers: dict, group) -> Optional[str]:
 
 def _sent_per_token(run, c, group, P) -> dict:
     """Bytes this rank sent per scored token: profiler counts at N/2 and N rows, the slope."""
-    from rlk_mm.ops import vocab_parallel as vp
+    from rlk_mm.ops._vocab_parallel import comm
 
     n = c["index"].numel()
     sent = []
@@ -227,10 +227,10 @@ def _sent_per_token(run, c, group, P) -> dict:
                     sample=c["sample"][:rows])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             run(half)
-        sent.append(sum(vp.profiled_sent_bytes(prof.events(), P).values()))
+        sent.append(sum(comm.profiled_sent_bytes(prof.events(), P).values()))
     V = c["weight"].shape[0]
-    documented = vp.comm_bytes_per_token(P, c["hidden"].shape[1], True, V, largest_shard=max(_sizes(V, P)),
-                                         partial_columns=vp.partial_columns(c["shard"]))
+    documented = comm.comm_bytes_per_token(P, c["hidden"].shape[1], True, V, largest_shard=max(_sizes(V, P)),
+                                           partial_columns=comm.partial_columns(c["shard"]))
     return {"measured": (sent[1] - sent[0]) / (n - n // 2), "documented": sum(documented.values()),
             "documented_split": documented}
 
@@ -290,7 +290,8 @@ def _errors(c, group) -> dict:
     """Max |Δ| of this rank's results against the single-GPU op on the whole head: the forward's
     log-probs, entropies and row log-sum-exps, and ``linear_policy_loss``'s log-probs and entropies."""
     from rlk_mm.ops import linear_policy_loss
-    from rlk_mm.ops import vocab_parallel as vp
+    from rlk_mm.ops._vocab_parallel.agree import agree
+    from rlk_mm.ops._vocab_parallel.logprob import shard_forward
 
     def stats(weight, tp_group):
         if tp_group is None and weight.is_cuda:
@@ -301,9 +302,9 @@ def _errors(c, group) -> dict:
             from rlk_mm.ops._torch import logprob as torch_logprob
 
             return torch_logprob.selected_logprob_forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9)
-        shard, all_rows = vp.agree(c["hidden"], weight, c["index"], c["targets"], None, 0.9, tp_group, None, False,
-                                   lambda: None)
-        return vp.shard_forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9, True, all_rows, shard)
+        shard, all_rows = agree(c["hidden"], weight, c["index"], c["targets"], None, 0.9, tp_group, None, False,
+                                lambda: None)
+        return shard_forward(c["hidden"], weight, c["index"], c["targets"], None, 0.9, True, all_rows, shard)
 
     def fused(weight, tp_group):
         out = linear_policy_loss(c["hidden"], weight, index=c["index"], targets=c["targets"], temperature=0.9,

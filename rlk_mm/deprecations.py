@@ -28,6 +28,7 @@ MOVED_MODULES: dict[str, str] = {
     "rlk_mm.smoke.point_task": "rlk_mm.smoke.tasks.point",
     "rlk_mm.ops.loss_config": "rlk_mm.ops.loss.config",
     "rlk_mm.ops.linear_loss": "rlk_mm.ops.loss.fused",
+    "rlk_mm.ops.vocab_parallel": "rlk_mm.ops._vocab_parallel",
 }
 
 #: ``package.name`` -> the module that holds it now; the package's ``__getattr__`` serves it with a warning

@@ -1,7 +1,7 @@
 """The LM-head ops' inputs, checked: the scored rows and targets (from an ``RLBatch``'s loss
 spans or given), the hidden states, the head and its bias, and the errors that name them.
 
-``selected_logprob``, ``linear_policy_loss``, ``sample_from_hidden`` and ``vocab_parallel``
+``selected_logprob``, ``linear_policy_loss``, ``sample_from_hidden`` and ``_vocab_parallel``
 (which checks each rank's shard with them) share these checks: one home, no import cycle; and
 ``local_head``: which head a call computes with (a plain head, or a ``Shard(0)`` DTensor's
 local shard and group, or the gathered whole)."""
@@ -28,7 +28,7 @@ __all__ = [
 IGNORE_INDEX = -100  # the ignore index of torch's and HF's losses: a common slip into token ids
 #: columns of one vocabulary segment: the global grid every backend reduces logits on (a
 #: segment's partial sums, then the segments folded in order), whatever the dtype, device or
-#: tensor-parallel layout; a vocabulary shard must start on it (``vocab_parallel``)
+#: tensor-parallel layout; a vocabulary shard must start on it (``_vocab_parallel``)
 VOCAB_ALIGN = 128
 
 

@@ -76,7 +76,7 @@ def selected_logprob(
     return_entropy : bool
         Also return the entropies.
     tp_group : ProcessGroup, optional
-        Vocabulary-parallel (see ``vocab_parallel``): every rank passes the same hidden rows and
+        Vocabulary-parallel (see ``_vocab_parallel``): every rank passes the same hidden rows and
         targets (global token ids). Every shard but the last holds a multiple of 128 rows.
     vocab_start_index : int, optional
         This rank's first vocabulary row, checked when given.
@@ -112,7 +112,7 @@ def selected_logprob(
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)
     weight, bias, tp_group = sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     if tp_group is not None:
-        from . import vocab_parallel
+        from ._vocab_parallel import logprob as vocab_parallel
 
         with targets_named_by(batch):
             logp, entropy = vocab_parallel.selected_logprob(
@@ -141,15 +141,15 @@ def sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight):
     Returns
     -------
     tuple
-        ``(weight, bias, tp_group)``: else ``vocab_parallel.local_head``'s resolution.
+        ``(weight, bias, tp_group)``: else ``_head_inputs.local_head``'s resolution.
     """
     plain = (torch.Tensor, torch.nn.Parameter)
     if (tp_group is None and vocab_start_index is None and gather_weight is False
             and type(weight) in plain and (bias is None or type(bias) in plain)):
         return weight, bias, None
-    from . import vocab_parallel
+    from ._head_inputs import local_head
 
-    return vocab_parallel.local_head(weight, bias, tp_group, vocab_start_index, gather_weight)
+    return local_head(weight, bias, tp_group, vocab_start_index, gather_weight)
 
 
 def _forward(

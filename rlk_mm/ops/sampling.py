@@ -158,7 +158,7 @@ def sample_from_hidden(
     filters take a second pass over logits written a row chunk at a time. Backends as
     ``sample``, without "flashinfer" (it samples from logits only).
 
-    Vocabulary-parallel heads (``vocab_parallel``): with ``tp_group`` (or a ``Shard(0)``
+    Vocabulary-parallel heads (``_vocab_parallel``): with ``tp_group`` (or a ``Shard(0)``
     DTensor head) ``weight``/``bias`` are this rank's contiguous shard, starting on the
     128-row grid, every rank passing the same hidden rows, seeds and settings; every rank
     gets the single device's tokens and log-probs, bitwise, for plain temperature and for
@@ -183,7 +183,7 @@ def sample_from_hidden(
     weight, bias, tp_group = sharded_head(weight, bias, tp_group, None, False)
     tensor_arg("weight", weight)
     check_head(hidden, weight, rows, rows, bias, 1.0, shard=tp_group is not None)  # shapes, dtypes, devices
-    V = weight.shape[0]  # a shard's: the group's vocabulary settles top-k and the size check (vocab_parallel)
+    V = weight.shape[0]  # a shard's: the group's vocabulary settles top-k and the size check (_vocab_parallel)
     inv_t, filters = _settings(temperature, top_k, top_p, min_p, V if tp_group is None else MAX_VOCAB)
     temperature = float(temperature)
     check = bool_arg("check", check)
@@ -193,7 +193,7 @@ def sample_from_hidden(
     if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
     if tp_group is not None:
-        from . import vocab_parallel
+        from ._vocab_parallel import sampling as vocab_parallel
 
         triton = resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON
         out = vocab_parallel.sample_from_hidden(hidden, weight, bias, temperature, filters, seeds, steps, triton,

@@ -106,7 +106,7 @@ def test_host_syncs_gpu(every_row, with_bias):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_shard_partials_are_the_whole_heads_partials_gpu(dtype):
-    """What makes vocabulary-parallel results bitwise the single GPU's (``vocab_parallel``), on
+    """What makes vocabulary-parallel results bitwise the single GPU's (``_vocab_parallel``), on
     one GPU: the per-segment partials a 128-aligned shard of the 7B head computes (starting at
     rows 76,160 and 114,048: mid-way through a 256-column bf16 tile) are bitwise the whole
     head's partials of those segments."""

@@ -35,8 +35,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
-from rlk_mm.ops import vocab_parallel as vp
 from rlk_mm.ops._torch import logprob as torch_logprob
+from rlk_mm.ops._vocab_parallel.agree import agree
+from rlk_mm.ops._vocab_parallel.comm import comm_bytes_per_token, partial_columns, profiled_sent_bytes
+from rlk_mm.ops._vocab_parallel.logprob import shard_forward
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 from support.helpers import use_backend
 
@@ -131,8 +133,8 @@ def _stats(c, weight, bias, group):
         else:
             out = torch_logprob.selected_logprob_forward(h, weight, rows, tgt, bias, TEMPERATURE)
     else:
-        shard, all_rows = vp.agree(h, weight, rows, tgt, bias, TEMPERATURE, group, None, False, lambda: None)
-        out = vp.shard_forward(h, weight, rows, tgt, bias, TEMPERATURE, True, all_rows, shard)
+        shard, all_rows = agree(h, weight, rows, tgt, bias, TEMPERATURE, group, None, False, lambda: None)
+        out = shard_forward(h, weight, rows, tgt, bias, TEMPERATURE, True, all_rows, shard)
     return dict(zip(("logp", "entropy", "lse"), out))
 
 
@@ -302,10 +304,10 @@ def _comm_worker(rank, groups, numbers):
         for n in (6, 14):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                 _logprob_run(c, w, b, groups[P], index=c["index"][:n], targets=c["targets"][:n])
-            sent.append(sum(vp.profiled_sent_bytes(prof.events(), P).values()))
+            sent.append(sum(profiled_sent_bytes(prof.events(), P).values()))
         numbers[f"P{P}.measured"] = (sent[1] - sent[0]) / 8
-        numbers[f"P{P}.documented"] = sum(vp.comm_bytes_per_token(
-            P, H, True, V, largest_shard=max(SPLITS[P]), partial_columns=vp.partial_columns(w)).values())
+        numbers[f"P{P}.documented"] = sum(comm_bytes_per_token(
+            P, H, True, V, largest_shard=max(SPLITS[P]), partial_columns=partial_columns(w)).values())
     os.environ.pop("RLK_MM_BACKEND")
 
 
@@ -652,7 +654,7 @@ BAD_ARGS = [  # (call, error, message), without an initialized process group
      ValueError, r"vocab_start_index applies only with tp_group"),
     (lambda h, w, kw: sample_from_hidden(h[:2], w, seeds=torch.zeros(2, dtype=torch.long), tp_group="world"),
      RuntimeError, r"torch\.distributed is not initialized"),
-    (lambda h, w, kw: vp.profiled_sent_bytes([], 0), ValueError, r"group_size must be an int >= 1"),
+    (lambda h, w, kw: profiled_sent_bytes([], 0), ValueError, r"group_size must be an int >= 1"),
 ]
 
 
@@ -665,9 +667,9 @@ def test_bad_arguments(call, error, message):
 
 def test_comm_bytes_formula():
     """Forward: (P-1)·4·(k·⌈L/G⌉ + 1); backward: 2·(P-1)·4·⌈H/P⌉ (the module docstring's numbers)."""
-    assert vp.comm_bytes_per_token(1, 3584, True, 152064) == {"forward": 0, "backward": 0}
-    assert vp.comm_bytes_per_token(2, 3584, True, 152064) == {"forward": 4 * (3 * 594 + 1), "backward": 14336}
-    assert vp.comm_bytes_per_token(4, 3584, True, 152064) == {"forward": 3 * 4 * (3 * 297 + 1), "backward": 21504}
-    assert vp.comm_bytes_per_token(2, 3584, False, 152064) == {"forward": 4 * (2 * 594 + 1), "backward": 14336}
-    assert vp.comm_bytes_per_token(3, 3584, True, 677, largest_shard=256, partial_columns=32) == \
+    assert comm_bytes_per_token(1, 3584, True, 152064) == {"forward": 0, "backward": 0}
+    assert comm_bytes_per_token(2, 3584, True, 152064) == {"forward": 4 * (3 * 594 + 1), "backward": 14336}
+    assert comm_bytes_per_token(4, 3584, True, 152064) == {"forward": 3 * 4 * (3 * 297 + 1), "backward": 21504}
+    assert comm_bytes_per_token(2, 3584, False, 152064) == {"forward": 4 * (2 * 594 + 1), "backward": 14336}
+    assert comm_bytes_per_token(3, 3584, True, 677, largest_shard=256, partial_columns=32) == \
         {"forward": 2 * 4 * (3 * 8 + 1), "backward": 2 * 2 * 4 * 1195}

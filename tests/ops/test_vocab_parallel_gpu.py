@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from rlk_mm.ops import linear_policy_loss, sample_from_hidden, selected_logprob
-from rlk_mm.ops import vocab_parallel as vp
 from rlk_mm.ops._triton import logprob as triton_logprob
+from rlk_mm.ops._vocab_parallel.agree import agree
+from rlk_mm.ops._vocab_parallel.logprob import shard_forward
 from rlk_mm.parity.contract import ELEMENTWISE_LOSS_MAX_ABS, LOGPROB_GRAD_REL, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -115,9 +116,9 @@ def _stats(c, group):
         if group is None:
             out = triton_logprob.forward(h, c["weight"], rows, tgt, c["bias"], TEMPERATURE, True, False)
         else:
-            shard, all_rows = vp.agree(h, c["shard"], rows, tgt, c["shard_bias"], TEMPERATURE, group, None, False,
+            shard, all_rows = agree(h, c["shard"], rows, tgt, c["shard_bias"], TEMPERATURE, group, None, False,
                                        lambda: None)
-            out = vp.shard_forward(h, c["shard"], rows, tgt, c["shard_bias"], TEMPERATURE, True, all_rows, shard)
+            out = shard_forward(h, c["shard"], rows, tgt, c["shard_bias"], TEMPERATURE, True, all_rows, shard)
     return dict(zip(("logp", "entropy", "lse"), out))
 
 

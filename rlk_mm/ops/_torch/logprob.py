@@ -12,7 +12,7 @@ partials (max, Σ exp(z - max), Σ exp(z - max)·(z - max)); a row's partials ov
 vocabulary are then combined (``combine_partials``): the max over segments, then each
 rescaled sum over the segments in vocabulary order, per row of a fixed-shape tensor. So a
 row's result depends neither on the other rows (batch invariance) nor on how the
-vocabulary is split over ranks (``vocab_parallel`` gathers every shard's partials in
+vocabulary is split over ranks (``_vocab_parallel`` gathers every shard's partials in
 between, ``exchange``). Memory stays at one tile and one row chunk's partials (``[V / 128,
 ROW_CHUNK]``), never ``[n, V]``. ``compute_dtype=torch.float64`` gives the oracle the tests
 compare against.
@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 ROW_CHUNK = 128
 #: vocabulary entries per logits tile (``[VOCAB_TILE, ROW_CHUNK]`` fp32 is 2 MiB): 32 segments
 VOCAB_TILE = 32 * VOCAB_ALIGN
-#: a vocabulary shard's exchange (``vocab_parallel``; as ``_triton.lm_head.Exchange``): (this
+#: a vocabulary shard's exchange (``_vocab_parallel``; as ``_triton.lm_head.Exchange``): (this
 #: shard's partials ``[k, segments, m]``, its target logits ``[m]``, the first row, columns per
 #: partial) -> (every shard's partials in vocabulary order, each row's target logit)
 Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
@@ -183,7 +183,7 @@ def selected_logprob_forward(
 
     ``hidden`` is ``[T, H]``, ``weight`` ``[V, H]``, ``rows``/``targets`` int64 ``[n]``.
     Results are in ``compute_dtype``; without ``with_entropy`` the entropy is left empty.
-    ``exchange`` (a vocabulary shard, ``vocab_parallel``; targets off the shard are -1): called
+    ``exchange`` (a vocabulary shard, ``_vocab_parallel``; targets off the shard are -1): called
     once per row chunk with this shard's partials; the results are then the whole
     vocabulary's. Per row: each segment's max ``m_s``, ``Σ exp(z - m_s)`` and ``Σ exp(z -
     m_s)(z - m_s)``, combined into ``total = Σ exp(z - top)`` and ``zsum = Σ exp(z - top)(z -

@@ -105,7 +105,7 @@ def loss_grads(
     gradient None when not needed. A chunk's d hidden rows are one fp32 product, rounded once
     to ``rows_dtype`` (a 16-bit dtype needs only a chunk's fp32 rows at a time). Inputs are
     validated by the caller; ``all_rows`` as in ``logprob.forward``. A vocabulary shard
-    (``vocab_parallel``) gives ``exchange`` (as ``logprob.forward``: once per chunk, between
+    (``_vocab_parallel``) gives ``exchange`` (as ``logprob.forward``: once per chunk, between
     the tiles and the combine; targets off the shard are -1) and ``chunk_vocab``, the group's
     largest shard: every rank then cuts the same chunks."""
     n, (V, H) = rows.numel(), weight.shape

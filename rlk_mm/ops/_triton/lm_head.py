@@ -27,7 +27,7 @@ the same order; the combine folds a row's partials in an order fixed by their gl
 So a row's log-prob, entropy and log-sum-exp are the same whatever else is in the batch,
 wherever the row stands, and whichever ranks hold the vocabulary: a vocabulary shard that
 starts on the grid computes exactly its segments' partials, and the group folds the
-gathered partials in the same order (``vocab_parallel``), bitwise the single device's.
+gathered partials in the same order (``_vocab_parallel``), bitwise the single device's.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from .._head_inputs import VOCAB_ALIGN
 from ._common import grouped_tile_ids, interpreted
 
 Tensor = torch.Tensor
-#: a vocabulary shard's exchange (``vocab_parallel``): (this shard's partials ``[k, n_parts, m]``
+#: a vocabulary shard's exchange (``_vocab_parallel``): (this shard's partials ``[k, n_parts, m]``
 #: fp32, its target logits ``[m]`` (0 where the target is on another shard), the chunk's first
 #: scored row, columns per partial) -> (every shard's partials ``[k, total parts, m]`` in
 #: vocabulary order, each row's target logit ``[m]`` from the shard that holds it); collective

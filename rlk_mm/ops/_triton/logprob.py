@@ -5,7 +5,7 @@ Forward: one program per (row block, vocab block) tile computes the tile's logit
 partials of each 128-column vocabulary segment (max, Σ exp(z - max), Σ exp(z - max)·(z -
 max); ``lm_head``); the program whose block holds a row's target also writes that logit. A
 second kernel folds the partials of each row over the segments in vocabulary order. A
-vocabulary shard (``vocab_parallel``) gathers every shard's partials between the two
+vocabulary shard (``_vocab_parallel``) gathers every shard's partials between the two
 (``exchange``), so the fold is the single device's. Backward: the same tiles are recomputed
 and turned into ``dz`` for one vocabulary chunk at a time (``[rows, chunk]``, the only buffer
 of that shape), which cuBLAS multiplies into ``d hidden`` (fp32 accumulator, a pass of rows at
@@ -99,7 +99,7 @@ def forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
     ``all_rows`` whether the rows are 0, 1, ..., T - 1. ``config`` replaces
-    ``default_config`` (tile sweeps). A vocabulary shard (``vocab_parallel``) passes
+    ``default_config`` (tile sweeps). A vocabulary shard (``_vocab_parallel``) passes
     ``exchange`` (called once per chunk of rows, between the tiles and the combine; targets
     off the shard are -1) and ``total_vocab``, the group's vocabulary: every rank then cuts
     the same chunks, and the results are the whole vocabulary's."""

@@ -8,7 +8,7 @@ row, its best noise block (score and the block's 32 logits), and the draw finish
 same launch also writes the rows' logits (a row chunk at a time, within
 ``SamplingConfig.logits_budget``) and ``sample_logits`` reads them back, a second pass.
 
-A vocabulary shard (``vocab_parallel``, ``shard=``) draws what the single device draws: noise
+A vocabulary shard (``_vocab_parallel``, ``shard=``) draws what the single device draws: noise
 is keyed by global vocabulary indices; for plain temperature each rank's best noise block
 (the first on a tie) is gathered and the draw finishes on the group's best (the first rank
 on a tie: the first block of the whole vocabulary, as on one device); filters gather the
@@ -112,7 +112,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     """``sample_logits`` of ``(hidden · Wᵀ + bias) / temperature`` (``hidden [B, H]``, rows
     contiguous), ``log_probs`` from the selected log-prob's partials and combine. The tiles
     are the selected log-prob's (``lm_head.default_config``); ``config`` replaces the
-    sampling kernels' ``default_config``. ``shard`` (``vocab_parallel.Exchange``): this
+    sampling kernels' ``default_config``. ``shard`` (``_vocab_parallel.shard.Exchange``): this
     rank's place in a vocabulary-parallel group (``start``, ``total``) and its collectives
     (called: the exchange of partials; ``gather_best``, ``gather_logits``); every rank then returns
     the single device's result for the whole vocabulary."""

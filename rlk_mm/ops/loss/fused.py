@@ -212,9 +212,9 @@ def linear_policy_loss(
         if tp_group is None:
             all_rows = check_values(flat.shape[0], weight.shape[0], rows, tgts, bias)
         elif policy.ratio is RatioMode.TOKEN:  # (sequence ratios: selected_logprob checks)
-            from .. import vocab_parallel
+            from .._vocab_parallel.agree import agree
 
-            shard, all_rows = vocab_parallel.agree(
+            shard, all_rows = agree(
                 flat, weight, rows, tgts, bias, temperature, tp_group, vocab_start_index, any(need),
                 lambda: check_head(flat, weight, rows, tgts, bias, temperature, shard=True))
     if policy.ratio is not RatioMode.TOKEN:  # sequence ratios: every log-prob before any gradient
@@ -242,9 +242,9 @@ def linear_policy_loss(
     with torch.no_grad(), stock_kernels():
         flat_c, weight_c = contiguous_rows(flat), contiguous_rows(weight)
         if shard is not None:
-            from .. import vocab_parallel
+            from .._vocab_parallel.logprob import loss_grads
 
-            logp, entropy, d_hidden, d_weight, d_bias = vocab_parallel.loss_grads(
+            logp, entropy, d_hidden, d_weight, d_bias = loss_grads(
                 flat_c, weight_c, rows, tgts, bias, temperature, all_rows, upstream, need, shard)
         elif use_triton(flat_c, weight_c):
             from .._triton import linear_loss as _backend
