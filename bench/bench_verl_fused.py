@@ -5,7 +5,7 @@ against rlk_mm's drop-in, both in one process, at the Qwen2.5-VL-7B head shape (
 Inputs are laid out as verl's FSDP engine passes them (``[1, T, H]`` packed hidden
 states, rolled labels); 16 samples of 1024 tokens. Measured: forward (no grad),
 forward+backward through log-probs and entropy (per-token upstream weights), and ours
-with 30% of each sample in the response (``verl_fused.scoring``, as the engine wrapper
+with 30% of each sample in the response (``rlk_mm.integrations.verl.scoring``, as the engine wrapper
 sets it); backward through both outputs (an entropy bonus) and through the log-probs
 only (verl's default ``entropy_coeff=0``). Each case is timed round-robin (verl's class,
 ours, ours on the response rows, one call each per round): the H100 runs these products
@@ -35,7 +35,7 @@ def main() -> None:
     install_ray_stand_in()
     from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlClass
 
-    from rlk_mm.integrations import verl_fused
+    from rlk_mm.integrations.verl import FusedLinearForPPO, scoring
     from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
     head = load_config("lm_heads")["7b"]
@@ -66,8 +66,8 @@ def main() -> None:
 
     def response_only(step):
         def run():
-            with verl_fused.scoring(rows, cu):
-                return step(verl_fused.FusedLinearForPPO)
+            with scoring(rows, cu):
+                return step(FusedLinearForPPO)
         return run
 
     def free_grads():
@@ -80,7 +80,7 @@ def main() -> None:
     for case, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd), ("fwd_bwd_logprob_grad_only", logprob_grad_only)):
         # round-robin: verl's class and ours share the GPU's power and clock history
         calls = {f"verl_{case}": functools.partial(step, VerlClass),
-                 f"rlk_mm_{case}": functools.partial(step, verl_fused.FusedLinearForPPO),
+                 f"rlk_mm_{case}": functools.partial(step, FusedLinearForPPO),
                  f"rlk_mm_{case}_30pct_response": response_only(step)}
         for name, r in measure_interleaved(calls, args.reps, before=free_grads).items():
             t[name] = r
@@ -93,7 +93,7 @@ def main() -> None:
     r_logp, r_ent = VerlClass()(hs, ws, labels[:, :n], temperature=temperature)
     torch.autograd.backward([r_logp, r_ent], [up_logp[:, :n], up_ent[:, :n]])
     ho, wo = h[:, :n].clone().requires_grad_(), w.clone().requires_grad_()
-    logp, ent = verl_fused.FusedLinearForPPO()(ho, wo, labels[:, :n], temperature=temperature)
+    logp, ent = FusedLinearForPPO()(ho, wo, labels[:, :n], temperature=temperature)
     torch.autograd.backward([logp, ent], [up_logp[:, :n], up_ent[:, :n].bfloat16()])
     check = {
         "rows": n,

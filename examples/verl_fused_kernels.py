@@ -26,7 +26,7 @@ or, in a YAML config::
           env_vars:
             RLK_MM_VERL_FUSED: "1"
 
-In your own code, ``rlk_mm.integrations.verl_fused.enable()`` / ``disable()`` do the same.
+In your own code, ``rlk_mm.integrations.verl.enable()`` / ``disable()`` do the same.
 
 This script runs verl's own model patch (``patch_forward_with_backends``, as verl's FSDP
 engine applies it) on a tiny randomly initialised Qwen2 model on the CPU, first with
@@ -44,7 +44,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from verl.models.transformers.monkey_patch import patch_forward_with_backends
 
-    from rlk_mm.integrations import verl_fused
+    from rlk_mm.integrations import verl as rlk_verl
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -60,11 +60,11 @@ def main() -> None:
         return out.log_probs.detach(), out.entropy.detach(), model.lm_head.weight.grad.clone()
 
     verl_logp, verl_ent, verl_grad = run()
-    verl_fused.enable()  # what RLK_MM_VERL_FUSED=1 does through the plugin entry point
+    rlk_verl.enable()  # what RLK_MM_VERL_FUSED=1 does through the plugin entry point
     try:
         ours_logp, ours_ent, ours_grad = run()
     finally:
-        verl_fused.disable()
+        rlk_verl.disable()
     print("log-probs, first sample (verl | rlk_mm):")
     for a, b in zip(verl_logp[0, :6].tolist(), ours_logp[0, :6].tolist()):
         print(f"  {a:10.5f}  {b:10.5f}")

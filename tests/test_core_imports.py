@@ -6,8 +6,10 @@ import them at import time (the builders take a processor object; the models, fi
 smoke test import transformers when used). The check runs in a fresh interpreter whose
 import system refuses those packages (and matplotlib, which needs Pillow) and records every
 attempt, so a guarded ``try: import transformers`` counts too. ``rlk_mm.integrations.verl``
-is left out: it imports verl, which imports transformers. ``rlk_mm.fixtures``, which needs
-the [vl] extra, is the control: the probe must see it try.
+is left out, with its modules (the fused path ``verl.fused`` among them): importing it
+registers the plugin, which imports verl, which imports transformers. The helpers the
+adapters share (``integrations.args``, ``integrations.micro_batch``) are in. ``rlk_mm.fixtures``,
+which needs the [vl] extra, is the control: the probe must see it try.
 """
 
 import json
@@ -17,7 +19,7 @@ import sys
 BLOCKED = ("transformers", "PIL", "qwen_vl_utils", "matplotlib")
 CORE = (
     "rlk_mm", "rlk_mm.schema", "rlk_mm.ops", "rlk_mm.parity", "rlk_mm.integrations", "rlk_mm.integrations.easyr1",
-    "rlk_mm.integrations.verl_fused", "rlk_mm.integrations.trl",
+    "rlk_mm.integrations.args", "rlk_mm.integrations.micro_batch", "rlk_mm.integrations.trl",
 )
 CONTROL = "rlk_mm.fixtures"
 

@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -210,8 +211,15 @@ API_PAGES = {
     "rlk_mm.integrations": "api/integrations.md",
     "rlk_mm.grounding": "api/grounding.md",
 }
-#: rlk_mm.integrations exports nothing itself: its page covers each adapter module
-INTEGRATION_MODULES = ("verl", "verl_fused", "easyr1", "trl")
+
+
+def integration_modules() -> list[str]:
+    """rlk_mm.integrations exports nothing itself: its page covers each public module below it
+    (one package per framework, and their modules)."""
+    package = importlib.import_module("rlk_mm.integrations")
+    names = [m.name for m in pkgutil.walk_packages(package.__path__, "rlk_mm.integrations.")]
+    return [n for n in names if not any(part.startswith("_") for part in n.split("."))]
+
 
 DIRECTIVE = re.compile(r"^:::[ \t]+([\w.]+)", re.MULTILINE)
 #: a directive with its indented options: without ``members: false`` it renders the whole object
@@ -225,9 +233,8 @@ def public_names(package: str) -> dict[str, str]:
     if package == "rlk_mm.integrations":
         assert list(module.__all__) == [], "rlk_mm.integrations now exports names: document them on its page"
         names = {}
-        for sub in INTEGRATION_MODULES:
-            mod = importlib.import_module(f"{package}.{sub}")
-            names.update({f"{package}.{sub}.{n}": package for n in mod.__all__})
+        for sub in integration_modules():
+            names.update({f"{sub}.{n}": package for n in importlib.import_module(sub).__all__})
         return names
     return {f"{package}.{n}": package for n in module.__all__}
 
@@ -300,7 +307,7 @@ def test_covers():
     assert covers("rlk_mm.parity.invariance.invariance_sweep", "rlk_mm.parity.invariance_sweep", "rlk_mm.parity")
     assert not covers("rlk_mm.ops.selected_logprob", "rlk_mm.ops.sample", "rlk_mm.ops")
     assert not covers("rlk_mm.schema.RLBatch", "rlk_mm.RLBatch", "rlk_mm")
-    assert covers("rlk_mm.integrations.verl_fused.enable", "rlk_mm.integrations.verl.enable", "rlk_mm.integrations")
+    assert covers("rlk_mm.integrations.verl.fused.enable", "rlk_mm.integrations.verl.enable", "rlk_mm.integrations")
 
 
 # --------------------------------------------------------------------------- benchmarks and the README

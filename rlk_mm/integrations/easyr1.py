@@ -35,8 +35,8 @@ from ..ops.options import AggMode, KLType, RatioMode
 from ..ops.rewards import group_advantages
 from ..schema import dense_group_index
 from ..schema.checks import FLOAT_DTYPES, float_arg, temperature_arg, tensor_arg
-from ._args import outcome_inputs, padded_inputs
-from ._micro_batch import MediaTokens, check_padded_micro_batch
+from .args import outcome_inputs, padded_inputs
+from .micro_batch import MediaTokens, check_padded_micro_batch
 
 __all__ = [
     "ADVANTAGES", "average_loss", "compute_grpo_outcome_advantage", "compute_kl", "compute_policy_loss",

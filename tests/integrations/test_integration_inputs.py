@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlk_mm.integrations import easyr1
-from rlk_mm.integrations.verl_fused import FusedLinearForPPO, enable, scoring
+from rlk_mm.integrations.verl import FusedLinearForPPO, enable, scoring
 from support.op_cases import (
     ADV,
     LOGP,

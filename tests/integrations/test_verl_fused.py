@@ -17,7 +17,9 @@ import verl.utils.experimental.torch_functional as verl_tf  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
-from rlk_mm.integrations import verl_fused  # noqa: E402
+from rlk_mm.integrations.verl import fused as verl_fused  # noqa: E402
+from rlk_mm.integrations.verl import fused_loss, lm_head  # noqa: E402
+from rlk_mm.integrations.verl import rows as verl_rows  # noqa: E402
 from rlk_mm.parity.contract import (  # noqa: E402
     ELEMENTWISE_LOSS_MAX_ABS,
     LOGPROB_GRAD_REL,
@@ -61,7 +63,7 @@ def test_matches_verl_class(dtype, shape):
         torch.autograd.backward([logp, ent], [up_logp, up_ent.to(ent.dtype)])
         return logp, ent, hg.grad, wg.grad
 
-    logp, ent, dh, dw = run(verl_fused.FusedLinearForPPO, h, w)
+    logp, ent, dh, dw = run(lm_head.FusedLinearForPPO, h, w)
     r_logp, r_ent, r_dh, r_dw = run(VERL_CLASS, h.float(), w.float())
     assert logp.shape == ent.shape == ids.shape
     assert (logp.dtype, ent.dtype) == (r_logp.dtype, torch.float32 if dtype == torch.float32 else dtype)
@@ -75,20 +77,20 @@ def test_matches_verl_class(dtype, shape):
 
 
 def test_constructor_and_errors_match_verl():
-    ours = verl_fused.FusedLinearForPPO(chunk_size=256, impl_backend="liger")
+    ours = lm_head.FusedLinearForPPO(chunk_size=256, impl_backend="liger")
     assert (ours.chunk_size, ours.impl_backend) == (256, "liger")
-    for cls in (VERL_CLASS, verl_fused.FusedLinearForPPO):
+    for cls in (VERL_CLASS, lm_head.FusedLinearForPPO):
         with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend"):
             cls(impl_backend="cuda")
     h, w, ids = _inputs((4, 5), 16, 30, torch.float32)
     with pytest.raises(ValueError, match="must match hidden_states shape"):
-        verl_fused.FusedLinearForPPO()(h, w, ids[:, :4])
+        lm_head.FusedLinearForPPO()(h, w, ids[:, :4])
 
 
 def test_autocast_gives_verl_dtypes():
     h, w, ids = _inputs((2, 6), 16, 40, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, ent = verl_fused.FusedLinearForPPO()(h, w, ids)
+        logp, ent = lm_head.FusedLinearForPPO()(h, w, ids)
         r_logp, r_ent = VERL_CLASS()(h, w, ids)
     assert (logp.dtype, ent.dtype) == (r_logp.dtype, r_ent.dtype) == (torch.float32, torch.float32)
     assert (logp - r_logp).abs().max() <= 0.1  # verl's logits are rounded to bf16 here; ours are not
@@ -123,7 +125,7 @@ def _rl_micro_batch():
 
 def test_response_rows_are_what_verl_reads():
     mb = _rl_micro_batch()
-    rows, cu = verl_fused.response_rows(mb)
+    rows, cu = verl_rows.response_rows(mb)
     # sample 0: 6 prompt + 5 response tokens, slot 2 masked; sample 1: 3 + 2; sample 2: 4 + 4
     assert rows.tolist() == [5, 6, 8, 9, 13, 14, 19, 20, 21, 22]
     assert cu.tolist() == [0, 11, 16, 24]
@@ -153,33 +155,33 @@ def test_response_only_scoring_matches_full_where_verl_reads(layout):
     def run(plan):
         hg, wg = hidden.clone().requires_grad_(), w.clone().requires_grad_()
         if plan is None:
-            logp, ent = verl_fused.FusedLinearForPPO()(hg, wg, ids, temperature=0.9)
+            logp, ent = lm_head.FusedLinearForPPO()(hg, wg, ids, temperature=0.9)
         else:
-            with verl_fused.scoring(*plan):
-                logp, ent = verl_fused.FusedLinearForPPO()(hg, wg, ids, temperature=0.9)
+            with verl_rows.scoring(*plan):
+                logp, ent = lm_head.FusedLinearForPPO()(hg, wg, ids, temperature=0.9)
         read_logp = no_padding_2_padding(packed(logp), mb)  # what verl's losses read, [B, R]
         read_ent = no_padding_2_padding(packed(ent), mb)
         ((read_logp * mask).sum() + (read_ent * mask).sum()).backward()
         return logp, read_logp, read_ent, hg.grad, wg.grad
 
     full = run(None)
-    plan = verl_fused.response_rows(mb)
+    plan = verl_rows.response_rows(mb)
     part = run(plan)
     assert torch.equal(part[1][mask], full[1][mask]) and torch.equal(part[2][mask], full[2][mask])
     scored = torch.zeros(full[0].numel(), dtype=torch.bool)
-    scored[plan[0] if layout == "packed" else verl_fused._Scoring(*plan).rows_for(ids.shape, ids.device)] = True
+    scored[plan[0] if layout == "packed" else verl_rows._Scoring(*plan).rows_for(ids.shape, ids.device)] = True
     assert torch.count_nonzero(part[0].reshape(-1)[~scored]) == 0  # zeros where nothing is read
     assert relative_error(part[3], full[3]) <= LOGPROB_GRAD_REL.fp32
     assert relative_error(part[4], full[4]) <= LOGPROB_GRAD_REL.fp32
 
 
 def test_unknown_layout_scores_every_row():
-    plan = verl_fused._Scoring(torch.tensor([1, 2]), torch.tensor([0, 3, 5]))
+    plan = verl_rows._Scoring(torch.tensor([1, 2]), torch.tensor([0, 3, 5]))
     assert plan.rows_for(torch.Size([1, 4]), torch.device("cpu")) is None  # shorter than the batch
     assert plan.rows_for(torch.Size([5, 8]), torch.device("cpu")) is None  # not [B, L]
     h, w, ids = _inputs((1, 4), 8, 20, torch.float32)
-    with verl_fused.scoring(*plan.__dict__.values()):
-        logp, _ = verl_fused.FusedLinearForPPO()(h, w, ids)
+    with verl_rows.scoring(*plan.__dict__.values()):
+        logp, _ = lm_head.FusedLinearForPPO()(h, w, ids)
     assert torch.count_nonzero(logp) == 4
 
 
@@ -190,7 +192,7 @@ def test_engine_wrapper_sets_plan_only_for_fused_rl_micro_batches():
         use_ulysses_sp = False
 
         def forward_step(self, micro_batch, loss_function, forward_only):
-            seen.append(verl_fused._SCORING.get())
+            seen.append(verl_rows._SCORING.get())
             return "out"
 
     step = verl_fused._with_response_scoring(Engine.forward_step)
@@ -201,7 +203,7 @@ def test_engine_wrapper_sets_plan_only_for_fused_rl_micro_batches():
     tu.assign_non_tensor_data(mb, "use_fused_kernels", True)
     assert step(Engine(), mb, None, True) == "out"
     assert seen[-1].rows.tolist() == [5, 6, 8, 9, 13, 14, 19, 20, 21, 22]
-    assert verl_fused._SCORING.get() is None  # reset after the step
+    assert verl_rows._SCORING.get() is None  # reset after the step
     sp = Engine()
     sp.use_ulysses_sp = True
     step(sp, mb, None, True)
@@ -227,7 +229,7 @@ def test_enable_disable_restore_verl_exactly():
     assert verl_fused.enabled()
     from verl.utils.experimental.torch_functional import FusedLinearForPPO  # how verl's model patches look it up
 
-    assert FusedLinearForPPO is verl_fused.FusedLinearForPPO
+    assert FusedLinearForPPO is lm_head.FusedLinearForPPO
     if engine is not None:
         assert vars(engine)["forward_step"] is not original_step
     verl_fused.disable()
@@ -242,7 +244,7 @@ def test_register_reads_the_environment_switch(monkeypatch):
     monkeypatch.delenv(verl_fused.ENV_SWITCH, raising=False)
     assert verl_fused.register() is False and verl_tf.FusedLinearForPPO is VERL_CLASS
     monkeypatch.setenv(verl_fused.ENV_SWITCH, "1")
-    assert verl_fused.register() is True and verl_tf.FusedLinearForPPO is verl_fused.FusedLinearForPPO
+    assert verl_fused.register() is True and verl_tf.FusedLinearForPPO is lm_head.FusedLinearForPPO
     verl_fused.disable()
     monkeypatch.setenv(verl_fused.ENV_SWITCH, "maybe")
     with pytest.raises(ValueError, match="RLK_MM_VERL_FUSED='maybe'"):
@@ -264,8 +266,8 @@ def test_verl_model_patch_runs_rlk_mm_after_enable(monkeypatch):
     model = TinyQwen2(config)
     patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
     calls = []
-    forward = verl_fused.FusedLinearForPPO.forward
-    monkeypatch.setattr(verl_fused.FusedLinearForPPO, "forward", lambda self, *a,
+    forward = lm_head.FusedLinearForPPO.forward
+    monkeypatch.setattr(lm_head.FusedLinearForPPO, "forward", lambda self, *a,
                         **k: calls.append(1) or forward(self, *a, **k))
     input_ids = torch.randint(0, 300, (2, 10))
 
@@ -371,9 +373,9 @@ def test_fused_loss_matches_verl_ppo_loss(case):
     expected = _train_step("vanilla", knobs, fused=False)
     verl_fused.disable()
     plans = []
-    compute = verl_fused.FusedLossPlan.compute
+    compute = fused_loss.FusedLossPlan.compute
     with pytest.MonkeyPatch.context() as mp:  # observe that the LM head computed the loss
-        mp.setattr(verl_fused.FusedLossPlan, "compute", lambda plan, *a: plans.append(plan) or compute(plan, *a))
+        mp.setattr(fused_loss.FusedLossPlan, "compute", lambda plan, *a: plans.append(plan) or compute(plan, *a))
         actual = _train_step("rlk_mm", knobs, fused=True)
     assert len(plans) == 1 and plans[0].result is None  # computed once, handed to verl's loss once
     tol = ELEMENTWISE_LOSS_MAX_ABS.fp32  # relative to values above 1: sums (token-sum) round off as they grow
@@ -408,14 +410,14 @@ def test_fused_loss_falls_back(why):
         use_ulysses_sp = why == "sp"
 
         def forward_step(self, micro_batch, loss_function, forward_only):
-            seen.append(verl_fused._FUSED_LOSS.get())
+            seen.append(fused_loss._FUSED_LOSS.get())
             return "out"
 
     step = verl_fused._with_response_scoring(Engine.forward_step)
     assert step(Engine(), mb, loss_function, why == "forward_only") == "out"
     assert seen == [None]
     # control: the same micro-batch as update_actor gives it, with loss_mode=rlk_mm, has a plan
-    with_plan = verl_fused.fused_loss_plan(_training_micro_batch(), partial(ppo_loss, config=_actor_config("rlk_mm")))
+    with_plan = fused_loss.fused_loss_plan(_training_micro_batch(), partial(ppo_loss, config=_actor_config("rlk_mm")))
     assert with_plan is not None and with_plan.sample_index.tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 2, 2]
 
 
@@ -425,21 +427,21 @@ def test_fused_loss_refuses_a_mismatch():
     from verl.workers.utils.losses import ppo_loss
 
     mb = _training_micro_batch()
-    plan = verl_fused.fused_loss_plan(mb, partial(ppo_loss, config=_actor_config("rlk_mm")))
+    plan = fused_loss.fused_loss_plan(mb, partial(ppo_loss, config=_actor_config("rlk_mm")))
     h, w, _ = _inputs((30,), 8, 40, torch.float32)
-    rows, _ = verl_fused.response_rows(mb)
+    rows, _ = verl_rows.response_rows(mb)
     with pytest.raises(RuntimeError, match="scores 3 rows but the micro-batch's response_mask selects 10"):
         plan.compute(h, w, rows[:3], torch.zeros(3, dtype=torch.long), 1.0)
     plan.compute(h, w, rows, torch.zeros(10, dtype=torch.long), 1.0)
     with pytest.raises(RuntimeError, match="LM head ran twice"):
         plan.compute(h, w, rows, torch.zeros(10, dtype=torch.long), 1.0)
-    token = verl_fused._FUSED_LOSS.set(plan)
+    token = fused_loss._FUSED_LOSS.set(plan)
     try:
         with pytest.raises(RuntimeError, match="for 3 samples and 10 tokens.*log_prob \\(2, 5\\) with 10"):
-            verl_fused.take_fused_loss(torch.zeros(2, 5), torch.ones(2, 5))
+            fused_loss.take_fused_loss(torch.zeros(2, 5), torch.ones(2, 5))
     finally:
-        verl_fused._FUSED_LOSS.reset(token)
-    assert verl_fused.take_fused_loss(torch.zeros(3, 5), torch.ones(3, 5)) is None  # no plan: the log-prob path
+        fused_loss._FUSED_LOSS.reset(token)
+    assert fused_loss.take_fused_loss(torch.zeros(3, 5), torch.ones(3, 5)) is None  # no plan: the log-prob path
 
 
 def test_enable_after_the_engine_failed_to_import_warns_and_stays_half_on(monkeypatch):
@@ -457,7 +459,7 @@ def test_enable_after_the_engine_failed_to_import_warns_and_stays_half_on(monkey
     monkeypatch.setattr(importlib, "import_module", failing)
     with pytest.warns(RuntimeWarning, match="could not be imported.*simulated.*enable\\(\\) again"):
         assert verl_fused.enable() is False
-    assert verl_fused.enabled() and verl_tf.FusedLinearForPPO is verl_fused.FusedLinearForPPO
+    assert verl_fused.enabled() and verl_tf.FusedLinearForPPO is lm_head.FusedLinearForPPO
 
 
 def test_plugin_errors_become_warnings(monkeypatch):

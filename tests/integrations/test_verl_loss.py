@@ -1,6 +1,7 @@
 """verl integration: the registered loss and estimators match verl 0.9.1's own, and verl's
 plugin loader finds them through the entry point declared in pyproject.toml."""
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -155,9 +156,9 @@ def test_verl_plugin_entry_point_registers(tmp_path):
 def test_register_enables_fused_path_on_request(monkeypatch):
     monkeypatch.setenv("RLK_MM_VERL_FUSED", "1")
     try:
-        verl_fused = importlib.import_module("rlk_mm.integrations.verl_fused")
+        verl_fused = importlib.import_module("rlk_mm.integrations.verl.fused")
     except ModuleNotFoundError:
-        with pytest.raises(ModuleNotFoundError, match="verl_fused"):
+        with pytest.raises(ModuleNotFoundError, match="verl.fused"):
             rlk_verl.register()
         return
     calls = []
@@ -177,6 +178,37 @@ def test_loss_config_is_built_in_one_place():
     assert vanilla.ratio is RatioMode.TOKEN and vanilla.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_MEAN
     gspo = rlk_verl.loss_config(cfg, "token-mean", gspo=True)
     assert (gspo.ratio, gspo.clip_ratio_c, gspo.log_ratio_clamp) == (RatioMode.GSPO_TOKEN, None, (-float("inf"), 10.0))
+
+
+def test_loss_config_of_the_loss_in_the_lm_head():
+    """The loss the LM head computes (``verl.fused_loss``) runs under the same ``loss_config``: the
+    clip ratios and ``clip_ratio_c`` read as for the registered loss, the global counts from the
+    micro-batch (verl's ppo_loss copies them into global_batch_info only after the LM head ran),
+    ``loss_scale_factor`` defaulting to the padded response length, the entropy bonus and the KL term."""
+    from rlk_mm.ops import AggMode, KLType
+
+    knobs = dict(clip_ratio_high=0.28, clip_ratio_c=4.0, loss_agg_mode="seq-mean-token-sum-norm", entropy_coeff=0.01,
+                 use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.1)
+    cfg = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, **knobs)
+    counts = {"dp_size": 2, "batch_num_tokens": 23, "global_batch_size": 5}
+    fused = rlk_verl.loss_config(cfg, micro_batch=counts, response_length=7, entropy=True)
+    assert (fused.clip_ratio_low, fused.clip_ratio_high, fused.clip_ratio_c) == (0.2, 0.28, 4.0)
+    assert fused.loss_agg_mode is AggMode.SEQ_MEAN_TOKEN_SUM_NORM and fused.loss_scale_factor == 7
+    assert (fused.dp_size, fused.batch_num_tokens, fused.global_batch_size) == (2, 23, 5)
+    assert (fused.entropy_coeff, fused.kl_type, fused.kl_coef) == (0.01, KLType.LOW_VAR_KL, 0.1)
+    assert rlk_verl.loss_config(cfg, micro_batch=counts, response_length=7).entropy_coeff == 0.0
+    scaled = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_scale_factor=16)
+    assert rlk_verl.loss_config(scaled, micro_batch=counts, response_length=7).loss_scale_factor == 16
+    # the registered loss: the same keys read the same way, the counts from global_batch_info, no entropy
+    # bonus or KL term (verl's ppo_loss adds them)
+    cfg.global_batch_info.update(counts, loss_scale_factor=None)
+    vanilla = rlk_verl.loss_config(cfg, "seq-mean-token-sum-norm")
+    assert dataclasses.replace(fused, loss_scale_factor=None, entropy_coeff=0.0, kl_coef=0.0) == vanilla
+    # a mapping of the fields reads as the ActorConfig; clip_ratio_c is verl's 3.0 where it has none
+    fields = {"clip_ratio": 0.2, **knobs}
+    assert rlk_verl.loss_config(fields, micro_batch=counts, response_length=7, entropy=True) == fused
+    del fields["clip_ratio_c"]
+    assert rlk_verl.loss_config(fields, micro_batch=counts, response_length=7).clip_ratio_c == 3.0
 
 
 def test_a_mapping_config_equals_the_actor_config():

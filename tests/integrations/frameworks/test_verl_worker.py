@@ -79,7 +79,9 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 
 from rlk_mm.fixtures import processor_inputs, qwen_vl_processor, synthetic_image_text, tiny_qwen2_5_vl  # noqa: E402
-from rlk_mm.integrations import verl_fused  # noqa: E402
+from rlk_mm.integrations.verl import fused as verl_fused  # noqa: E402
+from rlk_mm.integrations.verl import fused_loss  # noqa: E402
+from rlk_mm.integrations.verl import rows as verl_rows  # noqa: E402
 from rlk_mm.parity.contract import (  # noqa: E402
     ELEMENTWISE_LOSS_MAX_ABS,
     LOGPROB_GRAD_REL,
@@ -119,13 +121,13 @@ class CPUActorWorker(ActorRolloutRefWorker):
         if not torch.distributed.is_initialized():
             torch.distributed.init_process_group("gloo", rank=self.rank, world_size=self.world_size)
         self._fused_losses = 0
-        compute = verl_fused.FusedLossPlan.compute
+        compute = fused_loss.FusedLossPlan.compute
 
         def counted(plan, *args, **kwargs):
             self._fused_losses += 1
             return compute(plan, *args, **kwargs)
 
-        verl_fused.FusedLossPlan.compute = counted
+        fused_loss.FusedLossPlan.compute = counted
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def parameters(self):
@@ -318,7 +320,7 @@ def test_log_probs_and_entropy_agree_on_response_tokens(arms, batch):
 def test_only_response_rows_are_scored(arms):
     _, runs = arms
     ours, theirs = runs["rlk_mm"], runs["verl"]
-    rows, _ = verl_fused.response_rows(ours["log_prob_input"])
+    rows, _ = verl_rows.response_rows(ours["log_prob_input"])
     scored = torch.zeros(ours["all_log_probs"].numel(), dtype=torch.bool)
     scored[rows] = True
     assert torch.count_nonzero(ours["all_log_probs"][~scored]) == 0
@@ -353,7 +355,7 @@ def fresh_plugin():
     """verl's engine and LM-head class as verl ships them, before and after the test."""
     verl_fused.disable()
     yield
-    importlib.import_module("rlk_mm.integrations.verl_fused").disable()
+    importlib.import_module("rlk_mm.integrations.verl.fused").disable()
 
 
 def test_enable_completes_after_the_engine_failed_to_import(fresh_plugin, monkeypatch):
@@ -413,7 +415,7 @@ def test_plugin_completes_when_verl_imports_its_engine_later():
         "import warnings; warnings.simplefilter('always')\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    import verl_cpu\n"
-        "from rlk_mm.integrations import verl_fused\n"
+        "from rlk_mm.integrations.verl import fused as verl_fused\n"
         "print('warned', any('rlk_mm wraps it when verl imports it' in str(w.message) for w in caught))\n"
         "print('half', verl_fused.enabled(), verl_fused._FSDP_ENGINE in __import__('sys').modules)\n"
         "from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as E\n"

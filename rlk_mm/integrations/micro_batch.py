@@ -7,7 +7,9 @@ M-RoPE positions the model computes (``mrope_positions``). Errors name the micro
 sample and the position, and say what to change.
 
 The values are read on the host once: the integer tensors travel to the CPU in one copy (one host
-sync), where the schema's checks run on them.
+sync), where the schema's checks run on them. EasyR1's ``micro_batch_loss`` runs these checks.
+
+Helpers, not API: ``__all__`` is empty.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..schema import Modality, SchemaError, mrope_positions
 from ..schema._inputs import check_positions, check_vocabulary, id_matrix, mask_matrix, multi_modal_inputs, padded_positions, unpad
 from ..schema.checks import INTEGER_DTYPES, tensor_arg
 
-__all__ = ["MediaTokens", "check_padded_micro_batch"]
+__all__: list[str] = []
 
 Tensor = torch.Tensor
 
