@@ -1,4 +1,4 @@
-"""Adapters to RL frameworks: ``verl`` (a package, one module a concept), ``easyr1`` and ``trl``;
+"""Adapters to RL frameworks: ``verl`` and ``easyr1`` (packages, one module a concept) and ``trl``;
 ``args`` and ``micro_batch`` hold the checks they share."""
 
 __all__: list[str] = []
