@@ -30,6 +30,7 @@ MOVED_MODULES: dict[str, str] = {
     "rlk_mm.ops.linear_loss": "rlk_mm.ops.loss.fused",
     "rlk_mm.ops.vocab_parallel": "rlk_mm.ops._vocab_parallel",
     "rlk_mm.integrations.verl_fused": "rlk_mm.integrations.verl.fused",
+    "rlk_mm.integrations.trl_on_policy": "rlk_mm.integrations.trl.on_policy",
 }
 
 #: ``package.name`` -> the module that holds it now; the package's ``__getattr__`` serves it with a warning

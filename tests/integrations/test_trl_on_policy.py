@@ -23,7 +23,7 @@ if importlib.util.find_spec("trl") is None:
 from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from rlk_mm.integrations.trl_on_policy import OnPolicyGRPOTrainer  # noqa: E402
+from rlk_mm.integrations.trl.on_policy import OnPolicyGRPOTrainer  # noqa: E402
 
 
 def reward(completions, **kwargs):
@@ -144,6 +144,6 @@ def test_kernels_argument_is_checked(checkpoint, dataset, tmp_path):
 
 
 def test_import_does_not_import_trl_or_transformers():
-    code = ("import sys, rlk_mm.integrations.trl_on_policy; "
+    code = ("import sys, rlk_mm.integrations.trl.on_policy; "
             "assert 'trl' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

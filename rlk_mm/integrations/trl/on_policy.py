@@ -1,6 +1,6 @@
 """Exactly on-policy GRPO in TRL: ``OnPolicyGRPOTrainer`` generates with ``generate_on_policy``.
 
-The switch: ``from rlk_mm.integrations.trl_on_policy import OnPolicyGRPOTrainer`` in place of
+The switch: ``from rlk_mm.integrations.trl.on_policy import OnPolicyGRPOTrainer`` in place of
 ``trl.GRPOTrainer`` (same arguments, plus ``kernels``), for a Qwen2.5-VL policy with TRL's
 transformers generation (``use_vllm=False``). It is ``rlk_mm.integrations.trl.GRPOTrainer``
 (rlk_mm's LM head and loss) whose generation goes through ``generate_on_policy``: the
@@ -25,14 +25,12 @@ generate suppresses the image token instead) gets an empty completion, which sco
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from ..models.rollout import Kernels, generate_on_policy
-from ..ops.invariant.mode import within_batch_invariant
-from .trl import RLKGRPOMixin
+from ...models.rollout import Kernels, generate_on_policy
+from ...ops.invariant.mode import within_batch_invariant
+from .trainer import RLKGRPOMixin, trainer_class
 
 __all__ = ["OnPolicyGRPOTrainer", "OnPolicyRolloutMixin"]
 
@@ -136,18 +134,10 @@ class OnPolicyRolloutMixin:
         super()._log_loss_metrics(mode, stats, entropies, mask, inputs)
 
 
-@functools.cache
-def _trainer_class():
-    from trl import GRPOTrainer as TRLGRPOTrainer
-
-    doc = ("TRL's GRPOTrainer with rlk_mm's LM head and loss, generating through generate_on_policy (see "
-           "rlk_mm.integrations.trl_on_policy); TRL's arguments and kernels.")
-    return type("OnPolicyGRPOTrainer", (OnPolicyRolloutMixin, RLKGRPOMixin, TRLGRPOTrainer),
-                {"__module__": __name__, "__doc__": doc})
-
-
 def __getattr__(name: str):
     """``OnPolicyGRPOTrainer``: built on first access, so that importing this module does not import TRL."""
     if name == "OnPolicyGRPOTrainer":
-        return _trainer_class()
+        return trainer_class("OnPolicyGRPOTrainer", (OnPolicyRolloutMixin, RLKGRPOMixin), __name__,
+                             "TRL's GRPOTrainer with rlk_mm's LM head and loss, generating through generate_on_policy "
+                             "(see rlk_mm.integrations.trl.on_policy); TRL's arguments and kernels.")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
