@@ -11,7 +11,8 @@ verl repeats prompts), responses of 512 tokens. Timed, on each device given:
   end (sums token rewards, maps uid strings to ints on the host, multiplies by the mask).
 
 Medians of wall-clock (CPU) or CUDA-event (GPU) timings after warm-up; results checked equal
-to verl's. Writes ``advantages_<device>.json`` to ``--out`` (default ``$OUT`` or ``.``).
+to verl's. Writes one ``advantages`` result per device (``bench.common.write_result``: under
+``--out``, default ``$OUT`` or ``.``).
 
     python -m bench.bench_advantages [--devices cpu,cuda] [--reps 5]
 """
@@ -24,7 +25,7 @@ import json
 import numpy as np
 import torch
 
-from .common import DEFAULT_OUT, install_ray_stand_in, time_ms, write_result
+from .common import add_output_args, install_ray_stand_in, time_ms, write_result
 
 install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402
@@ -87,7 +88,7 @@ def run(device: str, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--devices", default="cpu,cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (small ops: 1 avoids thread spin)")
@@ -97,7 +98,8 @@ def main() -> None:
         res = run(device, args.reps)
         print(json.dumps({"device": res["device"], "ms": {k: v["ms"] for k, v in res["timings"].items()},
                           "speedup": res["speedup_vs_verl_grpo"], "ok": res["correctness"]["ok"]}), flush=True)
-        write_result(args.out, f"advantages_{'cpu' if device == 'cpu' else 'gpu'}.json", res)
+        write_result(args.out, "advantages", res, shapes=res["shape"], label=args.label,
+                     card="cpu" if device == "cpu" else None)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from rlk_mm.fixtures.codec import synthetic_clips, tiny_codec
 from rlk_mm.ops import batch_invariant
 from rlk_mm.parity.codec import MODES, codec_invariance
 
-from .common import DEFAULT_OUT, time_ms, write_result
+from .common import add_output_args, time_ms, write_result
 
 #: name -> codec sizes and clips (N clips of `seconds` at 16 kHz)
 CONFIGS = {
@@ -71,7 +71,7 @@ def main() -> None:
                     help="tiny shapes on the CPU: exercises every code path, writes the JSON")
     ap.add_argument("--seeds", type=int, default=3, help="codecs (and clip sets) per config (default 3)")
     ap.add_argument("--reps", type=int, default=10, help="timed batched encodes per mode (default 10)")
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     args = ap.parse_args()
     if args.dry_run:
         device, configs, seeds, reps = torch.device("cpu"), DRY_RUN, list(range(min(args.seeds, 2))), 2
@@ -88,7 +88,7 @@ def main() -> None:
         "timing": "batched_encode: encoder + quantizer on all N clips, median after 2 warm-up calls",
         "configs": results,
     }
-    write_result(args.out, "codec_invariance.json", result)
+    write_result(args.out, "codec", result, shapes=configs, label=args.label, dry_run=args.dry_run)
     print(json.dumps({r["config"]: {m: round(r[f"{m}_flip_rate"], 5) for m in MODES} for r in results}))
 
 

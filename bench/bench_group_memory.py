@@ -17,7 +17,7 @@ Peers, each forward + backward (gradients of hidden states and head), bf16, one 
 gradient buffers included; ``above_grads`` subtracts the gradients of hidden states and
 head, the part every method must hold. A peer that runs out of memory is recorded as
 ``"oom"`` and left out at larger G. Times are medians of CUDA-event timings, the peers that
-fit timed round-robin. Writes ``group_memory.json`` to ``--out``.
+fit timed round-robin. Writes a ``group_memory`` result under ``--out``.
 
     python -m bench.bench_group_memory [--groups 64,128,256,512] [--seq 512] [--reps 3]
 """
@@ -31,7 +31,7 @@ import torch
 
 from rlk_mm.ops import PolicyLossConfig, linear_policy_loss, selected_logprob
 
-from .common import DEFAULT_OUT, GIB, measure_interleaved, peak_extra_bytes, write_result
+from .common import GIB, add_output_args, measure_interleaved, peak_extra_bytes, write_result
 
 #: RL-Kernel's head (Llama-3-8B): vocabulary and hidden size
 V, H = 128_256, 4096
@@ -125,7 +125,7 @@ def run_group(G: int, seq: int, reps: int, skip: set) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--groups", default="64,128,256,512", help="GRPO group sizes G (comma-separated)")
     ap.add_argument("--seq", type=int, default=512, help="scored tokens per answer (RL-Kernel: 512)")
     ap.add_argument("--reps", type=int, default=3)
@@ -137,9 +137,9 @@ def main() -> None:
     for G in (int(x) for x in args.groups.split(",")):
         print(f"G = {G} (N = {G * args.seq})", flush=True)
         rows.append(run_group(G, args.seq, args.reps, skip))
-    write_result(args.out, "group_memory.json", {
-        "shape": {"V": V, "H": H, "seq": args.seq, "dtype": "bfloat16"}, "published": PUBLISHED, "rows": rows,
-    })
+    shape = {"V": V, "H": H, "seq": args.seq, "dtype": "bfloat16"}
+    write_result(args.out, "group_memory", {"shape": shape, "published": PUBLISHED, "rows": rows},
+                 shapes={**shape, "G": [row["G"] for row in rows]}, label=args.label)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ call freeing the gradients of the one before:
 "extra" is peak memory above what was allocated before the call, gradients included.
 Correctness on a slice of rows: ours against the composition and against the fp32 torch
 backend on the same bf16 inputs upcast. ``--budgets`` also times ours at other chunk sizes
-(``LogprobConfig.linear_budget``). Writes ``linear_loss.json`` to ``--out``.
+(``LogprobConfig.linear_budget``). Writes a ``linear_loss`` result under ``--out``.
 
 ``--dry-run``: no GPU and no peers: ours (``linear_policy_loss`` and the composition) at tiny
 shapes on the CPU (the torch backend; the Triton interpreter with ``TRITON_INTERPRET=1
@@ -45,8 +45,8 @@ from rlk_mm.ops._triton import logprob as tri
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
 from .common import (
-    DEFAULT_OUT,
     GIB,
+    add_output_args,
     forced_backend,
     load_config,
     measure,
@@ -251,7 +251,7 @@ def dry_run(reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--shapes", default="7b,3b")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--budgets", default="", help="comma-separated chunk budgets in MiB to sweep (7b only)")
@@ -270,7 +270,9 @@ def main() -> None:
     shapes = args.shapes.split(",")
     for s in shapes:
         result[s] = run_shape(s, args.reps, budgets if s == "7b" else [])
-        write_result(args.out, "linear_loss.json", result)  # after each shape: a later failure keeps it
+        # after each shape: a later failure keeps it
+        write_result(args.out, "linear_loss", result, shapes={k: result[k]["shape"] for k in shapes if k in result},
+                     label=args.label)
         torch.cuda.empty_cache()
     print_table(result, shapes)
 

@@ -6,7 +6,7 @@ Shapes: the Qwen2.5-VL-7B head (N=16384, H=3584, V=152064) and 3B (N=4096, H=204
 (peers share the GPU's power and clock history). Times are medians of CUDA-event timings
 after warm-up; "extra" is peak memory above what was allocated before the call (gradients
 included for forward+backward). Correctness: ours against the fp32 plain-torch reference on
-a slice of rows. Writes ``logprob.json`` to ``--out`` (default ``$OUT`` or ``.``).
+a slice of rows. Writes a ``logprob`` result under ``--out`` (default ``$OUT`` or ``.``).
 ``--sweep`` instead times the bare Triton kernels at the 7B shape with candidate
 ``LogprobConfig``s (tiles, dz budgets) and writes ``logprob_sweep.json``.
 
@@ -26,7 +26,7 @@ from rlk_mm.ops._torch import logprob as ref
 from rlk_mm.ops._triton import logprob as tri
 from rlk_mm.parity.contract import LOGPROB_GRAD_REL, LOGPROB_MAX_ABS, relative_error
 
-from .common import DEFAULT_OUT, GIB, load_config, measure, measure_interleaved, write_result
+from .common import GIB, add_output_args, load_config, measure, measure_interleaved, write_result
 
 HEADS = load_config("lm_heads")
 TOKENS = {"7b": 16384, "3b": 4096}  # scored tokens at each head shape
@@ -245,14 +245,16 @@ def sweep(reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--shapes", default="7b,3b")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sweep", action="store_true", help="time candidate kernel configs instead of the benchmark")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.sweep:
-        write_result(args.out, "logprob_sweep.json", {"sweep": sweep(args.reps)})
+        N, H, V = shape("7b")
+        write_result(args.out, "logprob", {"sweep": sweep(args.reps)}, shapes={"7b": {"N": N, "H": H, "V": V}},
+                     label="sweep" if args.label == "default" else args.label)
         return
     result = {"config": asdict(tri.default_config(torch.bfloat16, torch.device("cuda"))),
               "host_us_per_call": host_overhead_us()}
@@ -261,7 +263,7 @@ def main() -> None:
         result[s] = run_shape(s, args.reps)
         torch.cuda.empty_cache()
     print_table(result, shapes)
-    write_result(args.out, "logprob.json", result)
+    write_result(args.out, "logprob", result, shapes={s: result[s]["shape"] for s in shapes}, label=args.label)
 
 
 def print_table(result: dict, shapes) -> None:

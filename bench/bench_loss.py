@@ -16,7 +16,7 @@ float32 log-probs:
 
 Forward+backward and forward-only times are medians of CUDA-event timings after warm-up;
 "extra" is peak memory above what was allocated before the call (gradients included).
-Writes ``loss.json`` to ``--out`` (default ``$OUT`` or ``.``).
+Writes a ``loss`` result under ``--out`` (default ``$OUT`` or ``.``).
 
     python -m bench.bench_loss [--reps 50]
 """
@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from .common import DEFAULT_OUT, MIB, forced_backend, install_ray_stand_in, load_config, measure, write_result
+from .common import MIB, add_output_args, forced_backend, install_ray_stand_in, load_config, measure, write_result
 
 install_ray_stand_in()
 from verl.trainer.ppo import core_algos  # noqa: E402
@@ -196,7 +196,7 @@ def bench_combined(reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip-combined", action="store_true")
     args = ap.parse_args()
@@ -208,7 +208,7 @@ def main() -> None:
     if not args.skip_combined:
         res["combined"] = bench_combined(args.reps)
         print(json.dumps({k: v for k, v in res["combined"].items() if k != "shape"}), flush=True)
-    write_result(args.out, "loss.json", res)
+    write_result(args.out, "loss", res, shapes={k: v["shape"] for k, v in res.items() if "shape" in v}, label=args.label)
 
 
 if __name__ == "__main__":

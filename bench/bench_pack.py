@@ -14,8 +14,8 @@ Measured, each a median of CUDA-event timings after warm-up:
 - a sweep of the gather's tile shapes, and a per-token ``[B, L]`` fp32 tensor (H = 1).
 
 ``fraction_of_copy`` is achieved bandwidth over the copy bandwidth measured on the same
-number of bytes. Correctness (bitwise) is checked before timing. Writes ``pack.json`` to
-``--out`` (default ``$OUT`` or ``.``).
+number of bytes. Correctness (bitwise) is checked before timing. Writes a ``pack`` result
+under ``--out`` (default ``$OUT`` or ``.``).
 
     python -m bench.bench_pack [--B 16 --L 4096 --H 3584] [--reps 20]
 """
@@ -32,7 +32,7 @@ from rlk_mm.ops import padded as P
 from rlk_mm.ops._triton import pack as tri
 from rlk_mm.schema.checks import DeviceChecks
 
-from .common import DEFAULT_OUT, forced_backend, load_config, measure, write_result
+from .common import add_output_args, forced_backend, load_config, measure, write_result
 
 DEVICE = "cuda"
 SWEEP = [
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--H", type=int, default=load_config("lm_heads")["7b"]["hidden"])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     args = ap.parse_args()
     B, L, H, reps = args.B, args.L, args.H, args.reps
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -206,7 +206,7 @@ def main() -> None:
         "torch_v_mask": measure(lambda: v[mask], reps),
     }
 
-    write_result(args.out, "pack.json", result)
+    write_result(args.out, "pack", result, shapes={**result["shape"], "dtype": "bfloat16"}, label=args.label)
     print(json.dumps(result["checks"]))
     print(f"{torch.cuda.get_device_name()}  B={B} L={L} H={H} T={T} ({T / (B * L):.0%} valid) bf16")
     print(f"copy [T,H]: {copy_packed['ms']:.3f} ms = {copy_gbps:.0f} GB/s;  "

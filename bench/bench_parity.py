@@ -1,8 +1,8 @@
 """Layout-parity speed on CPU: 512 samples x 4,096 tokens with 2 images each.
 
 Both batches are built once (from token lists, as a rollout engine returns them); the
-timed part is ``check_layout_parity`` alone. Writes ``parity_cpu.json`` to ``--out``
-(default ``$OUT`` or ``.``).
+timed part is ``check_layout_parity`` alone. Writes a ``parity`` result (card ``cpu``) under
+``--out`` (default ``$OUT`` or ``.``).
 
     python -m bench.bench_parity [--samples 512] [--tokens 4096] [--repeats 5]
 """
@@ -20,7 +20,7 @@ from rlk_mm import RLBatch
 from rlk_mm.fixtures import qwen_vl_processor
 from rlk_mm.parity import check_layout_parity
 
-from .common import DEFAULT_OUT, write_result
+from .common import add_output_args, write_result
 
 IMAGE_PAD, VISION_START, VISION_END, EOS = 151655, 151652, 151653, 151645
 
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(parser)
     args = parser.parse_args()
     processor = qwen_vl_processor()
     t0 = time.perf_counter()
@@ -86,7 +86,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0],  # other work on the machine inflates the times
     }
-    write_result(args.out, "parity_cpu.json", result)
+    shapes = {"samples": args.samples, "tokens_per_sample": args.tokens, "images_per_sample": 2}
+    write_result(args.out, "parity", result, shapes=shapes, label=args.label, card="cpu")
     print(f"check_layout_parity: {args.samples} x {args.tokens} tokens, 2 images each: "
           f"median {result['median_s']:.3f} s (one drift: {drift_s:.3f} s)")
 

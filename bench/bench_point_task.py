@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .common import DEFAULT_OUT, write_result
+from .common import add_output_args, write_result
 from .smoke_sweep import run_one
 
 TASKS = ("point", "point-shuffled")
@@ -50,7 +50,7 @@ def aggregate(results: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(p)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup-steps", type=int, default=100,
@@ -78,10 +78,11 @@ def main() -> None:
     with ThreadPoolExecutor(a.parallel) as pool:
         results = list(pool.map(lambda c: run_one(c, logs, a.threads, deadline), configs(seeds, device, smoke_args)))
     summary = aggregate(results)
-    write_result(out, "point_task_dry_run.json" if a.dry_run else "point_task.json", dict(
+    write_result(out, "point_task", dict(
         device=device, seeds=seeds, smoke_args=smoke_args, parallel=a.parallel, seconds=round(time.time() - start, 1),
         summary=summary, runs=results,
-    ))
+    ), shapes={"seeds": seeds, "smoke_args": smoke_args}, label=a.label, dry_run=a.dry_run,
+        card="cpu" if device == "cpu" else None)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@
 
 Medians of CUDA-event timings after warm-up; peak memory is ``max_memory_allocated`` after
 ``reset_peak_memory_stats`` minus the memory held before the call (model and inputs).
-Writes ``prefill.json``, ``invariance_gpu.json`` and ``invariance_gpu.png`` to ``--out``
-(default ``$OUT`` or ``.``).
+Writes a ``prefill`` result and an ``invariance`` result (with its picture beside it, the same
+name as a ``.png``) under ``--out`` (default ``$OUT`` or ``.``); ``--smoke`` writes them as dry runs.
 
     python -m bench.bench_prefill [--layers 36] [--reps 5] [--skip-sweep] [--tiles]
     python -m bench.bench_prefill --smoke   # the tiny model and small images, CPU or GPU (a dry run)
@@ -55,7 +55,7 @@ from rlk_mm.ops.logprob import selected_logprob
 from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.schema.batch import RLBatch
 
-from .common import DEFAULT_OUT, GIB, command_line, load_config, peak_extra_bytes, time_ms, write_result
+from .common import GIB, add_output_args, command_line, load_config, peak_extra_bytes, time_ms, write_result
 
 EOS = fixtures.IM_END_TOKEN_ID
 MODEL = load_config("qwen2_5_vl_3b")
@@ -345,7 +345,7 @@ def main() -> int:
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--tiles", action="store_true", help="also time candidate kernel tiles against cuBLAS / sdpa")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 56 px images, 8-token responses (a dry run)")
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(parser)
     args = parser.parse_args()
     if args.smoke:
         Setup.image_side, Setup.response = 56, 8
@@ -358,8 +358,11 @@ def main() -> int:
                   "dtype": "bfloat16", "weights": "random (seed 0)", "attn_implementation": "sdpa"},
     }
 
+    def shapes():
+        return {**result["model"], "image_side": Setup.image_side, "response": Setup.response}
+
     def save():
-        write_result(out_dir, "prefill.json", result)
+        write_result(out_dir, "prefill", result, shapes=shapes(), label=args.label, dry_run=args.smoke)
 
     t0 = time.time()
     if args.smoke:
@@ -390,8 +393,10 @@ def main() -> int:
             report = invariance_sweep(model, small, samples, group_size=4, response_length=32)
             report.meta["command"] = command_line()
             report.meta["wall_s"] = round(time.time() - t, 1)
-            report.save_json(out_dir / "invariance_gpu.json")
-            report.save_png(out_dir / "invariance_gpu.png")
+            sweep_shapes = {**report.meta.get("config", {}), "samples": 4, "group_size": 4, "response_length": 32}
+            path = write_result(out_dir, "invariance", report.to_dict(), shapes=sweep_shapes, label=args.label,
+                                dry_run=args.smoke)
+            report.save_png(path.with_suffix(".png"))
             print(report.table(), flush=True)
             result["invariance"] = {"invariant": report.invariant,
                                     "control_drifting_cases": sorted({r.case for r in report.results

@@ -1,5 +1,5 @@
 """Benchmark of rollout sampling (``rlk_mm.ops.sample`` / ``sample_from_hidden``) against its
-peers, in one process, timed round-robin. Writes ``sampling.json`` to ``--out``.
+peers, in one process, timed round-robin. Writes a ``sampling`` result under ``--out``.
 
 From logits (V = 152,064, fp32, B in {64, 128, 256}), top-k 50 + top-p 0.9 at T = 0.8:
 
@@ -8,7 +8,7 @@ From logits (V = 152,064, fp32, B in {64, 128, 256}), top-k 50 + top-p 0.9 at T 
   host's launch time counts); ``ours_graph``: the same call captured in a CUDA graph and
   replayed (the GPU's time alone); ``ours_stream``: 20 calls back to back, per call (the host
   enqueues ahead of the GPU); ``ours_plain``: plain temperature; ``ours_top_p``: top-p 0.9
-  alone (on these rows it keeps about a thousand tokens: the mass-bucket path, ``_triton/top_p.py``);
+  alone (on these rows it keeps about a thousand tokens: the mass-bucket path, ``_triton/sampling/top_p.py``);
 * ``torch_topk_topp``: softmax -> topk(50) -> top-p on the 50 -> multinomial;
 * ``torch_sort_topp``: a full sort, top-k and top-p masks, softmax, multinomial (vLLM-style);
 * ``torch_multinomial``: softmax -> multinomial, no filters (the floor of the torch way);
@@ -48,7 +48,7 @@ import torch
 
 from rlk_mm.ops import group_seeds, sample, sample_from_hidden
 
-from .common import DEFAULT_OUT, ROOT, measure_interleaved, time_ms, write_result
+from .common import ROOT, add_output_args, measure_interleaved, time_ms, write_result
 
 TOP_K, TOP_P, TEMPERATURE = 50, 0.9, 0.8
 FI_ENTRIES = ("fi_sampling_from_logits", "fi_topk_topp_probs_joint", "fi_topk_topp_logits")  # build order
@@ -357,7 +357,7 @@ def agreement(cfg: dict, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(p)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: check the script")
     p.add_argument("--fi-budget", type=float, default=40.0, help="seconds for FlashInfer's JIT builds (default 40)")
     p.add_argument("--agreement-steps", type=int, default=3,
@@ -406,7 +406,7 @@ def main() -> None:
         result.setdefault("verdict", {})["from_hidden_plain_vs_gemm_graphs"] = {
             f"B={r['B']}": r["plain_vs_gemm_graphs"] for r in hidden}
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    write_result(args.out, "sampling.json", result)
+    write_result(args.out, "sampling", result, shapes=result["settings"], label=args.label, dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

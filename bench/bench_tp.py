@@ -14,7 +14,7 @@ op (the goal, and the guarantee: 0), and the bytes each rank sent per scored tok
 measured (``torch.profiler``'s c10d ops, the slope between N/2 and N rows) against
 ``_vocab_parallel.comm.comm_bytes_per_token``. verl's kernel all-reduces (its bytes are counted by
 wrapping ``torch.distributed.all_reduce``); verl is imported lazily and its absence
-recorded. Writes ``tp.json`` to ``--out``, naming the card. ``--quick``: the 7B head only,
+recorded. Writes a ``tp`` result under ``--out`` (its ``world``: the GPUs of the run). ``--quick``: the 7B head only,
 3 timed repetitions (about a minute on 4 H100s at tp 1/2/4).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 8 -m bench.bench_tp --out $OUT
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .common import DEFAULT_OUT, GIB, call_ms, install_ray_stand_in, load_config, write_result
+from .common import GIB, add_output_args, call_ms, install_ray_stand_in, load_config, write_result
 
 SHAPES = {"7b": None, "72b_like": 8192}  # H of the 72B-like head; V as the 7B head's
 DRY = {"n": 48, "hidden": 24, "vocab": 250}
@@ -42,7 +42,7 @@ DRY = {"n": 48, "hidden": 24, "vocab": 250}
 
 def _parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="group sizes (those above the world are left out)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -249,13 +249,12 @@ def main() -> None:
     groups = {tp: dist.new_group(list(range(tp))) for tp in sizes}  # every rank creates every group
     verl_lce, verl_note = _verl()
     head = load_config("lm_heads")["7b"]
-    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
-    results = {"card": card, "world": world, "backend": backend, "dtype": str(dtype), "verl": verl_note or "run",
-               "reps": args.reps, "shapes": {}}
+    results = {"world": world, "backend": backend, "dtype": str(dtype), "verl": verl_note or "run",
+               "reps": args.reps, "by_shape": {}}
     for shape in args.shapes:
         n, H, V = (DRY["n"], DRY["hidden"], DRY["vocab"]) if args.dry_run else \
             (args.rows, SHAPES[shape] or head["hidden"], head["vocab"])
-        entry = results["shapes"][shape] = {"N": n, "H": H, "V": V, "tp": {}}
+        entry = results["by_shape"][shape] = {"N": n, "H": H, "V": V, "tp": {}}
         for tp in sizes:
             dist.barrier()
             if rank >= tp:
@@ -268,7 +267,9 @@ def main() -> None:
         _efficiency(entry["tp"])
     dist.barrier()
     if rank == 0:
-        write_result(args.out, "tp.json", results)
+        shapes = {name: {k: s[k] for k in ("N", "H", "V")} for name, s in results["by_shape"].items()}
+        write_result(args.out, "tp", results, shapes={**shapes, "tp": sizes, "world": world}, label=args.label,
+                     dry_run=args.dry_run)
     dist.destroy_process_group()
 
 

@@ -11,7 +11,7 @@ only (verl's default ``entropy_coeff=0``). Each case is timed round-robin (verl'
 ours, ours on the response rows, one call each per round): the H100 runs these products
 at its power cap, so its clock depends on what ran just before. Median CUDA-event times
 after warm-up; extra = peak memory above what was held before the call, gradients
-included. Writes ``verl_fused.json`` to ``--out``.
+included. Writes a ``verl_fused`` result under ``--out``.
 
     python -m bench.bench_verl_fused [--reps 5]
 """
@@ -24,12 +24,12 @@ import json
 
 import torch
 
-from .common import DEFAULT_OUT, GIB, install_ray_stand_in, load_config, measure_interleaved, write_result
+from .common import GIB, add_output_args, install_ray_stand_in, load_config, measure_interleaved, write_result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     install_ray_stand_in()
@@ -123,7 +123,7 @@ def main() -> None:
         "correctness": check,
     }
     print(json.dumps({"speedup": result["speedup"], "correctness": check}, indent=1))
-    write_result(args.out, "verl_fused.json", result)
+    write_result(args.out, "verl_fused", result, shapes=result["shape"], label=args.label)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the benchmarks share: timing and memory measurement, the run's metadata, shared
-shapes (``configs/``), writing a result, forcing an rlk_mm backend, and importing verl where
-ray is missing.
+shapes (``configs/``), writing a result in the one schema and path scheme of ``bench.schema``
+(``write_result``), forcing an rlk_mm backend, and importing verl where ray is missing.
 
 Times are medians of CUDA-event timings after warm-up (wall clock on CPU); memory is the
 peak of one more call above what was allocated just before it. Peers compared with each
@@ -11,11 +11,13 @@ other are best timed round-robin (``measure_interleaved``). The scripts are modu
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.util
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -23,12 +25,15 @@ from pathlib import Path
 
 import torch
 
+from .schema import OPTIONAL, REQUIRED, SCHEMA_VERSION, UNKNOWN, VERSION_KEYS, check_result, dumps, result_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 #: where results go unless ``--out`` says otherwise
 DEFAULT_OUT = os.environ.get("OUT", ".")
-#: distributions whose versions a run records, where installed (peers of some benchmarks included)
+#: distributions whose versions a run records (peers of some benchmarks included; triton and
+#: transformers are written "not installed" where absent, the others left out)
 PACKAGES = ("triton", "transformers", "verl", "liger-kernel")
 
 GIB = float(1 << 30)
@@ -114,34 +119,84 @@ def command_line() -> str:
     return " ".join(["python", *script, *sys.argv[1:]])
 
 
+def rlk_mm_commit() -> str:
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files), from
+    ``$RLK_MM_COMMIT`` where set (a copy of the tree without ``.git``), else ``"unknown"``."""
+    if os.environ.get("RLK_MM_COMMIT"):
+        return os.environ["RLK_MM_COMMIT"]
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    return f"{head}+dirty" if dirty else head or UNKNOWN
+
+
 def run_metadata() -> dict:
-    """The GPU (None without CUDA), the CPU, the versions and the command line of this run."""
-    meta = {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
+    """This run's schema fields (``bench.schema``): card (torch's device name, ``"cpu"`` without
+    CUDA), date (UTC), command, versions (torch, transformers, triton, rlk_mm's commit, and the
+    peers' packages where installed) and host (CPU, Python, CUDA)."""
+    versions = {"torch": torch.__version__}
     for name in PACKAGES:
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            meta[name] = metadata.version(name)
-    meta["command"] = command_line()
-    return meta
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if name in VERSION_KEYS:
+                versions[name] = "not installed"
+    versions["rlk_mm"] = rlk_mm_commit()
+    return {
+        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command_line(),
+        "versions": versions,
+        "host": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+                 "cuda": torch.version.cuda, "threads": torch.get_num_threads()},
+    }
+
+
+def add_output_args(parser) -> None:
+    """``--out`` (default ``$OUT`` or ``.``) and ``--label`` (default ``default``): where
+    ``write_result`` files the result, and the run's name in its file name."""
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="results folder: the file goes to OUT/<op>/<card>/<day>-<label>.json (default $OUT or .)")
+    parser.add_argument("--label", default="default",
+                        help="this run's name in its file name (default: default, the script's default settings)")
+
+
+def write_result(out_dir, op: str, data: dict, *, shapes, label: str = "default", dry_run: bool = False,
+                 card: str | None = None, note: str | None = None) -> Path:
+    """Write ``data`` (the payload) with this run's schema fields (``bench.schema``) to
+    ``out_dir/<op>/<card slug>/<day>-<label>.json``; ``--out bench/results`` files it where the
+    reports read it. ``card`` names what ran the measurement where that is not this machine's GPU
+    (``"cpu"`` for a CPU run on a GPU machine). A dry run (tiny shapes, a check of the script's
+    code paths, no figure to keep) goes to ``out_dir/<op>.json`` instead, outside the scheme.
+    Returns the path."""
+    clash = sorted(set(data) & {*REQUIRED, *OPTIONAL})
+    if clash:
+        raise ValueError(f"the payload of {op} uses the schema's keys {clash}: rename them")
+    meta = run_metadata()
+    result = {"schema": SCHEMA_VERSION, "op": op, "label": "dry-run" if dry_run else label, "card": card or meta["card"],
+              "date": meta["date"], "command": meta["command"], "versions": meta["versions"],
+              "shapes": shapes if shapes not in (None, "", {}, []) else UNKNOWN, "host": meta["host"]}
+    if note:
+        result["note"] = note
+    result.update(data)
+    problems = check_result(result)
+    if problems:
+        raise ValueError(f"result of {op} breaks the schema: {problems}")
+    rel = Path(f"{op}.json") if dry_run else Path(result_path(op, result["card"], result["date"], result["label"]))
+    path = Path(out_dir) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(result), encoding="utf-8")
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def load_config(name: str):
     """The shared shapes or model config ``configs/<name>.json``."""
     return json.loads((CONFIGS / f"{name}.json").read_text())
-
-
-def write_result(out_dir, name: str, data: dict) -> Path:
-    """Write ``{"meta": run_metadata(), **data}`` as JSON to ``out_dir/name``."""
-    path = Path(out_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": run_metadata(), **data}, indent=1) + "\n")
-    print(f"wrote {path}", flush=True)
-    return path
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@
 #
 #   OUT=/some/dir bash bench/cpu_colour_sweep.sh     # about 9 minutes
 #
-# Writes $OUT/colour/: sweep.json, margins.json, NAME.log, NAME.steps.jsonl, NAME/smoke_report.json.
+# Writes $OUT/colour/: sweep.json, margins.json, NAME.log, NAME.steps.jsonl, NAME/smoke_report.json, and
+# the sweep's result smoke_sweep/cpu/<day>-<configs name>.json (copy it into bench/results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cpu_colour_sweep}

@@ -89,6 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tests-timeout", type=int, default=420)
     parser.add_argument("--smoke-timeout", type=int, default=420)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--label", default="default", help="the result's name in its file name")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"tests": None if args.skip_tests else run_tests(args.out, args.tests_timeout)}
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
     print(f"smoke: exit {smoke['exit_code']}, max |Δ| {smoke.get('max_abs_delta_any_step')}, "
           f"differing tokens {smoke.get('tokens_differing_any_step')}, reward {smoke.get('reward_first_10')} -> "
           f"{smoke.get('reward_last_10')}", flush=True)
-    write_result(args.out, "families_gpu.json", data)
+    write_result(args.out, "families", data, shapes={"model": "qwen3-vl", "smoke_steps": args.steps}, label=args.label)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30 on one GPU: the on-policy GPU tests (rollout and decode bitwise equal to the training
 # forward on CUDA/Triton; the invariant-mode kernels), then bench_on_policy. Writes to $OUT:
-# on_policy_gpu_tests.log, bench_on_policy.log, on_policy.json. The long smoke runs (colour 400
+# on_policy_gpu_tests.log, bench_on_policy.log, on_policy/<card>/<day>-default.json. The long smoke runs (colour 400
 # steps, point 200 steps after 100 warm-up) are tests/smoke/test_smoke.py's gpu tests: run them with
 # SMOKE=1 (several minutes each).
 set -u

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 32 on a 4-GPU machine: the vocab-parallel GPU tests at 2, 3 and 4 ranks (every rank
 # must pass), then bench_tp at tp 1/2/4, with the topology recorded. Writes to $OUT:
-# topo.txt, vp_gpu_tests_<ranks>.log (one per rank count), tp.json. NVLink multicast off.
+# topo.txt, vp_gpu_tests_<ranks>.log (one per rank count), tp/<card>/<day>-default.json. NVLink multicast off.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-.}

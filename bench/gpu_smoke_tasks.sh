@@ -7,10 +7,12 @@
 #   OUT=/some/dir bash bench/gpu_smoke_tasks.sh     # about 8 minutes
 #
 # Also four bench/point_diagnosis.py runs (one per GPU): the point task and its control at the settings
-# under which their reward fell, and at the new ones: $OUT/point_diagnosis/NAME/point_diagnosis.jsonl.
+# under which their reward fell, and at the new ones: $OUT/point_diagnosis/NAME/point_diagnosis.jsonl
+# and the run's result, $OUT/point_diagnosis/NAME/point_diagnosis/<card>/<day>-<task>.json.
 # Writes $OUT/smoke_tasks/: sweep.json (each run's per-step reward curve and summary), margins.json
 # (per variant: the seeds' last-10-step rewards, the margins over the control and chance, learns or
-# not), NAME.log, NAME.steps.jsonl and NAME/smoke_report.json per run.
+# not), NAME.log, NAME.steps.jsonl and NAME/smoke_report.json per run, and the sweep's result
+# smoke_sweep/<card>/<day>-smoke-tasks-gpu.json (copy it into bench/results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_smoke_tasks}

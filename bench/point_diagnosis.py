@@ -10,7 +10,8 @@ reward is wrapped to record each answer.
 
     python -m bench.point_diagnosis --out /tmp/pd --steps 40 --prompts 8 [smoke options...]
 
-Writes OUT/point_diagnosis.jsonl (one row per step) and OUT/run/ (the smoke report).
+Writes OUT/point_diagnosis.jsonl (one row per step, as the steps end), OUT/run/ (the smoke report)
+and at the end a ``point_diagnosis`` result (``bench.common.write_result``) under OUT with the rows.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 from rlk_mm.smoke import parse_args, run_smoke
 from rlk_mm.smoke.tasks import TASKS
 from rlk_mm.smoke.tasks.point import OUTCOMES, answer_syntax, point_outcome
+
+from .common import write_result
 
 __all__ = ["advantage_spread", "main", "step_row"]
 
@@ -82,6 +85,7 @@ def main(argv=None) -> None:
     p.add_argument("--task", default="point", choices=("point", "point-shuffled"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--verbose", action="store_true", help="print the smoke test's own output too (warm-up, gates)")
+    p.add_argument("--label", help="the result's name in its file name (default: the task)")
     a, smoke_argv = p.parse_known_args(argv)
     torch.set_num_threads(a.threads)
     out = Path(a.out)
@@ -126,6 +130,10 @@ def main(argv=None) -> None:
         run_smoke(args, on_step=on_step)
     finally:
         TASKS[a.task] = factory
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    write_result(out, "point_diagnosis", {"task": a.task, "smoke_args": smoke_argv, "steps": rows},
+                 shapes={"task": a.task, "smoke_args": smoke_argv}, label=a.label or a.task,
+                 card="cpu" if str(args.device).startswith("cpu") else None)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ so a run cut off by `--deadline` still reports its curve.
 CONFIGS.json: a list of {"name": str, "device": "cuda" | "cpu", "args": [smoke options],
 "tuning": {SmokeTuning field: value}}; earlier configs' "set" ({"TINY_MODEL": ...}: the module
 constants a field replaces) is read as "tuning", and their learning-rate floor ("LR_FLOOR" or
-"lr_floor" there) as the option --lr-floor. Writes DIR/sweep.json, DIR/NAME.log (the
-run's output), DIR/NAME.steps.jsonl and DIR/NAME/ (the run's report and pictures).
+"lr_floor" there) as the option --lr-floor. Writes DIR/sweep.json (as runs finish), DIR/NAME.log
+(the run's output), DIR/NAME.steps.jsonl and DIR/NAME/ (the run's report and pictures), and at
+the end a ``smoke_sweep`` result (``bench.common.write_result``, labelled ``--label`` or the
+configs file's name) under DIR with every run's summary and the margins.
 
 A config may also name its "variant" (the settings it tries), its "role" ("task" or "control")
 and the task's "chance" reward, and give a "bar" (colour: the last-10-step reward every seed must
@@ -173,6 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--gpus", type=int, default=0,
                    help="spread the CUDA runs over this many GPUs (default: one, in turn)")
     p.add_argument("--per-gpu", type=int, default=1, help="CUDA runs at once on each GPU (with --gpus)")
+    p.add_argument("--label", help="the result's name in its file name (default: the configs file's name)")
     a = p.parse_args(argv)
     if a.gpus < 0 or a.per_gpu < 1 or a.cpu_workers < 1 or a.threads < 1:
         raise SystemExit("--gpus must be >= 0, --per-gpu, --cpu-workers and --threads >= 1")
@@ -208,8 +211,14 @@ def main(argv=None) -> None:
         for r in pool.map(lambda c: run_one(c, out, a.threads, deadline), cpu):
             record(r)
     gpu_thread.join()
-    if any("variant" in c for c in configs):
-        (out / "margins.json").write_text(json.dumps(margins(results, configs), indent=1))
+    summary = margins(results, configs) if any("variant" in c for c in configs) else None
+    if summary is not None:
+        (out / "margins.json").write_text(json.dumps(summary, indent=1))
+    from bench.common import write_result  # here: tests load this file by its path, outside the package
+
+    label = a.label or Path(a.configs).stem.lower().replace("_", "-")
+    write_result(out, "smoke_sweep", {"configs": configs, "runs": results, "margins": summary},
+                 shapes={"configs": a.configs, "runs": len(configs)}, label=label, card=None if cuda else "cpu")
 
 
 if __name__ == "__main__":

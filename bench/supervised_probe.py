@@ -11,7 +11,8 @@ three shapes; ``video``: the four directions.
     python -m bench.supervised_probe --task point --steps 800 --device cuda --out $OUT
     python -m bench.supervised_probe --task point-three --size 512,8,4,256 --rope-theta 10 --out $OUT
 
-Writes ``supervised_probe_TASK.json`` (settings and the accuracy curve) to ``--out``.
+Writes a ``supervised_probe`` result labelled with the task (settings and the accuracy curve)
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rlk_mm.grounding import Convention
 from rlk_mm.smoke.policy import TINY_MODEL, load_policy, policy_logprobs
 from rlk_mm.smoke.tasks import colour, point, video
 
-from .common import DEFAULT_OUT, command_line, write_result
+from .common import add_output_args, write_result
 
 SIZE_KEYS = ("hidden_size", "num_layers", "vision_depth", "vision_hidden_size")
 
@@ -76,7 +77,7 @@ def _parse(argv=None):
     ap.add_argument("--rope-theta", type=float, default=1e6, help="the LM's rotary base (default 1e6, Qwen2.5-VL's)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_output_args(ap)
     args = ap.parse_args(argv)
     sizes = [int(v) for v in args.size.split(",")]
     if len(sizes) != 4 or min(sizes) < 1 or args.steps < 0 or args.eval_every < 1:
@@ -129,11 +130,13 @@ def main(argv=None) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    data = {"command": command_line(), "task": args.task, "chance": round(1 / len(held_out[0][1]), 4),
+    data = {"task": args.task, "chance": round(1 / len(held_out[0][1]), 4),
             "settings": {"steps": args.steps, "lr": args.lr, "prompts": args.prompts, "eval_prompts": args.eval_prompts,
                          "sizes": args.sizes, "rope_theta": args.rope_theta, "device": args.device, "seed": args.seed},
             "curve": curve, "seconds": round(time.perf_counter() - t0, 1)}
-    write_result(args.out, f"supervised_probe_{args.task}.json", data)
+    write_result(args.out, "supervised_probe", data, shapes=data["settings"],
+                 label=args.task if args.label == "default" else args.label,
+                 card="cpu" if str(args.device).startswith("cpu") else None)
     return data
 
 
