@@ -40,6 +40,9 @@ class ModelFamily:
     model_class: str  # the ...ForConditionalGeneration class the runners drive
     layout: LayoutFamily
     deepstack: bool  # the vision tower's DeepStack features are added after the first decoder layers
+    #: a decode step can be captured in a CUDA graph (no host read inside it); routed experts read
+    #: their token counts on the host, so a mixture-of-experts family decodes its static loop eagerly
+    graph_capture: bool = True
 
     def deepstack_levels(self, model) -> int:
         """How many DeepStack feature levels the model's vision tower returns (0 without DeepStack)."""
@@ -65,7 +68,7 @@ FAMILIES = (
     ModelFamily("qwen3_vl", "Qwen3-VL", "transformers.models.qwen3_vl.modeling_qwen3_vl",
                 "Qwen3VLForConditionalGeneration", LayoutFamily.QWEN3_VL, deepstack=True),
     ModelFamily("qwen3_vl_moe", "Qwen3-VL-MoE", "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
-                "Qwen3VLMoeForConditionalGeneration", LayoutFamily.QWEN3_VL, deepstack=True),
+                "Qwen3VLMoeForConditionalGeneration", LayoutFamily.QWEN3_VL, deepstack=True, graph_capture=False),
 )
 _BY_CLASS = {(f.module, f.model_class): f for f in FAMILIES}
 #: families of transformers models known not to run exactly here yet, and why

@@ -29,7 +29,6 @@ import torch
 from ..ops.invariant.mode import BACKENDS, within_batch_invariant
 from ..ops.sampling import group_seeds, sample_from_hidden
 from ..schema import Choice, RLBatch
-from ..schema.batch import batch_arg
 from ..schema.checks import (
     INTEGER_DTYPES,
     float_arg,
@@ -39,11 +38,13 @@ from ..schema.checks import (
     temperature_arg,
     tensor_arg,
 )
-from .family import ModelFamily, check_processor_family, model_family
-from .forward import LanguageInputs, cache_keyword, check_inputs, language_inputs, prompt_lengths
+from .decode import media_rows, prefill
+from .family import check_processor_family, model_family
+from .forward import cache_keyword, check_inputs, language_inputs
+from .static_decode import decode_static
 from .vision_cache import VisionCache
 
-__all__ = ["decode_hidden", "generate_on_policy", "Kernels", "OnPolicyRollout"]
+__all__ = ["DecodeLoop", "generate_on_policy", "Kernels", "OnPolicyRollout"]
 
 
 class Kernels(Choice):
@@ -51,6 +52,14 @@ class Kernels(Choice):
 
     INVARIANT = "invariant"  # batch_invariant(): log-probs bitwise those of a training forward under the mode
     DEFAULT = "default"  # the model's own kernels (the control: rollout and training drift apart)
+
+
+class DecodeLoop(Choice):
+    """How a rollout's decode steps run (the tokens and log-probs are the same bits either way)."""
+
+    AUTO = "auto"  # static on CUDA, eager on the CPU
+    STATIC = "static"  # a static KV cache, every row to the end; on CUDA one CUDA graph replayed per token
+    EAGER = "eager"  # transformers' dynamic cache; rows that stop leave the batch
 
 
 @dataclass
@@ -152,20 +161,6 @@ def _row_seeds(seeds, seed, step, group_ids: list, rows: int) -> torch.Tensor:
     return seeds.detach().to("cpu", torch.int64)
 
 
-def _media_rows(model, family: ModelFamily, batch: RLBatch, vision_cache: Optional[VisionCache]) -> torch.Tensor:
-    """Every media item's vision-tower rows, items in batch order (images, then videos):
-    ``[R, H]``, or ``[R, 1 + k, H]`` with a DeepStack family's levels."""
-    if vision_cache is not None:
-        return vision_cache(batch)
-    parts = [family.vision_rows(model, pixels, grids)
-             for pixels, grids in ((batch.pixel_values, batch.image_grid_thw),
-                                   (batch.pixel_values_videos, batch.video_grid_thw))
-             if grids is not None and grids.shape[0]]
-    levels = [1 + family.deepstack_levels(model)] if family.deepstack else []
-    width = model.config.text_config.hidden_size
-    return torch.cat(parts) if parts else torch.zeros((0, *levels, width), device=batch.device)
-
-
 # --------------------------------------------------------------------------- the rollout
 def generate_on_policy(
     model,
@@ -185,6 +180,7 @@ def generate_on_policy(
     kernels: Kernels | str = Kernels.INVARIANT,
     backend=None,
     vision_cache: Optional[VisionCache] = None,
+    loop: DecodeLoop | str = DecodeLoop.AUTO,
 ) -> OnPolicyRollout:
     """Decode ``samples_per_prompt`` answers to each prompt with a KV cache, drawing every
     token with ``sample_from_hidden`` from the final hidden state, so the rollout's log-probs
@@ -222,6 +218,11 @@ def generate_on_policy(
     vision_cache : VisionCache, optional
         A ``VisionCache`` of ``model`` for the prompts' media (default: the vision tower on
         the prompts' pixels).
+    loop : "auto", "static" or "eager"
+        ``"static"``: a preallocated KV cache and every row decoded to the end, on CUDA one
+        CUDA graph per step replayed per token (``rlk_mm.models.static_decode``); ``"eager"``:
+        transformers' dynamic cache, rows that stop leave the batch; ``"auto"``: static on
+        CUDA, eager on the CPU. Both give the same tokens and log-probs bitwise.
 
     Returns
     -------
@@ -239,6 +240,7 @@ def generate_on_policy(
                         f"got {type(processor).__name__}")
     check_processor_family(family, processor)
     kernels = Kernels.parse(kernels, "kernels")
+    loop = DecodeLoop.parse(loop, "loop")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'torch' or 'triton' (batch_invariant's), got {backend!r}")
     if kernels is Kernels.DEFAULT and backend is not None:
@@ -278,16 +280,19 @@ def generate_on_policy(
 
     start = time.perf_counter()
     invariant = kernels is Kernels.INVARIANT
+    static = loop is DecodeLoop.STATIC or (loop is DecodeLoop.AUTO and device.type == "cuda")
     with torch.no_grad(), (within_batch_invariant(backend) if invariant else contextlib.nullcontext()):
         tokens, logps, sampled, lengths, ended, steps = _decode(
             model, prompt_batch, samples_per_prompt, row_seeds.to(device), vision_cache, max_new_tokens, stop,
             sorted(media_ids), _tokenizer_vocab(processor, vocab), dict(temperature=temperature, top_k=top_k,
-                                                                        top_p=top_p))
+                                                                        top_p=top_p),
+            static=static, invariant=invariant)
     seconds = time.perf_counter() - start
     return _assemble(processor, prompt_batch, samples_per_prompt, row_groups, tokens, logps, sampled, lengths, ended,
                      row_seeds, kernels, steps, seconds, media_ids,
                      dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                          samples_per_prompt=samples_per_prompt, stop_token_ids=stop, step=step))
+                          samples_per_prompt=samples_per_prompt, stop_token_ids=stop, step=step,
+                          loop=str(DecodeLoop.STATIC if static else DecodeLoop.EAGER)))
 
 
 def _tokenizer_vocab(processor, head_rows: int) -> int:
@@ -297,10 +302,11 @@ def _tokenizer_vocab(processor, head_rows: int) -> int:
 
 
 def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_cache, max_new_tokens: int,
-            stop: list[int], media: list[int], vocab: int, sampling: dict):
-    """The decode loop. Returns ([rows, steps] tokens, log-probs, sampled log-probs, per-row
-    response lengths, per-row end reason (0 max tokens, 1 stop token, 2 an unscorable token: a
-    media placeholder or an id >= ``vocab``), steps)."""
+            stop: list[int], media: list[int], vocab: int, sampling: dict, *, static: bool, invariant: bool):
+    """The prefill, then the eager decode loop or (``static``) ``static_decode.decode_static``.
+    Returns ([rows, steps] tokens, log-probs, sampled log-probs, per-row response lengths,
+    per-row end reason (0 max tokens, 1 stop token, 2 an unscorable token: a media placeholder or
+    an id >= ``vocab``), steps)."""
 
     lm = model.model.language_model
     embed = model.get_input_embeddings()
@@ -310,8 +316,8 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     pad = getattr(model.config.text_config, "pad_token_id", None) or 0
     key = cache_keyword(lm)
     family = model_family(model)
-    lm_inputs = language_inputs(model, prompt_batch, _media_rows(model, family, prompt_batch, vision_cache), family=family)
-    out, cache, mask, _, _ = _prefill(lm, prompt_batch, lm_inputs, prompt_batch.seq_lengths().tolist())
+    lm_inputs = language_inputs(model, prompt_batch, media_rows(model, family, prompt_batch, vision_cache), family=family)
+    out, cache, mask, _, _ = prefill(lm, prompt_batch, lm_inputs, prompt_batch.seq_lengths().tolist())
     hidden = out[:, -1]  # left padding: every prompt's last token is the last column
     # the next text position of each prompt: one past its largest M-RoPE position
     sample = torch.repeat_interleave(torch.arange(prompt_batch.num_samples, device=device),
@@ -321,6 +327,9 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
     if G > 1:  # each prompt prefilled once: its cache, last hidden state, mask and positions repeated per answer
         cache.batch_repeat_interleave(G)
         hidden, mask, top = (t.repeat_interleave(G, dim=0) for t in (hidden, mask, top))
+    if static:
+        return decode_static(model, hidden, cache, mask.sum(1), top, seeds, max_new_tokens, stop, media, vocab, sampling,
+                             invariant=invariant, graphs=device.type == "cuda" and family.graph_capture)
     rows = hidden.shape[0]
     live = torch.arange(rows, device=device)
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.int64, device=device)
@@ -356,96 +365,6 @@ def _decode(model, prompt_batch: RLBatch, G: int, seeds: torch.Tensor, vision_ca
                  **{key: cache})
         hidden = out.last_hidden_state[:, -1]
     return tokens, logps, sampled, lengths, ended, steps
-
-
-def _prefill(lm, batch: RLBatch, lm_inputs: LanguageInputs, prompt: list[int]):
-    """The first ``prompt[b]`` tokens of every sample, left-padded, through the language model
-    (with its DeepStack features, if any) into a new KV cache. Returns the output
-    ``[B, width, H]``, the cache, the attention mask ``[B, width]``, each prompt token's row in
-    the padded layout and its packed index."""
-    from transformers import DynamicCache
-
-    embeds = lm_inputs.embeds
-    device, n, width = embeds.device, batch.num_samples, max(prompt)
-    count = torch.tensor(prompt, dtype=torch.int64, device=device)
-    sample = torch.repeat_interleave(torch.arange(n, device=device), count)
-    offset = torch.arange(int(count.sum()), device=device) - (torch.cumsum(count, 0) - count)[sample]
-    src = batch.cu_seqlens.long().to(device)[:-1][sample] + offset
-    rows = sample * width + (width - count)[sample] + offset
-    padded = embeds.new_zeros((n * width, embeds.shape[-1])).index_put((rows,), embeds[src])
-    mask = torch.zeros(n * width, dtype=torch.int64, device=device).index_fill(0, rows, 1)
-    positions = torch.ones((3, n * width), dtype=torch.int64, device=device)
-    positions[:, rows] = batch.position_ids[:, src]
-    cache = DynamicCache()
-    out = lm(inputs_embeds=padded.view(n, width, -1), attention_mask=mask.view(n, width),
-             position_ids=positions.view(3, n, width), use_cache=True, **{cache_keyword(lm): cache},
-             **lm_inputs.deepstack_kwargs(src, rows, (n, width)))
-    return out.last_hidden_state, cache, mask.view(n, width), rows, src
-
-
-def decode_hidden(model, batch: RLBatch, *, media_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Every token's final hidden state as a KV-cache decode computes it: the prompts prefilled
-    together (left-padded), then the tokens after each prompt fed one step at a time, batched
-    over the rows still going (a row leaves the batch and the cache after its last token).
-
-    The decode twin of ``forward_hidden(model, batch)``: under ``batch_invariant()`` the two
-    are bitwise equal, which is what makes a rollout's log-probs the training's.
-
-    Parameters
-    ----------
-    model : a supported Qwen-VL model (``rlk_mm.models.family``)
-    batch : RLBatch
-        Prompts and responses (the prompt of a sample: ``prompt_lengths``, the tokens before
-        its first loss span); every sample needs at least one prompt token.
-    media_embeds : Tensor, optional
-        Every media item's vision rows (``VisionCache``'s output); default: the vision tower.
-
-    Returns
-    -------
-    Tensor ``[T, H]``: one row per packed token of ``batch``, as ``forward_hidden``'s.
-
-    Raises
-    ------
-    ValueError, TypeError
-        A bad batch, model or ``media_embeds`` (``check_inputs``), or a sample without prompt.
-    """
-    family = model_family(model)
-    batch_arg("batch", batch)
-    device = model.get_input_embeddings().weight.device
-    if batch.device != device:
-        batch = batch.to(device)
-    check_inputs(model, batch, media_embeds)
-    prompt = prompt_lengths(batch)
-    for b, p in enumerate(prompt):
-        if p == 0:
-            raise ValueError(f"batch: sample {b} has no prompt tokens (its loss span starts at token 0); a decode "
-                             "needs a prompt to prefill")
-    lm = model.model.language_model
-    if media_embeds is None:
-        media_embeds = _media_rows(model, family, batch, None)
-    lm_inputs = language_inputs(model, batch, media_embeds, family=family)
-    embeds = lm_inputs.embeds
-    out, cache, mask, rows, src = _prefill(lm, batch, lm_inputs, prompt)
-    hidden = out.new_empty((batch.num_tokens, out.shape[-1]))
-    hidden[src] = out.reshape(-1, out.shape[-1])[rows]
-    starts = batch.cu_seqlens.long().tolist()
-    tail = [starts[b + 1] - starts[b] - p for b, p in enumerate(prompt)]
-    going = list(range(batch.num_samples))
-    key = cache_keyword(lm)
-    for j in range(max(tail)):
-        live = [b for b in going if tail[b] > j]
-        if len(live) < len(going):
-            keep = torch.tensor([going.index(b) for b in live], device=device)
-            cache.batch_select_indices(keep)
-            mask = mask[keep]
-            going = live
-        index = torch.tensor([starts[b] + prompt[b] + j for b in going], device=device)
-        mask = torch.cat([mask, mask.new_ones((len(going), 1))], dim=1)
-        step = lm(inputs_embeds=embeds[index][:, None], attention_mask=mask,
-                  position_ids=batch.position_ids[:, index, None], use_cache=True, **{key: cache},
-                  **lm_inputs.deepstack_kwargs(index, torch.arange(len(going), device=device), (len(going), 1)))
-        hidden[index] = step.last_hidden_state[:, -1]
-    return hidden
 
 
 def _assemble(processor, prompt_batch: RLBatch, G: int, row_groups: list, tokens, logps, sampled, lengths, ended,

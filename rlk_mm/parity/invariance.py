@@ -19,9 +19,9 @@ from typing import Callable, Optional
 
 import torch
 
+from ..models.decode import decode_hidden
 from ..models.family import check_processor_family, model_family
 from ..models.forward import prompt_lengths
-from ..models.rollout import decode_hidden
 from ..ops.invariant.mode import BACKENDS, batch_invariant
 from ..ops.logprob import selected_logprob
 from ..schema import Choice, PaddingSide, RLBatch

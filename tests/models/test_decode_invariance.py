@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rlk_mm import fixtures
 from rlk_mm.models import VisionCache, forward_hidden
-from rlk_mm.models.rollout import decode_hidden
+from rlk_mm.models.decode import decode_hidden
 from rlk_mm.ops import batch_invariant
 from rlk_mm.schema import RLBatch
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from rlk_mm import fixtures
 from rlk_mm.fixtures import IM_END_TOKEN_ID, processor_inputs
 from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, generate_on_policy, model_family
-from rlk_mm.models.rollout import decode_hidden
+from rlk_mm.models.decode import decode_hidden
 from rlk_mm.ops import batch_invariant
 from rlk_mm.parity.contract import LOGPROB_MAX_ABS
 from rlk_mm.parity.invariance import invariance_sweep

@@ -73,6 +73,30 @@ class _Segments(tuple):
         return self
 
 
+class DecodeSegments(tuple):
+    """The segments of one decode step over a static KV cache: row ``b``'s one query attends
+    keys ``[first_key[b], first_key[b] + keys[b])`` of the cache. ``keys`` is a device tensor
+    the decode loop advances in place, so a captured CUDA graph reads each step's lengths
+    without a host read. Built by the loop that sizes the cache (every range fits it), so the
+    per-call host checks are skipped; given as the attention mask, ``attention_interface``
+    runs the same segments, hence the same bits, as the mask of an eager decode would give.
+
+    ``first_key`` and ``keys``: int32 ``[B]`` on one device; ``steps``: how many times the loop
+    will advance ``keys`` by one; ``capacity``: the cache's length. Every row's last range is
+    checked against it once, on the host, here."""
+
+    def __new__(cls, first_key: torch.Tensor, keys: torch.Tensor, *, steps: int, capacity: int):
+        for name, value in (("first_key", first_key), ("keys", keys)):
+            tensor_arg(name, value, ndim=1, dtypes=(torch.int32,), device=first_key.device)
+        if keys.shape != first_key.shape:
+            raise ValueError(f"keys has {keys.numel()} entries but first_key has {first_key.numel()}: one per row")
+        end = int((first_key.long() + keys.long()).max()) + steps if first_key.numel() else 0
+        if end > capacity:
+            raise ValueError(f"DecodeSegments: a row's keys reach column {end}, past the cache's {capacity} columns")
+        rows = torch.arange(first_key.numel(), dtype=torch.int32, device=first_key.device)
+        return super().__new__(cls, (rows, torch.zeros_like(rows), torch.ones_like(rows), first_key, keys))
+
+
 def _segments_from_cu_seqlens(cu_q, cu_k, T: int, Tk: int):
     """Segments (batch row 0) of packed sequences of ``T`` queries and ``Tk`` keys; returns
     (segments, max_q_len). One host sync: the offsets are read to build the segments."""
@@ -226,9 +250,10 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
     causal, max_q = bool_arg("causal", causal), int_arg("max_q", max_q, min=0)
     scale = float_arg("scale", scale, min=0, min_open=True)
     ours = isinstance(segments, _Segments)
-    if not ours:
+    trusted = isinstance(segments, DecodeSegments)  # checked where it was built (its lengths live on the device)
+    if not (ours or trusted):
         _segment_form(segments, q.device)
-    if not torch.compiler.is_compiling():
+    if not (trusted or torch.compiler.is_compiling()):
         shape = (q.shape[0], q.shape[2], k.shape[2], causal, max_q)
         if not (ours and shape in segments.checked):
             rows = segments.rows if ours else list(torch.stack(segments).cpu().numpy().astype(np.int64))  # the one host sync
@@ -271,7 +296,11 @@ def attention_interface(module, query, key, value, attention_mask, dropout=0.0, 
     _check_head_dim(head_dim)
     k_len = key.shape[2]
     scale = head_dim ** -0.5 if scaling is None else scaling
-    if attention_mask is None:
+    if isinstance(attention_mask, DecodeSegments):
+        if q_len != 1:
+            raise ValueError(f"batch_invariant(): DecodeSegments serve one query per row, got {q_len}")
+        segments, max_q, causal = attention_mask, 1, True
+    elif attention_mask is None:
         causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
         rows = [np.arange(batch), np.zeros(batch), np.full(batch, q_len), np.zeros(batch), np.full(batch, k_len)]
         segments, max_q = _Segments(rows, query.device), q_len
