@@ -164,7 +164,7 @@ def test_the_tiny_policy_cannot_tell_columns_apart_by_their_rotary_positions():
     """The cause the strip greys answer: in the smoke policy's M-RoPE the width section takes the
     lowest frequencies, so the next image column turns a query by under 2e-4 rad (the next row
     by 0.03, the next text token by 1): an untrained 2-layer policy does not learn where a
-    shape is from its position, even supervised (bench/results/smoke_tasks_h200.json)."""
+    shape is from its position, even supervised (bench/results/smoke_tasks/h200/2026-11-28-default.json)."""
     from rlk_mm.fixtures import tiny_qwen2_5_vl
     from rlk_mm.smoke.policy import TINY_MODEL
 

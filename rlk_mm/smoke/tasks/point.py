@@ -59,7 +59,7 @@ STRIP_SHADES = (250, 160, 70)
 where a token lies, since its M-RoPE gives the width and height axes the lowest rotary
 frequencies (``tests/smoke/test_point_task.py`` measures how little an image column turns a query).
 Without the shades it does not learn the points even when supervised on them
-(``bench/results/smoke_tasks_h200.json``)."""
+(``bench/results/smoke_tasks/h200/2026-11-28-default.json``)."""
 
 
 def draw_screen(rng: random.Random, size: tuple[int, int], strips: Sequence[int] = (0, 1, 2),
@@ -224,7 +224,8 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False, shapes: int =
 POINT_SETTINGS = {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
 """The smoke options the point tasks run with unless given: at higher learning rates the JSON
 answers lose their format, after which every group's reward spread is 0
-(``bench/results/point_diagnosis_h200.json``, ``bench/results/smoke_tasks_h200.json``)."""
+(``bench/results/point_diagnosis/h200/2026-11-28-old-vs-new-settings.json``,
+``bench/results/smoke_tasks/h200/2026-11-28-default.json``)."""
 
 POINT_TASKS = {
     "point": lambda data, tuning=None: point_task(),

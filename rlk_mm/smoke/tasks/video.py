@@ -71,8 +71,9 @@ def video_direction_task(*, shuffled: bool = False) -> Task:
 VIDEO_SETTINGS = {"lr": 5e-4, "steps": 450, "lr_floor": 0.5}
 """The smoke options the video tasks run with unless given: at higher learning rates the policy
 never reads the motion, and it finds the motion late in a run (after a few hundred steps), so
-the learning rate decays only to half its peak (``bench/results/smoke_tasks_h200.json``,
-``bench/results/video_probe_cpu.json``)."""
+the learning rate decays only to half its peak
+(``bench/results/smoke_tasks/h200/2026-11-28-default.json``,
+``bench/results/supervised_probe/cpu/2026-11-28-video.json``)."""
 
 VIDEO_TASKS = {
     "video-direction": lambda data, tuning=None: video_direction_task(),
