@@ -6,8 +6,9 @@ tokens only, never writing ``[n, V]`` logits.
 ``rlk_mm::selected_logprob`` (Triton on CUDA, the chunked plain-torch backend elsewhere;
 the op checks shapes and values before any work). Its autograd recomputes logits in the
 backward instead of storing them. Eager calls run the op's own forward and backward through
-a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost
-(bench/results/README.md); ``torch.compile`` traces the registered ops.
+a ``torch.autograd.Function``, skipping the custom-op dispatcher's per-call cost (its
+``dispatcher`` entry in ``bench/results/logprob/h100-80gb-hbm3/2026-11-23-probes.json``);
+``torch.compile`` traces the registered ops.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def _unless_below(factor, count, least: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- fused op (registration)
 # The op takes its constant inputs packed in three lists (names below): torch's custom-op
 # autograd re-binds every argument on each call at a cost that grows with the square of
-# the argument count (bench/results/README.md).
+# the argument count (measured by hand: bench/results/loss/unknown/2026-11-22-custom-op-arguments.json).
 OP_TENSORS = (
     "old_log_probs", "advantages", "seq_coef", "mask", "sample_index", "seq_log_ratio", "rollout_weights",
     "ref_log_probs",
