@@ -20,7 +20,7 @@ No host sync on the default path: arguments are checked on the host before any l
 needs the device's data (a NaN or +inf logit, a row masked everywhere, a device ``step``
 tensor's range) is looked for only with ``check=True``, which reads the rows' status back and
 raises for the first bad row. By default a bad row is marked by NaN log-probs. The Triton
-path from logits is two launches, three or four with filters (``_triton/sampling.py`` has the
+path from logits is two launches, three or four with filters (``_triton/sampling/logits.py`` has the
 design and the roofline), and can be captured in a CUDA graph, ``step`` a device tensor
 advanced between replays.
 """
@@ -204,7 +204,7 @@ def sample_from_hidden(
         check_bias(bias, rows[:0], float(bias.amax()), 0.0)
     hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     if resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON:
-        from ._triton import sample_hidden as _tri_hidden
+        from ._triton.sampling import hidden as _tri_hidden
 
         out = _tri_hidden.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps)
     else:

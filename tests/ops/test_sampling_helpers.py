@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlk_mm.ops._torch import sampling as ref
-from rlk_mm.ops._triton.noise import best_noise_block, gumbel32, masses
+from rlk_mm.ops._triton.sampling.noise import best_noise_block, gumbel32, masses
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M, NB, FIRST = 8, 16, 40  # rows, noise blocks, the first block's index

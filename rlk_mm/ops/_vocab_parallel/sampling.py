@@ -2,7 +2,7 @@
 
 Noise is keyed by global vocabulary indices. The Triton backend gathers each rank's best
 noise block per row for plain temperature, the rows' logits for filters
-(``_triton.sample_hidden``); the torch backend gathers the logits and scores the drawn
+(``_triton.sampling.hidden``); the torch backend gathers the logits and scores the drawn
 tokens with ``shard_forward``, as ``selected_logprob`` would.
 """
 
@@ -43,7 +43,7 @@ def sample_from_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
         filters = filters._replace(top_k=None)
     hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
     if triton:
-        from .._triton import sample_hidden as _tri
+        from .._triton.sampling import hidden as _tri
 
         return _tri.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps, shard=Exchange(shard))
     tokens, sampled, status = _sampling.sample_gathered_rows(hidden, weight, bias, temperature, filters, seeds, steps,

@@ -56,7 +56,7 @@ class Exchange:
     """The forward's collectives. Called (``_triton.lm_head.Exchange``): every shard's partials
     of a chunk of rows, in vocabulary order, and each row's target logit from the rank holding
     it (``targets``: the global targets; None: the caller's are the same on every rank). And
-    the sampler's (``_triton.sample_hidden``): ``gather_best``, ``gather_logits``."""
+    the sampler's (``_triton.sampling.hidden``): ``gather_best``, ``gather_logits``."""
 
     def __init__(self, shard: VocabShard, targets: Optional[Tensor] = None):
         self.shard, self.targets = shard, targets

@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._torch import sampling as _ref
-from ._common import equal_chunks, grouped_tile_ids
-from .lm_head import (
+from ..._torch import sampling as _ref
+from .._common import equal_chunks, grouped_tile_ids
+from ..lm_head import (
     Operands,
     bias_arg,
     combine_kernel,
@@ -49,9 +49,10 @@ from .lm_head import (
     partial_columns,
     store_partials,
 )
+from .config import SamplingConfig
+from .config import default_config as sampling_config
+from .logits import empty_results, sample_logits
 from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel, no_nan, row_keys
-from .sampling import SamplingConfig, sample_logits
-from .sampling import default_config as sampling_config
 
 Tensor = torch.Tensor
 
@@ -123,10 +124,7 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
     assert cfg.block_n % _ref.NOISE_BLOCK == 0
     cols = partial_columns(cfg)
     total = V if shard is None else shard.total
-    tokens = torch.empty(B, dtype=torch.int64, device=dev)
-    log_probs = torch.empty(B, dtype=torch.float32, device=dev)
-    sampled = torch.empty(B, dtype=torch.float32, device=dev)
-    status = torch.empty(B, dtype=torch.int8, device=dev)
+    tokens, log_probs, sampled, status = empty_results(B, dev)
     if B == 0:
         return tokens, log_probs, sampled, status
     rows = torch.arange(B, device=dev)

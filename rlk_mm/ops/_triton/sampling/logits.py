@@ -1,4 +1,4 @@
-"""Triton kernels of rollout sampling: the semantics and the RNG of ``_torch/sampling.py``.
+"""Sampling from logits (``sample_logits``): the semantics and the RNG of ``_torch/sampling.py``.
 
 ``sample_logits`` is two launches over a grid of (row, vocabulary block) programs, each row
 cut into blocks of ``split_block`` entries (their number depends on V alone; ``SamplingConfig``
@@ -51,16 +51,16 @@ finish is a few microseconds of dependent steps per row, in parallel over the ro
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .._torch import sampling as _ref
+from ..._torch import sampling as _ref
+from .config import SamplingConfig, default_config
 from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel, key_value, masses, no_nan, order_key, row_keys
-from .sample_rows import (
+from .rows import (
     append_listed,
     draw_by_bisection,
     gumbel_max,
@@ -76,57 +76,9 @@ from .sample_rows import (
 )
 from .top_p import add_to_histogram, choose_bucket, finish_from_bucket, kept_kernel, mass_workspace
 
-__all__ = [
-    "default_config", "sample_logits", "SamplingConfig",
-]
+__all__ = ["empty_results", "sample_logits"]
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """Blocks, caps and launch settings of the sampling kernels (``sample_logits`` and
-    ``sample_hidden``); a function of the device only, never of the batch, so a row's
-    arithmetic never depends on B. The interpreter's are small, so that the tests walk
-    several blocks and chunks and take every path.
-
-    ``split_block``: entries per vocabulary block of ``sample_logits`` (a multiple of
-    NOISE_BLOCK; the number of blocks depends on V alone). ``row_block``: entries per chunk
-    of a pass over a whole row (the bisection). ``candidate_lanes``: most candidate slots per
-    row (the finish sorts them; a row takes twice k, a power of two: a larger k goes by
-    bisection). Top-p without top-k (``top_p``): ``mass_buckets`` buckets per row, each
-    ``1 / buckets_per_unit`` of a logit (a power of two) below the row's max, and
-    ``bucket_lanes`` slots for the crossing bucket's entries (more: the bisection).
-    ``block_warps``: warps of launch 1; ``row_warps``: of launch 2 (whose programs hold a
-    plain draw's finish); ``finish_warps``: of a filtered draw's finish (launch 3).
-    ``candidate_chunk``: entries per step of launch 2's candidate listing and histogram, and
-    of launch 2b.
-    ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
-    ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
-
-    split_block: int
-    row_block: int
-    block_warps: int
-    row_warps: int
-    finish_warps: int
-    candidate_lanes: int
-    bucket_lanes: int
-    mass_buckets: int
-    buckets_per_unit: int
-    candidate_chunk: int = 512
-    logits_budget: int = 512 << 20
-    finish_rows: int = 8
-    finish_tiles: int = 256
-
-
-def default_config(device: torch.device) -> SamplingConfig:
-    """The settings for ``device``: CUDA's, or the interpreter's small ones (tests)."""
-    if device.type == "cuda":
-        return SamplingConfig(split_block=4096, row_block=1024, candidate_lanes=2048, bucket_lanes=1024,
-                              mass_buckets=1024, buckets_per_unit=64, block_warps=4, row_warps=4, finish_warps=4)
-    return SamplingConfig(split_block=32, row_block=64, candidate_lanes=16, bucket_lanes=8, mass_buckets=64,
-                          buckets_per_unit=2, block_warps=1, row_warps=1, finish_warps=1, candidate_chunk=8,
-                          finish_tiles=4)
 
 
 # ------------------------------------------------------------------ launches 1, 2 and 3
@@ -241,7 +193,7 @@ def _draw_kernel(
     """Launch 2, per (row, vocabulary block), under the row's max: the block's integer mass;
     with ``DRAW`` its best noise block (score, index; the first on a tie); with ``CANDIDATES``
     its entries at or above the row's bound, appended to the row's list
-    (``sample_rows.append_listed``); with ``HIST`` (top-p without top-k) its masses added to
+    (``rows.append_listed``); with ``HIST`` (top-p without top-k) its masses added to
     the row's histogram, and the row's last block finds the crossing bucket (``top_p``). With
     ``PLAIN`` (plain temperature) the row's last block finishes the row (``_finish_plain``);
     filters finish in ``_finish_kernel``."""
@@ -348,6 +300,13 @@ def _step_args(steps, placeholder: Tensor) -> tuple:
     return placeholder, 0, int(steps), False
 
 
+def empty_results(B: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A draw's outputs for ``B`` rows, unwritten: tokens int64, log-probs and sampled log-probs
+    fp32, status int8 (``sample_logits`` and ``hidden.sample_hidden``)."""
+    return (torch.empty(B, dtype=torch.int64, device=device), torch.empty(B, dtype=torch.float32, device=device),
+            torch.empty(B, dtype=torch.float32, device=device), torch.empty(B, dtype=torch.int8, device=device))
+
+
 def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Tensor, steps,
                   given: Optional[Tensor] = None,
                   config: Optional[SamplingConfig] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -357,10 +316,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     filters), no host read: capturable in a CUDA graph. ``config`` replaces ``default_config``."""
     B, V = logits.shape
     dev = logits.device
-    tokens = torch.empty(B, dtype=torch.int64, device=dev)
-    log_probs = torch.empty(B, dtype=torch.float32, device=dev)
-    sampled = torch.empty(B, dtype=torch.float32, device=dev)
-    status = torch.empty(B, dtype=torch.int8, device=dev)
+    tokens, log_probs, sampled, status = empty_results(B, dev)
     if B == 0:
         return tokens, log_probs, sampled, status
     cfg = config or default_config(dev)
@@ -379,7 +335,7 @@ def sample_logits(logits: Tensor, inv_t: float, filters: _ref.Filters, seeds: Te
     # each block's groups for the bound: twice its share of k (at least 4), so that the k-th
     # largest group max is close to the row's k-th largest entry
     tops = min(split, _pow2(max(4, -(-2 * top_k // n_blocks))))
-    # three workspaces hold the partials (``sample_rows.workspace``: their places), a fourth the draw's
+    # three workspaces hold the partials (``rows.workspace``: their places), a fourth the draw's
     # scores, a fifth (zeroed) top-p's histograms and the sure masses (``top_p.mass_workspace``)
     f32_ws = torch.empty(n + B * (1 + lanes) + (n * tops if candidates else 0), dtype=torch.float32, device=dev)
     i32_ws = torch.empty(3 * n + B * (1 + lanes), dtype=torch.int32, device=dev)

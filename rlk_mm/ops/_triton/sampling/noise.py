@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._torch import sampling as _ref
+from ..._torch import sampling as _ref
 
 __all__ = [
     "best_noise_block", "gumbel", "gumbel32", "key_value", "masses", "no_nan", "NOISE_BLOCK", "order_key", "row_keys",

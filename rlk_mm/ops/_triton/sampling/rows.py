@@ -1,4 +1,4 @@
-"""Per-row pieces of the sampling kernels (``sampling``, ``top_p``): the logits' loads, the
+"""Per-row pieces of the sampling kernels (``logits``, ``top_p``): the logits' loads, the
 log-ratio of a mass, the row's arrival count, the candidate listing, the results' stores and
 the bisection, a row's filters found a pass over the row per step where no list holds them."""
 
@@ -222,7 +222,7 @@ def append_listed(x_row, z, row, blk, V, inv_t, bound, list_count_ptr, cand_inde
 @triton.jit
 def workspace(f32_ws, i32_ws, i64_ws, n_rows, n_blocks, LANES: tl.constexpr):
     """The places of the partials in the three workspaces (``n = rows x blocks`` entries;
-    ``LANES`` candidate slots per row; ``sampling.sample_logits`` sizes them): part_max, row_max,
+    ``LANES`` candidate slots per row; ``logits.sample_logits`` sizes them): part_max, row_max,
     cand_z, group_max (fp32); part_bad, part_fin, part_best_block, row_status, cand_index
     (int32); part_mass, row_fin, bound (int64)."""
     n = n_rows * n_blocks

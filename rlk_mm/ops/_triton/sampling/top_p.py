@@ -3,15 +3,15 @@
 Without top-k nothing bounds how many entries top-p or min-p keep (a flat row keeps
 thousands), so no short list of a row's largest entries holds them. Instead:
 
-* launch 2 (``sampling._draw_kernel``) adds each entry's integer mass to its row's histogram,
-  ``BUCKETS`` buckets by distance below the row's max (``sample_rows.bucket_of``: a 64th of a
+* launch 2 (``logits._draw_kernel``) adds each entry's integer mass to its row's histogram,
+  ``BUCKETS`` buckets by distance below the row's max (``rows.bucket_of``: a 64th of a
   logit each on CUDA; integer sums, so their order does not matter), and the row's last block
   finds the bucket where the masses summed from the top reach top-p's share of the row's
   (``choose_bucket``): top-p keeps every entry of an earlier bucket and none of a later one;
 * ``kept_kernel`` (launch 2b), per (row, vocabulary block): the mass and the best Gumbel score
   of the block's sure entries (earlier buckets, at or above min-p's cut), and the entries of
   the crossing bucket appended to the row's list;
-* the finish (``finish_from_bucket``, in ``sampling._finish_kernel``) sorts the list, finds
+* the finish (``finish_from_bucket``, in ``logits._finish_kernel``) sorts the list, finds
   top-p's threshold in it from the mass above the bucket, and draws among the list's kept
   entries and the blocks' best (the first index on a tie).
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .noise import SALT_TOKEN, best_noise_block, masses, row_keys
-from .sample_rows import append_chunk, bucket_of, gumbel_max, kept_by, load_z, sorted_top_p_threshold, step_of, workspace
+from .rows import append_chunk, bucket_of, gumbel_max, kept_by, load_z, sorted_top_p_threshold, step_of, workspace
 
 __all__ = ["add_to_histogram", "choose_bucket", "finish_from_bucket", "kept_kernel", "mass_workspace"]
 
