@@ -17,7 +17,7 @@ call freeing the gradients of the one before:
 "extra" is peak memory above what was allocated before the call, gradients included.
 Correctness on a slice of rows: ours against the composition and against the fp32 torch
 backend on the same bf16 inputs upcast. ``--budgets`` also times ours at other chunk sizes
-(``LogprobConfig.linear_budget``). Writes a ``linear_loss`` result under ``--out``.
+(``LMHeadConfig.linear_budget``). Writes a ``linear_loss`` result under ``--out``.
 
 ``--dry-run``: no GPU and no peers: ours (``linear_policy_loss`` and the composition) at tiny
 shapes on the CPU (the torch backend; the Triton interpreter with ``TRITON_INTERPRET=1

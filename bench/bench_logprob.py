@@ -8,7 +8,7 @@ after warm-up; "extra" is peak memory above what was allocated before the call (
 included for forward+backward). Correctness: ours against the fp32 plain-torch reference on
 a slice of rows. Writes a ``logprob`` result under ``--out`` (default ``$OUT`` or ``.``).
 ``--sweep`` instead times the bare Triton kernels at the 7B shape with candidate
-``LogprobConfig``s (tiles, dz budgets) and writes ``logprob_sweep.json``.
+``LMHeadConfig``s (tiles, dz budgets) and writes ``logprob_sweep.json``.
 
     python -m bench.bench_logprob [--shapes 7b,3b] [--reps 7] [--sweep]
 """
@@ -185,11 +185,11 @@ def host_overhead_us(calls: int = 300) -> dict:
 
 #: tiles (block_m, block_n, block_k, group_m, num_warps, num_stages), read through tensor descriptors or not
 CANDIDATES = [
-    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=False),
-    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
-    tri.LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4),
-    tri.LogprobConfig(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
-    tri.LogprobConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
+    tri.LMHeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=False),
+    tri.LMHeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    tri.LMHeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=4),
+    tri.LMHeadConfig(block_m=256, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    tri.LMHeadConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4),
 ]
 
 

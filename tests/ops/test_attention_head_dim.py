@@ -123,7 +123,7 @@ def _hopper_shared_memory(head_dim: int, dtype: torch.dtype, tokens: int = 470, 
     ints = {f"s_{t}{x}": n for t in "qkv" for x, n in zip(("b", "h", "m" if t == "q" else "n", "d"), qkv_strides)}
     ints |= {f"s_o{x}": n for x, n in zip("bmhd", out_strides)} | {"group": 1, "D": head_dim}
     constants = {"CAUSAL": True, "UPCAST": False, "PRECISION": dot_precision(dtype, False),
-                 "BM": config.block_m, "BN": config.block_n, "BD": config.block_d}
+                 "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": config.block_d}
     element = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):

@@ -110,7 +110,8 @@ def scaled_pair(dtype, scale, device="cpu"):
     """(``scale_``'s result, torch's ``mul_``) on more entries than one program takes, special
     values among them; asserts the scale happened in place."""
     g = torch.Generator(device=device).manual_seed(1)
-    x = (torch.randn(3 * _triton_linear_loss.SCALE_BLOCK + 5, generator=g, device=device) * 100).to(dtype)
+    n = 3 * _triton_linear_loss.default_config(dtype, torch.device(device)).scale_block + 5  # three programs and more
+    x = (torch.randn(n, generator=g, device=device) * 100).to(dtype)
     x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40]).to(dtype)
     s = torch.tensor(scale, device=device).to(dtype)
     expected = x.clone().mul_(s)

@@ -81,21 +81,21 @@ def _attention_kernel(
     s_ob, s_om, s_oh, s_od,
     qk_scale, group, D, max_q,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seg = tl.program_id(1)
     h = tl.program_id(2)
     q_len = tl.load(seg_ql_ptr + seg)
-    if pid_m * BM < q_len:
+    if pid_m * BLOCK_M < q_len:
         b = tl.load(seg_b_ptr + seg).to(tl.int64)
         q0 = tl.load(seg_q0_ptr + seg).to(tl.int64)
         k0 = tl.load(seg_k0_ptr + seg).to(tl.int64)
         k_len = tl.load(seg_kl_ptr + seg)
         kvh = (h // group).to(tl.int64)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = tl.arange(0, BN)
-        offs_d = tl.arange(0, BD)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         q = tl.load(
             q_ptr + b * s_qb + h * s_qh + (q0 + offs_m)[:, None] * s_qm + offs_d[None, :] * s_qd,
@@ -105,15 +105,15 @@ def _attention_kernel(
             q = q.to(tl.float32)
         k_base = k_ptr + b * s_kb + kvh * s_kh + k0 * s_kn
         v_base = v_ptr + b * s_vb + kvh * s_vh + k0 * s_vn
-        m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, BD), tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         diag = k_len - q_len  # causal: query i sees keys [0, diag + i]
         if CAUSAL:
-            end = tl.minimum(k_len, diag + (pid_m + 1) * BM)
+            end = tl.minimum(k_len, diag + (pid_m + 1) * BLOCK_M)
         else:
             end = k_len
-        for start_n in range(0, end, BN):
+        for start_n in range(0, end, BLOCK_N):
             kn = start_n + offs_n
             k_ok = kn < k_len
             k = tl.load(k_base + kn[None, :] * s_kn + offs_d[:, None] * s_kd,
@@ -170,7 +170,7 @@ def segment_attention(q, k, v, segments, *, causal: bool, scale: float, max_q: i
         out.stride(0), out.stride(1), out.stride(2), out.stride(3),
         float(scale) * _LOG2E, hq // k.shape[1], d, max_q,
         CAUSAL=causal, UPCAST=interp, PRECISION=dot_precision(q.dtype, interp),
-        BM=cfg.block_m, BN=cfg.block_n, BD=cfg.block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

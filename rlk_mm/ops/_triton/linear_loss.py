@@ -1,7 +1,7 @@
 """The fused LM-head policy loss on CUDA: one logits product per chunk of scored rows.
 
 For each chunk of rows (``chunk_rows``: equal chunks whose workspace fits
-``LogprobConfig.linear_budget``, in order):
+``LMHeadConfig.linear_budget``, in order):
 
 1. ``lm_head.forward_tiles_kernel`` with ``STORE_Z``: each tile reduced to its per-(row,
    segment) partials in fp32 (so the log-sum-exp, log-prob and entropy are
@@ -32,7 +32,7 @@ import triton.language as tl
 from ._common import equal_chunks
 from .lm_head import (
     Exchange,
-    LogprobConfig,
+    LMHeadConfig,
     Operands,
     accumulate_mm,
     bias_arg,
@@ -45,14 +45,10 @@ from .lm_head import (
 
 Tensor = torch.Tensor
 
-__all__ = ["DZ_BLOCK_M", "DZ_WARPS", "Exchange", "Upstream", "chunk_rows", "default_config", "loss_grads", "scale_"]
+__all__ = ["Exchange", "Upstream", "chunk_rows", "default_config", "loss_grads", "scale_"]
 #: (chunk start, chunk end, log-prob [m], entropy [m]) -> (d loss / d log-prob, d loss / d entropy
 #: or None when the loss has no entropy term), fp32 [m]
 Upstream = Callable[[int, int, Tensor, Tensor], tuple[Tensor, Optional[Tensor]]]
-#: rows per ``_dz_kernel`` program: a memory-bound pass, so a small tile (no register spills)
-DZ_BLOCK_M, DZ_WARPS = 16, 8
-#: entries per ``_scale_kernel`` program
-SCALE_BLOCK = 8192
 
 
 @triton.jit
@@ -86,7 +82,7 @@ def _dz_kernel(
     tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=ok)
 
 
-def chunk_rows(n: int, V: int, H: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
+def chunk_rows(n: int, V: int, H: int, dtype: torch.dtype, cfg: LMHeadConfig) -> int:
     """Rows per chunk: the fewest equal chunks (``equal_chunks``) whose workspace
     ``cfg.linear_budget`` holds (per row: its logits in ``dtype``, its fp32 d hidden and its
     three fp32 partials per segment)."""
@@ -97,7 +93,7 @@ def chunk_rows(n: int, V: int, H: int, dtype: torch.dtype, cfg: LogprobConfig) -
 def loss_grads(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
     all_rows: bool, upstream: Upstream, need_hidden: bool, need_weight: bool, need_bias: bool,
-    config: Optional[LogprobConfig] = None, exchange: Optional[Exchange] = None, chunk_vocab: Optional[int] = None,
+    config: Optional[LMHeadConfig] = None, exchange: Optional[Exchange] = None, chunk_vocab: Optional[int] = None,
     rows_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(log-prob [n], entropy [n], d hidden of the scored rows [n, H] in ``rows_dtype``, d
@@ -156,9 +152,9 @@ def loss_grads(
             continue
         g, ge = upstream(s, s + m, logp[s : s + m], entropy[s : s + m])
         ge = torch.zeros_like(g) if ge is None else ge
-        _dz_kernel[(triton.cdiv(m, DZ_BLOCK_M), n_parts)](
+        _dz_kernel[(triton.cdiv(m, cfg.dz_block_m), n_parts)](
             z, parts[0], lse[s:], entropy[s:], g.float().contiguous(), ge.float().contiguous(), targets[s:],
-            m, V, 1.0 / temperature, BLOCK_M=DZ_BLOCK_M, BLOCK_N=cols, num_warps=DZ_WARPS,
+            m, V, 1.0 / temperature, BLOCK_M=cfg.dz_block_m, BLOCK_N=cols, num_warps=cfg.dz_warps,
         )
         dz = z[: m * V].view(m, V)
         if need_hidden:
@@ -189,10 +185,13 @@ def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
         tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=ok)
 
 
-def scale_(x: Tensor, scale: Tensor) -> Tensor:
+def scale_(x: Tensor, scale: Tensor, config: Optional[LMHeadConfig] = None) -> Tensor:
     """``x.mul_(scale)`` for a contiguous ``x`` and a 0-dim ``scale`` of x's dtype on its device,
     without reading the scale on the host; free when it is 1 (a loss's usual backward), where
-    torch's broadcast multiply reads and writes every entry."""
+    torch's broadcast multiply reads and writes every entry. ``config`` replaces
+    ``default_config`` (its ``scale_block``, ``scale_warps``)."""
+    cfg = config or default_config(x.dtype, x.device)
     flat = x.view(-1)
-    _scale_kernel[(triton.cdiv(flat.numel(), SCALE_BLOCK),)](flat, scale, flat.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+    _scale_kernel[(triton.cdiv(flat.numel(), cfg.scale_block),)](flat, scale, flat.numel(), BLOCK=cfg.scale_block,
+                                                                  num_warps=cfg.scale_warps)
     return x

@@ -4,8 +4,9 @@ The selected log-prob (``logprob.py``), the fused policy loss (``linear_loss.py`
 sampling from hidden states (``sample_hidden.py``) all form logits the same way, so a
 token's log-prob is bitwise the same in each:
 
-* ``LogprobConfig`` / ``default_config``: tiles and budgets, a function of dtype and device (and
-  for a decode batch of the rows, with the same per-row arithmetic);
+* ``LMHeadConfig`` / ``default_config``: every tile, launch setting and budget of the LM-head
+  kernels (the selected log-prob's, the fused loss's and the sampler's tiles), a function of
+  dtype and device (and for a decode batch of the rows, with the same per-row arithmetic);
 * ``logits_tile``: one ``[BLOCK_M, BLOCK_N]`` tile of tempered logits, ``(h[rows] · Wᵀ + b) / T``
   in an fp32 accumulator (``mma``: the dot product at the precision ``ieee`` picks);
 * ``forward_tiles_kernel`` / ``store_partials``: each tile reduced at once to per-(row,
@@ -51,26 +52,32 @@ Tensor = torch.Tensor
 Exchange = Callable[[Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
 
 __all__ = [
-    "Exchange", "LogprobConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config",
+    "Exchange", "LMHeadConfig", "Operands", "accumulate_mm", "bias_arg", "combine_kernel", "default_config",
     "forward_tiles_kernel", "ieee", "logits_tile", "mma", "partial_columns", "store_partials", "tma_ok", "VOCAB_ALIGN",
 ]
 
 
 @dataclass(frozen=True)
-class LogprobConfig:
-    """Tiles, launch settings and workspace budgets of the selected-log-prob kernels.
+class LMHeadConfig:
+    """Tiles, launch settings and workspace budgets of the LM-head kernels: the selected
+    log-prob (``logprob``), the fused policy loss (``linear_loss``) and sampling from hidden
+    states (``sampling.hidden``, whose tiles must be the selected log-prob's).
 
     Tiles depend on the dtype and device (``block_m`` also on the rows, which leaves every
     row's arithmetic as it is), so a row's reduction order is fixed. ``tma``: read tiles with
-    the copy engine (tensor descriptors) where alignment allows. ``partials_budget``: bytes of per-(row, segment) partials
-    one forward launch may hold. ``dz_budget``: bytes of the backward's ``dz`` chunk
-    ``[rows, chunk]`` (its size sets the vocabulary columns per chunk; bench/results/README.md
-    says how it was chosen). ``linear_budget``: bytes of the fused loss's chunk workspace (a
-    chunk's ``[rows, V]`` logits, fp32 d hidden rows and partials: its rows per chunk).
-    ``hidden_budget``: bytes of the backward's fp32 d hidden rows held at once (its rows per
-    pass over the vocabulary, for 16-bit hidden states).
-    ``combine_block`` / ``combine_lanes``: rows per program and lanes (partials folded at
-    once, a power of two) of the combine kernel."""
+    the copy engine (tensor descriptors) where alignment allows. ``partials_budget``: bytes of
+    per-(row, segment) partials one forward launch may hold. ``dz_budget``: bytes of the
+    backward's ``dz`` chunk ``[rows, chunk]``; its size sets the vocabulary columns per chunk
+    (184 MiB: 5888 columns at 16,384 rows, a width at which cuBLAS's chunk products ran faster
+    than at wider ones; ``bench/bench_logprob.py --sweep`` re-times budgets).
+    ``linear_budget``: bytes of the fused loss's chunk workspace (a chunk's ``[rows, V]``
+    logits, fp32 d hidden rows and partials: its rows per chunk). ``hidden_budget``: bytes of
+    the backward's fp32 d hidden rows held at once (its rows per pass over the vocabulary, for
+    16-bit hidden states). ``combine_block`` / ``combine_lanes``: rows per program and lanes
+    (partials folded at once, a power of two) of the combine kernel. ``dz_block_m`` /
+    ``dz_warps``: rows per program and warps of the fused loss's in-place ``dz`` pass, a
+    memory-bound pass, so a small tile (no register spills). ``scale_block`` /
+    ``scale_warps``: entries per program and warps of the fused loss's gradient scale."""
 
     block_m: int
     block_n: int
@@ -85,9 +92,13 @@ class LogprobConfig:
     hidden_budget: int = 256 << 20
     combine_block: int = 4
     combine_lanes: int = 128
+    dz_block_m: int = 16
+    dz_warps: int = 8
+    scale_block: int = 8192
+    scale_warps: int = 8
 
 
-def default_config(dtype: torch.dtype, device: torch.device, rows: Optional[int] = None) -> LogprobConfig:
+def default_config(dtype: torch.dtype, device: torch.device, rows: Optional[int] = None) -> LMHeadConfig:
     """The tuned settings (``bench_logprob.py --sweep``) for dtype and device. 16-bit tiles
     on CUDA take 64 rows instead of 128 when at most 64 are computed (``rows``: a decode
     batch): one read of W instead of half-empty tiles. Such a batch only streams W, so its
@@ -99,17 +110,17 @@ def default_config(dtype: torch.dtype, device: torch.device, rows: Optional[int]
     not depend on its rows per program; ``test_logprob_gpu`` checks them bitwise), so the
     choice never changes a result."""
     if device.type != "cuda":  # Triton's interpreter (tests): small tiles, fast enough
-        return LogprobConfig(block_m=16, block_n=32, block_k=16, group_m=4, num_warps=1, num_stages=1,
+        return LMHeadConfig(block_m=16, block_n=32, block_k=16, group_m=4, num_warps=1, num_stages=1,
                              combine_block=4, combine_lanes=4)
     if dtype == torch.float32:  # exact fp32 dot products (no TF32): FMA path
-        return LogprobConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+        return LMHeadConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
     if rows is not None and rows <= 64:
-        return LogprobConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4,
+        return LMHeadConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4,
                              combine_block=1)
-    return LogprobConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    return LMHeadConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
-def partial_columns(cfg: LogprobConfig) -> int:
+def partial_columns(cfg: LMHeadConfig) -> int:
     """Vocabulary columns per partial: a ``VOCAB_ALIGN`` segment, or a tile narrower than one
     (which divides it). Partial ``j`` covers columns ``[j·cols, (j + 1)·cols)`` of the shard."""
     cols = min(cfg.block_n, VOCAB_ALIGN)
@@ -302,7 +313,7 @@ def bias_arg(bias: Optional[Tensor], weight: Tensor) -> Tensor:
     return weight if bias is None else bias  # any valid pointer when HAS_BIAS is off
 
 
-def tma_ok(cfg: LogprobConfig, *ts: Tensor) -> bool:
+def tma_ok(cfg: LMHeadConfig, *ts: Tensor) -> bool:
     """The copy engine needs 16-byte aligned bases and row strides."""
     return cfg.tma and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in ts)
 
@@ -312,7 +323,7 @@ class Operands:
     (a gathered copy unless ``all_rows``: every row is scored, in order) when the copy
     engine can read them, else pointers and the row index (gathered inside the kernel)."""
 
-    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: LogprobConfig, all_rows: bool,
+    def __init__(self, hidden: Tensor, weight: Tensor, rows: Tensor, cfg: LMHeadConfig, all_rows: bool,
                  need_sel: bool = False):
         self.tma = tma_ok(cfg, hidden, weight)
         self.h_sel = hidden if all_rows else (hidden.index_select(0, rows) if self.tma or need_sel else None)

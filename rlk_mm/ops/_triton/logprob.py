@@ -35,7 +35,7 @@ import triton.language as tl
 from ._common import equal_chunks, grouped_tile_ids, persistent_programs
 from .lm_head import (
     Exchange,
-    LogprobConfig,
+    LMHeadConfig,
     Operands,
     accumulate_mm,
     bias_arg,
@@ -49,7 +49,7 @@ from .lm_head import (
 
 Tensor = torch.Tensor
 
-__all__ = ["LogprobConfig", "backward", "default_config", "dz_chunk_columns", "forward"]
+__all__ = ["LMHeadConfig", "backward", "default_config", "dz_chunk_columns", "forward"]
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _dlogits_kernel(
 
     Persistent: ``num_programs`` programs walk the tiles, the loop flattened so that the
     next tile's loads overlap this tile's ``dz`` math and store (faster than one program
-    per tile: bench/results/README.md)."""
+    per tile; ``bench/bench_logprob.py --sweep`` times the bare kernels)."""
     n_cblocks = tl.cdiv(chunk_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M) * n_cblocks, num_programs, flatten=True):
         pid_m, pid_n = grouped_tile_ids(tile, tl.cdiv(n_rows, BLOCK_M), n_cblocks, GROUP_M)
@@ -95,7 +95,7 @@ def _dlogits_kernel(
 def forward(
     hidden: Tensor, weight: Tensor, rows: Tensor, targets: Tensor,
     bias: Optional[Tensor], temperature: float, with_entropy: bool, all_rows: bool,
-    config: Optional[LogprobConfig] = None, exchange: Optional[Exchange] = None, total_vocab: Optional[int] = None,
+    config: Optional[LMHeadConfig] = None, exchange: Optional[Exchange] = None, total_vocab: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob, entropy or empty, log-sum-exp), fp32 ``[n]``; inputs already validated,
     ``all_rows`` whether the rows are 0, 1, ..., T - 1. ``config`` replaces
@@ -145,7 +145,7 @@ def forward(
     return logp, entropy, lse
 
 
-def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, cfg: LogprobConfig) -> int:
+def dz_chunk_columns(n: int, V: int, dtype: torch.dtype, cfg: LMHeadConfig) -> int:
     """Vocabulary columns per backward chunk: as many as ``cfg.dz_budget`` allows, whole tiles."""
     block_n = cfg.block_n
     cols = cfg.dz_budget // max(n * torch.finfo(dtype).bits // 8, 1) // block_n * block_n
@@ -156,7 +156,7 @@ def backward(
     grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
     rows: Tensor, targets: Tensor, bias: Optional[Tensor], lse: Tensor, entropy: Tensor, all_rows: bool,
     temperature: float, need_hidden: bool, need_weight: bool, need_bias: bool,
-    config: Optional[LogprobConfig] = None, rows_dtype: torch.dtype = torch.float32,
+    config: Optional[LMHeadConfig] = None, rows_dtype: torch.dtype = torch.float32,
 ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """``(d hidden[rows] [n, H] in rows_dtype, d weight [V, H], d bias fp32 [V])``, each None
     when not needed. ``hidden`` is the full ``[T, H]``; ``rows`` index it (``all_rows`` as in

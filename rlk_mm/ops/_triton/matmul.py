@@ -49,16 +49,16 @@ def _mm_tile(
     a_ptr, b_ptr, c_ptr, bias_ptr, pid_m, pid_n, M, N, K,
     s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_biasm, s_biasn, alpha, beta,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BM, BN] output tile: K tiles 0, 1, 2, ... accumulated in fp32, then alpha, bias."""
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    """One [BLOCK_M, BLOCK_N] output tile: K tiles 0, 1, 2, ... accumulated in fp32, then alpha, bias."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * s_am
     b_cols = b_ptr + rn.to(tl.int64)[None, :] * s_bn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         a = tl.load(a_rows + kk[None, :] * s_ak, mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         b = tl.load(b_cols + kk[:, None] * s_bk, mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
@@ -85,17 +85,17 @@ def _mm_kernel(
     s_biasb, s_biasm, s_biasn,
     alpha, beta, num_programs,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     start = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
     for tile in range(start, num_m * num_n, num_programs):
         pid_m, pid_n = grouped_tile_ids(tile, num_m, num_n, GROUP_M)
         _mm_tile(a_ptr + batch * s_ab, b_ptr + batch * s_bb, c_ptr + batch * s_cb, bias_ptr + batch * s_biasb,
                  pid_m, pid_n, M, N, K, s_am, s_ak, s_bk, s_bn, s_cm, s_cn, s_biasm, s_biasn, alpha, beta,
-                 HAS_BIAS, UPCAST, PRECISION, BM, BN, BK)
+                 HAS_BIAS, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -103,16 +103,16 @@ def _linears_kernel(
     x_ptr, w0_ptr, w1_ptr, w2_ptr, bias0_ptr, bias1_ptr, bias2_ptr, c_ptr,
     M, N0, N1, N2, K, s_xm, s_cm, num_programs,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """``x @ [W0; W1; W2]ᵀ (+ [b0; b1; b2])`` into one ``[M, N0 + N1 + N2]`` output, the
     weights read where they are (contiguous ``[Ni, K]``). Each weight has its own column
     tiles, computed exactly as ``_mm_kernel`` computes ``x @ Wiᵀ`` with the same tiles."""
     start = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    t0 = tl.cdiv(N0, BN)
-    t1 = tl.cdiv(N1, BN)
-    num_n = t0 + t1 + tl.cdiv(N2, BN)
+    num_m = tl.cdiv(M, BLOCK_M)
+    t0 = tl.cdiv(N0, BLOCK_N)
+    t1 = tl.cdiv(N1, BLOCK_N)
+    num_n = t0 + t1 + tl.cdiv(N2, BLOCK_N)
     for tile in range(start, num_m * num_n, num_programs):
         pid_m, pid_n = grouped_tile_ids(tile, num_m, num_n, GROUP_M)
         past0 = (pid_n >= t0).to(tl.int32)  # the tile is past weight 0's columns
@@ -131,14 +131,14 @@ def _linears_kernel(
         local_n = pid_n - past0 * t0 - past1 * t1
         _mm_tile(x_ptr, w_ptr, c_ptr + col0, bias_ptr, pid_m, local_n, M, n, K,
                  s_xm, 1, 1, K, s_cm, 1, 0, 1, 1.0, 1.0,
-                 HAS_BIAS, UPCAST, PRECISION, BM, BN, BK)
+                 HAS_BIAS, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def _pad_k(a: torch.Tensor, b: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of a and b with K zero-padded to a multiple of the K tile.
 
     A row stride that is not a multiple of 16 bytes (Qwen2.5-VL's vision MLP has K = 3420)
-    rules out wide loads (bench/results/README.md, matmul). The padded tail holds the zeros
+    rules out wide loads (``bench/bench_prefill.py --tiles`` times the kernel). The padded tail holds the zeros
     the kernel's masked loads would have read, in the same K tiles, so the result is
     bitwise the same."""
     k = a.shape[2]
@@ -179,7 +179,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
         *a.stride(), *b.stride(), *out.stride(), *bias_t.stride(),
         float(alpha), float(beta), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(a.dtype, interp),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -210,7 +210,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Ten
     _linears_kernel[(programs,)](
         x, *ws, *bs, out, m, *ns, k, x.stride(0), out.stride(0), programs,
         HAS_BIAS=has_bias, UPCAST=interp, PRECISION=dot_precision(x.dtype, interp),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

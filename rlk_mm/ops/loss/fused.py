@@ -7,7 +7,7 @@ advantage, reference log-prob, IS weight, aggregation weight). So the forward, c
 chunk of scored rows, forms the logits once, reduces them to log-prob and entropy, turns
 them into d loss / d logits in place, and accumulates d hidden and d weight; the backward
 only multiplies the stored gradients by the incoming scalar. A chunk's logits are the only
-vocabulary-sized buffer (with its fp32 d hidden rows, within ``LogprobConfig.linear_budget``
+vocabulary-sized buffer (with its fp32 d hidden rows, within ``LMHeadConfig.linear_budget``
 bytes on CUDA).
 
 Backends: Triton on CUDA (``_triton/linear_loss.py``), the plain-torch log-prob backend

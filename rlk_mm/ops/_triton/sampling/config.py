@@ -34,7 +34,8 @@ class SamplingConfig:
     ``candidate_chunk``: entries per step of launch 2's candidate listing and histogram, and
     of launch 2b.
     ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
-    ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish."""
+    ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish;
+    ``status_block``: rows per program of its plain draw's status launch."""
 
     split_block: int
     row_block: int
@@ -49,6 +50,7 @@ class SamplingConfig:
     logits_budget: int = 512 << 20
     finish_rows: int = 8
     finish_tiles: int = 256
+    status_block: int = 1024
 
 
 def default_config(device: torch.device) -> SamplingConfig:

@@ -57,8 +57,6 @@ from .noise import NOISE_BLOCK, SALT_BLOCK, SALT_TOKEN, best_noise_block, gumbel
 Tensor = torch.Tensor
 
 __all__ = ["sample_hidden"]
-#: rows per ``_plain_status_kernel`` program
-STATUS_BLOCK = 1024
 
 
 # ------------------------------------------------------------------ from hidden states
@@ -181,8 +179,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
             WITH_ENTROPY=False, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
         )
     if draw:
-        _plain_status_kernel[(triton.cdiv(B, STATUS_BLOCK),)](
-            log_probs, sampled, status, B, OK=_ref.OK, NOT_FINITE=_ref.NOT_FINITE, BLOCK=STATUS_BLOCK)
+        _plain_status_kernel[(triton.cdiv(B, scfg.status_block),)](
+            log_probs, sampled, status, B, OK=_ref.OK, NOT_FINITE=_ref.NOT_FINITE, BLOCK=scfg.status_block)
     return tokens, log_probs, sampled, status
 
 
