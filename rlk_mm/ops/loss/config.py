@@ -200,28 +200,9 @@ def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str)
 
 # ----------------------------------------------------------------------------- the knobs' checks
 def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False) -> float:
-    """A knob of the float32 math: a number within float32's range.
-
-    Parameters
-    ----------
-    name : str
-        The knob's name, for the error message.
-    value : float
-        The value given.
-    min : float, optional
-        The lowest value allowed.
-    inf_ok : bool
-        Also accept ±inf (no bound).
-
-    Returns
-    -------
-    float
-
-    Raises
-    ------
-    ValueError, TypeError
-        For a value that is not such a number.
-    """
+    """The knob ``name``'s ``value`` as a float the float32 math can hold: at least ``min``
+    (when given), finite unless ``inf_ok`` (±inf: no bound), and within float32's range;
+    otherwise a ``ValueError`` or ``TypeError`` naming the knob."""
     value = float_arg(name, value, min=min, finite=not inf_ok)
     if math.isfinite(value) and abs(value) > _F32_MAX:
         raise ValueError(f"{name}={value} is out of range: float32 math needs |{name}| <= {_F32_MAX:.7g}")
