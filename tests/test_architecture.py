@@ -29,7 +29,7 @@ from rlk_mm.deprecations import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "rlk_mm"
-MAX_LINES = 550  # the issue asks for about 500
+MAX_LINES = 500  # a smell test: a module past it holds more than one concept
 
 
 @dataclass(frozen=True)
