@@ -9,6 +9,11 @@ and are added to the visual tokens after the first ``k`` decoder layers, as the 
 forward adds them. MoE routing is a per-token function of the token's hidden state (router
 product, softmax, top-k), so under the mode a token's experts and its output do not depend
 on the batch.
+
+Its token layout and M-RoPE positions (interleaved sections, timestamped video held as one item
+per temporal patch) are the batch's, built by the schema: ``rlk_mm.schema.layouts``
+(``LayoutFamily.QWEN3_VL``) and ``rlk_mm.schema.mrope_positions``, checked against the model's own
+``get_rope_index`` by ``tests/models/test_model_families.py``.
 """
 
 from __future__ import annotations
