@@ -138,6 +138,8 @@ def decode_static(model, hidden: torch.Tensor, cache, prompt: torch.Tensor, top:
     eager = max_new_tokens if not graphs else min(WARMUP_STEPS, max_new_tokens)
     every = CHECK_EVERY if graphs else 1  # without graphs a read per step costs nothing worth saving
     side = torch.cuda.Stream() if graphs else None
+    if graphs:  # warm up on a side stream, as a capture wants; it first waits for the buffers' writes
+        side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side) if graphs else contextlib.nullcontext():
         while run < eager:
             one_step()
