@@ -1,9 +1,11 @@
 """What the Triton kernels share: the SM count, the grouped tile schedule of persistent
-launches, and the dot-product precision (including the interpreter's)."""
+launches, the dot-product precision (including the interpreter's), and ``TileConfig``, the
+tile fields of every matmul-shaped family's config (the matmul's, the LM head's)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -11,12 +13,27 @@ import triton.language as tl
 
 __all__ = [
     "dot_precision", "equal_chunks", "grouped_tile_ids", "interpreted", "INTERPRETER_PROGRAMS", "num_sms",
-    "persistent_programs",
+    "persistent_programs", "TileConfig",
 ]
 
 #: programs of a persistent launch in Triton's interpreter: more than one, so that the
 #: tests run every persistent loop over tiles too
 INTERPRETER_PROGRAMS = 2
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A matmul-shaped kernel's tile: ``block_m x block_n`` outputs per program, ``block_k`` of
+    the reduction per step, ``group_m`` row tiles per group of the schedule
+    (``grouped_tile_ids``), and the launch's warps and pipeline stages. A family's frozen config
+    extends it with its own settings."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
 
 
 @functools.lru_cache(maxsize=None)

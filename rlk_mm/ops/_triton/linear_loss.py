@@ -30,18 +30,7 @@ import triton
 import triton.language as tl
 
 from ._common import equal_chunks
-from .lm_head import (
-    Exchange,
-    LMHeadConfig,
-    Operands,
-    accumulate_mm,
-    bias_arg,
-    combine_kernel,
-    default_config,
-    forward_tiles_kernel,
-    ieee,
-    partial_columns,
-)
+from .lm_head import Exchange, LMHeadConfig, Operands, accumulate_mm, default_config, forward_chunk, partial_columns
 
 Tensor = torch.Tensor
 
@@ -119,7 +108,7 @@ def loss_grads(
     d_weight = torch.empty_like(weight) if need_weight else None
     ops = Operands(hidden, weight, rows, cfg, all_rows, need_sel=need_weight)
     cols = partial_columns(cfg)
-    n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
+    n_parts = triton.cdiv(V, cols)
     step = chunk_rows(n, chunk_vocab or V, H, weight.dtype, cfg)
     z = torch.empty(step * V, dtype=weight.dtype, device=dev)
     rounded = need_hidden and rows_dtype != torch.float32
@@ -128,26 +117,7 @@ def loss_grads(
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
         m = min(step, n - s)
-        if exchange is not None:  # only the program holding a row's target writes its logit
-            tgt_logit.zero_()
-        h_src, w_src, rows_s = ops.args(s, m)
-        forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
-            h_src, w_src, bias_arg(bias, weight), rows_s, targets[s:],
-            parts[0], parts[1], parts[2], tgt_logit, z,
-            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks, n_parts,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=True, IEEE=ieee(weight),
-            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SEG=cols,
-            STORE_Z=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        every, tgt, total_parts = parts, tgt_logit, n_parts
-        if exchange is not None:
-            every, tgt = exchange(parts[:, : n_parts * m].view(3, n_parts, m), tgt_logit[:m], s, cols)
-            total_parts = every.shape[1]
-        combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            every[0], every[1], every[2], tgt, logp[s:], entropy[s:], lse[s:], m, total_parts,
-            WITH_ENTROPY=True, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
-        )
+        forward_chunk(ops, bias, targets, temperature, s, m, parts, tgt_logit, logp, entropy, lse, True, exchange, z=z)
         if not (need_hidden or need_weight or need_bias):
             continue
         g, ge = upstream(s, s + m, logp[s : s + m], entropy[s : s + m])

@@ -39,9 +39,8 @@ from .lm_head import (
     Operands,
     accumulate_mm,
     bias_arg,
-    combine_kernel,
     default_config,
-    forward_tiles_kernel,
+    forward_chunk,
     ieee,
     logits_tile,
     partial_columns,
@@ -103,7 +102,7 @@ def forward(
     ``exchange`` (called once per chunk of rows, between the tiles and the combine; targets
     off the shard are -1) and ``total_vocab``, the group's vocabulary: every rank then cuts
     the same chunks, and the results are the whole vocabulary's."""
-    n, (V, H) = rows.numel(), weight.shape
+    n, V = rows.numel(), weight.shape[0]
     dev = hidden.device
     logp = torch.empty(n, dtype=torch.float32, device=dev)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=dev)
@@ -113,35 +112,15 @@ def forward(
     cfg = config or default_config(weight.dtype, dev, rows=n)
     cols = partial_columns(cfg)
     ops = Operands(hidden, weight, rows, cfg, all_rows)
-    n_vblocks, n_parts = triton.cdiv(V, cfg.block_n), triton.cdiv(V, cols)
+    n_parts = triton.cdiv(V, cols)
     k = 3 if with_entropy else 2
     per_row = triton.cdiv(total_vocab or V, cols) * 4 * k * (2 if exchange is not None else 1)
     step = min(n, equal_chunks(n, cfg.partials_budget // per_row, cfg.block_m))
     parts = torch.empty((k, n_parts * step), dtype=torch.float32, device=dev)
     tgt_logit = torch.empty(step, dtype=torch.float32, device=dev)
     for s in range(0, n, step):
-        m = min(step, n - s)
-        if exchange is not None:  # only the program holding a row's target writes its logit
-            tgt_logit.zero_()
-        h_src, w_src, rows_s = ops.args(s, m)
-        forward_tiles_kernel[(triton.cdiv(m, cfg.block_m) * n_vblocks,)](
-            h_src, w_src, bias_arg(bias, weight), rows_s, targets[s:],
-            parts[0], parts[1], parts[k - 1], tgt_logit, parts,
-            m, V, H, hidden.stride(0), weight.stride(0), 1.0 / temperature, n_vblocks, n_parts,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, IEEE=ieee(weight),
-            EVEN_K=H % cfg.block_k == 0, TMA=ops.tma,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SEG=cols,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        every, tgt, total_parts = parts, tgt_logit, n_parts
-        if exchange is not None:
-            every, tgt = exchange(parts[:, : n_parts * m].view(k, n_parts, m), tgt_logit[:m], s, cols)
-            total_parts = every.shape[1]
-        combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            every[0], every[1], every[k - 1], tgt,
-            logp[s:], entropy[s:] if with_entropy else entropy, lse[s:], m, total_parts,
-            WITH_ENTROPY=with_entropy, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
-        )
+        forward_chunk(ops, bias, targets, temperature, s, min(step, n - s), parts, tgt_logit, logp, entropy, lse,
+                      with_entropy, exchange)
     return logp, entropy, lse
 
 

@@ -16,21 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_precision, grouped_tile_ids, interpreted, persistent_programs
+from ._common import TileConfig, dot_precision, grouped_tile_ids, interpreted, persistent_programs
 
 __all__ = ["bmm", "default_config", "linears", "MatmulConfig"]
 
 
 @dataclass(frozen=True)
-class MatmulConfig:
-    """Tiles and launch settings of the batch-invariant matmul."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
+class MatmulConfig(TileConfig):
+    """Tiles and launch settings of the batch-invariant matmul (``TileConfig``'s fields)."""
 
 
 @functools.lru_cache(maxsize=None)

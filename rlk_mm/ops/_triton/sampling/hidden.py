@@ -38,16 +38,16 @@ import triton
 import triton.language as tl
 
 from ..._torch import sampling as _ref
-from .._common import equal_chunks, grouped_tile_ids
+from .._common import equal_chunks
 from ..lm_head import (
     Operands,
     bias_arg,
-    combine_kernel,
     default_config,
+    exchange_and_combine,
     ieee,
-    logits_tile,
     partial_columns,
     store_partials,
+    tile_logits,
 )
 from .config import SamplingConfig
 from .config import default_config as sampling_config
@@ -72,15 +72,9 @@ def _hidden_tiles_kernel(
     """Per tile: the selected log-prob's per-segment partials (max, Σ exp); with ``DRAW`` each
     row's best noise block of the tile (score, global index, its logits; ``first_block``: the
     shard's first noise block in the whole vocabulary); with ``STORE_Z`` the logits."""
-    pid_m, pid_n = grouped_tile_ids(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), n_vblocks, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n_rows
-    rows = tl.load(rows_ptr + offs_m, mask=m_ok, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < V
-    z = logits_tile(h_src, w_src, b_ptr, rows, pid_m * BLOCK_M, pid_n * BLOCK_N, V, H, stride_h, stride_w,
-                     inv_temp, HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-    z = tl.where(n_ok[None, :], z, -float("inf"))
+    pid_n, offs_m, m_ok, offs_n, n_ok, z = tile_logits(
+        h_src, w_src, b_ptr, rows_ptr, n_rows, V, H, stride_h, stride_w, inv_temp, n_vblocks,
+        HAS_BIAS, IEEE, EVEN_K, TMA, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     store_partials(z, pid_n, offs_m, m_ok, n_rows, n_parts, part_max_ptr, part_sum_ptr, part_sum_ptr,
                    False, BLOCK_M, BLOCK_N, SEG)  # as forward_tiles_kernel of the selected log-prob
     if STORE_Z:
@@ -170,14 +164,8 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
             tok, _, slp, st = sample_logits(z, 1.0, filters, seeds_s, steps_s, config=scfg)
             tokens[s : s + m], z_tok[:m] = tok, z.gather(1, tok[:, None])[:, 0]
             sampled[s : s + m], status[s : s + m] = slp, st
-        every, total_parts = parts, n_parts
-        if shard is not None:  # the drawn token's logit is the same on every rank already
-            every, _ = shard(parts[:, : n_parts * m].view(2, n_parts, m), z_tok[:m], s, cols)
-            total_parts = every.shape[1]
-        combine_kernel[(triton.cdiv(m, cfg.combine_block),)](
-            every[0], every[1], every[0], z_tok, log_probs[s:], log_probs, lse, m, total_parts,
-            WITH_ENTROPY=False, BLOCK=cfg.combine_block, LANES=cfg.combine_lanes,
-        )
+        # a shard's exchange gathers the partials; the drawn token's logit is the same on every rank already
+        exchange_and_combine(cfg, parts, z_tok, s, m, n_parts, False, log_probs[s:], log_probs, lse, shard)
     if draw:
         _plain_status_kernel[(triton.cdiv(B, scfg.status_block),)](
             log_probs, sampled, status, B, OK=_ref.OK, NOT_FINITE=_ref.NOT_FINITE, BLOCK=scfg.status_block)
