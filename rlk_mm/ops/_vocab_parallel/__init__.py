@@ -24,7 +24,7 @@ The guarantee: forward results -- the log-probs, entropies and row log-sum-exps 
 log-probs -- are bitwise the same for every group size and split (even or uneven), and
 bitwise the single-device op's (same backend and dtype). The single-device op reduces each
 128-column segment's logits to per-row partials and folds them in vocabulary order
-(``_triton/lm_head.py``, ``_torch/logprob.py``); here each rank computes its own segments'
+(``_triton/lm_head/``, ``_torch/logprob.py``); here each rank computes its own segments'
 partials (the same numbers: its shard starts on the grid), they are all-gathered, and every
 rank folds them in that order. The loss, d hidden (summed over the group) and each rank's
 d weight / d bias shard are within the numerical contract of the single-device op, bitwise

@@ -45,7 +45,7 @@ B = 256 (156 MB) both passes stream from HBM. At small B a call is bound by the 
 allocations and launches take longer than the kernels run): a CUDA graph of the call removes
 that time (the step may be a device tensor advanced between replays). The filtered draw's
 finish is a few microseconds of dependent steps per row, in parallel over the rows
-(``bench/results/sampling_profile_h200.json``: kernel by kernel).
+(``bench/results/sampling/h200/2026-11-29-profile.json``: kernel by kernel).
 """
 
 from __future__ import annotations

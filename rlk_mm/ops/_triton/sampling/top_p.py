@@ -26,7 +26,7 @@ within ``BUCKETS / PER_UNIT`` logits of the max (the block sums the rest first),
 2b's Gumbel noise, fp32 for every sure entry of a chunk that holds one and float64 only where
 the fp32 screen leaves it (``noise.best_noise_block``). So a flat row, with many entries near
 its max and many sure ones, costs a few times a peaked one; the finish sorts ``LANES`` values
-whatever the row. ``bench/results/sampling_profile_h200.json`` has the kernel times.
+whatever the row. ``bench/results/sampling/h200/2026-11-29-profile.json`` has the kernel times.
 """
 
 from __future__ import annotations
