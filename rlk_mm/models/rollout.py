@@ -26,11 +26,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..ops.invariant.mode import BACKENDS, within_batch_invariant
+from ..ops.invariant.mode import BACKENDS, active_backend, batch_invariant_active, within_batch_invariant
 from ..ops.sampling import group_seeds, sample_from_hidden
 from ..schema import Choice, RLBatch
 from ..schema.checks import (
     INTEGER_DTYPES,
+    bool_arg,
     float_arg,
     group_id_list,
     int_arg,
@@ -95,6 +96,10 @@ class OnPolicyRollout:
 
     def texts(self, tokenizer, *, skip_special_tokens: bool = True) -> list[str]:
         """The kept rows' responses as text."""
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode method (the processor's tokenizer), got "
+                            f"{type(tokenizer).__name__}")
+        skip_special_tokens = bool_arg("skip_special_tokens", skip_special_tokens)
         return [tokenizer.decode(r.tolist(), skip_special_tokens=skip_special_tokens) for r in self.responses]
 
     def set_rewards(self, rewards) -> RLBatch:
@@ -103,10 +108,15 @@ class OnPolicyRollout:
         if self.batch is None:
             raise ValueError("set_rewards: every row was rejected, there is no batch to reward")
         if isinstance(rewards, torch.Tensor):
-            rewards = rewards.detach().to("cpu", torch.float32).tolist()
+            tensor_arg("rewards", rewards, ndim=1)
+            if not rewards.dtype.is_floating_point and rewards.dtype not in INTEGER_DTYPES:
+                raise TypeError(f"rewards must be a float or integer tensor, got {rewards.dtype}")
+            rewards = rewards.detach().to("cpu", torch.float64).tolist()
         rewards = sequence_arg("rewards", rewards, "one number per sample")
         if len(rewards) != self.batch.num_samples:
-            raise ValueError(f"rewards has {len(rewards)} entries but the batch has {self.batch.num_samples} samples")
+            raise ValueError(f"rewards has {len(rewards)} entries but the batch has {self.batch.num_samples} samples: "
+                             "one reward per kept row (rollout.rows)")
+        rewards = [float_arg(f"rewards[{i}]", r) for i, r in enumerate(rewards)]
         fields = {name: getattr(self.batch, name) for name in type(self.batch).model_fields}
         fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=self.batch.device)
         self.batch = RLBatch(**fields)
@@ -245,6 +255,15 @@ def generate_on_policy(
         raise ValueError(f"backend must be None, 'torch' or 'triton' (batch_invariant's), got {backend!r}")
     if kernels is Kernels.DEFAULT and backend is not None:
         raise ValueError("backend picks the batch-invariant kernels; with kernels='default' leave it None")
+    if batch_invariant_active():  # the mode is process-wide: inside it, only the invariant kernels can run
+        if kernels is Kernels.DEFAULT:
+            raise ValueError("kernels='default' inside an active batch_invariant() block: the block's invariant kernels "
+                             "would run, not the model's own; call generate_on_policy outside the block for the "
+                             "default-kernels control, or pass kernels='invariant'")
+        if backend is not None and active_backend() is not None and str(backend) != active_backend():
+            raise ValueError(f"backend={str(backend)!r} inside an active batch_invariant(backend={active_backend()!r}) "
+                             "block: the block's backend would run; leave backend None inside the block, or call "
+                             "generate_on_policy outside it")
     max_new_tokens = int_arg("max_new_tokens", max_new_tokens, min=1)
     samples_per_prompt = int_arg("samples_per_prompt", samples_per_prompt, min=1)
     temperature = temperature_arg(temperature)
@@ -280,6 +299,8 @@ def generate_on_policy(
 
     start = time.perf_counter()
     invariant = kernels is Kernels.INVARIANT
+    # what runs: the invariant kernels' backend (the block's inside one; Triton on CUDA, torch elsewhere), else None
+    ran = (str(backend or active_backend() or ("triton" if device.type == "cuda" else "torch"))) if invariant else None
     static = loop is DecodeLoop.STATIC or (loop is DecodeLoop.AUTO and device.type == "cuda")
     with torch.no_grad(), (within_batch_invariant(backend) if invariant else contextlib.nullcontext()):
         tokens, logps, sampled, lengths, ended, steps = _decode(
@@ -292,7 +313,7 @@ def generate_on_policy(
                      row_seeds, kernels, steps, seconds, media_ids,
                      dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                           samples_per_prompt=samples_per_prompt, stop_token_ids=stop, step=step,
-                          loop=str(DecodeLoop.STATIC if static else DecodeLoop.EAGER)))
+                          loop=str(DecodeLoop.STATIC if static else DecodeLoop.EAGER), backend=ran))
 
 
 def _tokenizer_vocab(processor, head_rows: int) -> int:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rlk_mm import fixtures
 from rlk_mm.fixtures import IM_END_TOKEN_ID, VISION_END_TOKEN_ID, VISION_START_TOKEN_ID, processor_inputs
 from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, generate_on_policy, group_logprobs, model_family
-from rlk_mm.models.rollout import decode_hidden
+from rlk_mm.models.decode import decode_hidden
 from rlk_mm.parity import check_layout_parity
 from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.schema import LayoutFamily, Modality, RLBatch, SchemaError, layout_family_of

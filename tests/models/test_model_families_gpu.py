@@ -8,7 +8,7 @@ import torch
 
 from rlk_mm import fixtures
 from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, generate_on_policy
-from rlk_mm.models.rollout import decode_hidden
+from rlk_mm.models.decode import decode_hidden
 from rlk_mm.ops import batch_invariant
 
 pytestmark = pytest.mark.gpu

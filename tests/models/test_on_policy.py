@@ -128,6 +128,37 @@ def test_rewards_and_sampling_filters(tiny_model, processor, image_prompts):
         rollout.set_rewards([1.0, 2.0])
 
 
+@pytest.mark.parametrize("rewards,error,match", [
+    (["1", "0", "1", "0", "1", "0"], TypeError, r"rewards\[0\] must be a number, got str"),
+    ([1.0, 2.0, True, 0.0, 1.0, 0.0], TypeError, r"rewards\[2\] must be a number, got bool"),
+    ([1.0, float("nan"), 0.0, 0.0, 1.0, 0.0], ValueError, r"rewards\[1\]=nan must be a finite number"),
+    (torch.ones(2, 3), ValueError, "rewards"),
+    (torch.ones(6, dtype=torch.bool), TypeError, "rewards must be a float or integer tensor"),
+    ("101010", TypeError, "rewards"),
+])
+def test_set_rewards_names_the_bad_entry(tiny_model, processor, image_prompts, rewards, error, match):
+    rollout = _rollout(tiny_model, image_prompts, processor, max_new_tokens=1)
+    with pytest.raises(error, match=match):
+        rollout.set_rewards(rewards)
+    with pytest.raises(TypeError, match="tokenizer must have a decode method"):
+        rollout.texts("tokenizer")
+    assert rollout.set_rewards(torch.arange(6)).rewards.tolist() == [float(i) for i in range(6)]
+
+
+def test_the_kernels_asked_for_are_the_kernels_that_run(tiny_model, processor, image_prompts):
+    """Inside an active batch_invariant() block the default kernels cannot run, nor another
+    backend: both are refused by name, and a rollout's settings say which backend ran."""
+    with batch_invariant(backend="torch"):
+        with pytest.raises(ValueError, match="kernels='default' inside an active batch_invariant"):
+            _rollout(tiny_model, image_prompts, processor, kernels="default", backend=None, max_new_tokens=1)
+        with pytest.raises(ValueError, match="backend='triton' inside an active batch_invariant\\(backend='torch'\\)"):
+            _rollout(tiny_model, image_prompts, processor, backend="triton", max_new_tokens=1)
+        inside = _rollout(tiny_model, image_prompts, processor, backend=None, max_new_tokens=1)
+    assert inside.settings["backend"] == "torch"
+    default = _rollout(tiny_model, image_prompts, processor, kernels="default", backend=None, max_new_tokens=1)
+    assert default.settings["backend"] is None and default.kernels is Kernels.DEFAULT
+
+
 @pytest.mark.slow
 def test_triton_under_the_interpreter(processor):
     model = fixtures.tiny_qwen2_5_vl(seed=0, hidden_size=32, num_heads=2, num_kv_heads=1, vision_depth=1).eval()
@@ -195,7 +226,7 @@ def test_gpu_rollout_and_decode_are_the_training_forward(processor, dtype):
     KV-cache decode equals the one-pass forward, bitwise, in every layout; the default
     kernels' control runs (its drift is measured, not bounded, here)."""
     from rlk_mm.models import forward_hidden
-    from rlk_mm.models.rollout import decode_hidden
+    from rlk_mm.models.decode import decode_hidden
 
     model = fixtures.tiny_qwen2_5_vl(seed=0, hidden_size=256, num_heads=4, num_kv_heads=2).eval().to("cuda", dtype)
     samples = fixtures.synthetic_image_text(3, seed=1, max_images=2) + fixtures.synthetic_video_text(1, seed=2)

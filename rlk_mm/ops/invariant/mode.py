@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -135,6 +135,12 @@ def stock_kernels():
 def batch_invariant_active() -> bool:
     """Whether a ``batch_invariant()`` block is active (the mode is process-wide)."""
     return STATE.active
+
+
+def active_backend() -> Optional[str]:
+    """The backend the active ``batch_invariant()`` block was given (``"torch"``, ``"triton"``,
+    or None: Triton on CUDA tensors, torch elsewhere); None outside a block too."""
+    return None if STATE.backend is None else str(STATE.backend)
 
 
 def within_batch_invariant(backend: Backend | str | None = None):
