@@ -61,21 +61,27 @@ class Lagrangian:
     init : float
         The starting multiplier, >= 0.
     max_value : float, optional
-        An upper bound (None: unbounded).
+        An upper bound, > 0 and >= ``init`` (None or inf: unbounded).
     device : torch.device, str or int, optional
         Where ``value`` (a 0-d float32 tensor) lives.
 
     Raises
     ------
     ValueError, TypeError
-        For a bad argument, naming it.
+        For a bad argument, naming it: values beyond float32's range (the multiplier's dtype), or a
+        ``max_value`` of 0, which pins the multiplier at 0 (the cost would never count).
     """
 
     def __init__(self, budget: float, *, lr: float = 0.05, init: float = 0.0, max_value: Optional[float] = None, device="cpu"):
-        self.budget = float_arg("budget", budget)
-        self.lr = float_arg("lr", lr, min=0.0, min_open=True)
-        init = float_arg("init", init, min=0.0)
-        self.max_value = None if max_value is None else float_arg("max_value", max_value, min=init)
+        self.budget = _f32("budget", float_arg("budget", budget))
+        self.lr = _f32("lr", float_arg("lr", lr, min=0.0, min_open=True))
+        init = _f32("init", float_arg("init", init, min=0.0))
+        if max_value is not None:
+            max_value = float_arg("max_value", max_value, min=init, finite=False)
+            if max_value == 0.0:
+                raise ValueError("max_value=0.0 pins the multiplier at 0, so the cost never enters the advantages: "
+                                 "give a bound > 0, or None for no bound")
+        self.max_value = None if max_value is None or math.isinf(max_value) else _f32("max_value", max_value)
         self.value = torch.tensor(init, dtype=torch.float32, device=device_arg(device))
 
     def step(self, episode_costs: Tensor) -> Tensor:
@@ -169,6 +175,15 @@ def lagrangian_advantages(rewards: Tensor, costs: Tensor, group_ids: Optional[Te
     lam = lam.to(dtype)
     combined = torch.where(lam >= 0, (a_r - lam * a_c) / (1 + lam), torch.full_like(a_r, math.nan))
     return LagrangianAdvantages(combined, a_r, a_c)
+
+
+def _f32(name: str, value: float) -> float:
+    """``value`` (a finite float), refused by ``name`` beyond float32's range: the multiplier and
+    its step are float32, where it would be inf."""
+    if abs(value) > torch.finfo(torch.float32).max:
+        raise ValueError(f"{name}={value} is out of range: the multiplier is float32, so |{name}| must be <= "
+                         f"{torch.finfo(torch.float32).max:.7g}")
+    return value
 
 
 def _elements_overlap(a: Tensor, b: Tensor) -> bool:

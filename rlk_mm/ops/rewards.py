@@ -116,14 +116,20 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
 
 
 def _penalty_args(max_length, buffer) -> tuple[int, int]:
-    max_length, buffer = int_arg("max_length", max_length), int_arg("buffer", buffer)
+    max_length = int_arg("max_length", max_length, min=1, max=_MAX_LENGTH)
+    buffer = int_arg("buffer", buffer)
     if not 0 < buffer <= max_length:
         raise ValueError(f"buffer={buffer} is out of range: it must be > 0 and <= max_length={max_length}")
     return max_length, buffer
 
 
+#: the largest ``max_length``: the penalty's differences of token counts stay within int64
+_MAX_LENGTH = 2**62
+
+
 def _overlong(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
-    return torch.clamp(((max_length - buffer) - lengths.to(torch.float32)) / buffer, min=-1.0, max=0.0)
+    # the difference in int64 (exact), then float32: a count above 2^24 is not rounded before it
+    return torch.clamp(((max_length - buffer) - lengths.long()).to(torch.float32) / buffer, min=-1.0, max=0.0)
 
 
 @renamed_keywords

@@ -245,12 +245,21 @@ def _settings(temperature, top_k, top_p, min_p, V: int) -> tuple[float, _ref.Fil
     temperature = temperature_arg(temperature)
     inv_t = _ref.fp32(1.0 / temperature)
     if top_k is not None:
-        top_k = int_arg("top_k", top_k, min=1)
+        top_k = int_arg("top_k", top_k)
+        if top_k < 1:
+            raise ValueError(f"top_k={top_k} is out of range: it must be >= 1 (the tokens kept); None turns top-k off "
+                             "(where other libraries take 0 or -1)")
     if top_p is not None:
-        top_p = float_arg("top_p", top_p, min=0.0, max=1.0, min_open=True)
+        top_p = float_arg("top_p", top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p={top_p} is out of range: it must be in (0, 1] (a share of the mass, not a "
+                             "percentage); 1 or None turns top-p off")
     min_p_log = None
     if min_p is not None:
-        min_p = float_arg("min_p", min_p, min=0.0, max=1.0)
+        min_p = float_arg("min_p", min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p={min_p} is out of range: it must be in [0, 1] (a share of the top token's "
+                             "probability); 0 or None turns min-p off")
         min_p_log = _ref.fp32(math.log(min_p)) if min_p > 0 else None
     filters = _ref.Filters(
         top_k if top_k is not None and top_k < V else None,

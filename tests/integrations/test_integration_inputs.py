@@ -88,6 +88,13 @@ def _verl_cases() -> list[Case]:
         bad("loss: rollout_is_weights negative", _verl_loss(rollout_is_weights=-torch.ones(3, 4)), ValueError,
             r"rollout_is_weights: sample 0, position 0 is -1\.0"),
         bad("loss: loss_agg_mode", _verl_loss(loss_agg_mode="mean"), ValueError, r"loss_agg_mode='mean'"),
+        bad("loss: clip ratios both 0", _verl_loss({"clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}),
+            ValueError, r"clip_ratio_low=0 and clip_ratio_high=0 make the clip interval \[1, 1\]"),
+        bad("loss: EasyR1's seq mode with verl's dp_size", _verl_loss(batch_info={"dp_size": 2, "global_batch_size": 3},
+                                                                      loss_agg_mode="seq"),
+            ValueError, r"loss_agg_mode='seq' \(EasyR1's\) averages over this batch alone: dp_size=2"),
+        ok("loss: loss_scale_factor with token-mean (verl ignores it)", _verl_loss(batch_info={"loss_scale_factor": 64}),
+           lambda r: torch.equal(r[0], _verl_loss()()[0])),
         bad("gspo: response_mask shape",
             lambda: _verl().compute_policy_loss_gspo(OLD, LOGP, ADV, MASK[:2], config=_actor_config()),
             ValueError, r"response_mask must have shape \[3, 4\]"),
@@ -141,6 +148,13 @@ def _easyr1_cases() -> list[Case]:
             r"clip_ratio_high=-0\.1 is out of range"),
         bad("loss: clip_ratio_dual", pl(clip_ratio_dual=0.5), ValueError,
             r"clip_ratio_dual=0\.5: the dual-clip bound must be > 1"),
+        bad("loss: clip ratios both 0", pl(clip_ratio_low=0.0, clip_ratio_high=0.0), ValueError,
+            r"clip_ratio_low=0 and clip_ratio_high=0 clip every ratio"),
+        bad("loss_config: loss_type named", lambda: easyr1.loss_config(0.2, 0.3, 3.0, "cispo", "token", names="config."),
+            ValueError, r"config\.loss_type='cispo': the fused loss implements default, gspo, gspo_token"),
+        bad("loss_config: clip ratios both 0 named", lambda: easyr1.loss_config(0, 0, 3.0, "default", "seq",
+                                                                                names="config."),
+            ValueError, r"config\.clip_ratio_low=0 and config\.clip_ratio_high=0"),
         bad("loss: response_mask shape", pl(response_mask=MASK[:1]), ValueError,
             r"response_mask must have shape \[3, 4\]"),
         bad("loss: log_probs int", pl(log_probs=LOGP.long()), TypeError, r"log_probs must be float"),
@@ -201,7 +215,28 @@ def _verl_fused_cases() -> list[Case]:
     ]
 
 
-CASES = {"easyr1": _easyr1_cases, "verl_fused": _verl_fused_cases}
+def _trl_config_cases() -> list[Case]:
+    from rlk_mm.integrations.trl import loss_config
+
+    def config(**kw):
+        args = dict(loss_type="grpo", importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2, delta=None,
+                    num_completions=4)
+        args.update(kw)
+        return lambda: loss_config(**args)
+
+    return [
+        bad("epsilons both 0", config(epsilon_low=0.0, epsilon_high=0.0), ValueError,
+            r"epsilon=0 and epsilon_high=0 make the clip interval \[1, 1\]"),
+        bad("num_completions bool", config(loss_type="luspo", num_completions=True), TypeError,
+            r"num_completions must be an int"),
+        bad("num_completions float", config(loss_type="dr_grpo", num_completions=4.5, max_completion_length=8),
+            TypeError, r"num_completions must be an int"),
+        ok("epsilon 0 on one side", config(epsilon_low=0.0), lambda c: c.clip_ratio_low == 0.0),
+        ok("luspo's count", config(loss_type="luspo"), lambda c: c.global_batch_size == 4.0),
+    ]
+
+
+CASES = {"easyr1": _easyr1_cases, "verl_fused": _verl_fused_cases, "trl config": _trl_config_cases}
 
 
 @pytest.mark.parametrize("case", table(CASES))

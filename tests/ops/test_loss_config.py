@@ -7,10 +7,14 @@ the same loss, gradients and metrics (torch and the Triton interpreter); ``Polic
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from oracles import loss as oracle
 from rlk_mm.ops import (
     AggMode,
     KLType,
@@ -18,10 +22,12 @@ from rlk_mm.ops import (
     PolicyLossConfig,
     PolicyLossOutput,
     RatioMode,
+    agg_loss,
     linear_policy_loss,
     policy_loss,
 )
 from support.helpers import use_backend
+from support.op_cases import F32_MAX
 
 B, R, H, V = 3, 5, 16, 40
 
@@ -69,6 +75,24 @@ BAD = [  # (field values, error type, the message names the field)
     (dict(global_batch_size=torch.ones(2)), ValueError, r"global_batch_size must be a number or a 0-d tensor"),
     (dict(global_batch_size=torch.tensor(True)), ValueError, r"global_batch_size must be a number or a 0-d tensor"),
     (dict(loss_scale_factor=0), ValueError, r"loss_scale_factor=0\.0 is out of range"),
+    # in range, but not what anyone means: refused naming the fields and what to pass instead
+    (dict(log_ratio_clamp=(0.8, 1.25)), ValueError,
+     r"log_ratio_clamp=\(0\.8, 1\.25\) does not hold 0.*pass their logs \(-0\.2231, 0\.2231\)"),
+    (dict(log_ratio_clamp=(0, 20)), ValueError, r"log_ratio_clamp=\(0\.0, 20\.0\) does not hold 0.*low < 0 < high"),
+    (dict(log_ratio_clamp=(-5, 0)), ValueError, r"log_ratio_clamp=\(-5\.0, 0\.0\) does not hold 0"),
+    (dict(log_ratio_clamp=(None, -1)), ValueError, r"log_ratio_clamp=\(-inf, -1\.0\) does not hold 0"),
+    (dict(log_ratio_clamp=(2, None)), ValueError, r"log_ratio_clamp=\(2\.0, inf\) does not hold 0"),
+    (dict(clip_ratio_low=0, clip_ratio_high=0), ValueError,
+     r"clip_ratio_low=0 and clip_ratio_high=0 make the clip interval \[1, 1\].*clip_ratio_high=inf"),
+    (dict(loss_agg_mode="seq", dp_size=2), ValueError,
+     r"loss_agg_mode='seq' \(EasyR1's\) averages over this batch alone: dp_size=2 would be ignored"),
+    (dict(loss_agg_mode="token", batch_num_tokens=8), ValueError, r"'token' \(EasyR1's\).*batch_num_tokens=8\.0"),
+    (dict(loss_agg_mode="seq", global_batch_size=torch.tensor(4)), ValueError, r"'seq' .*global_batch_size=tensor"),
+    (dict(loss_agg_mode="token", loss_scale_factor=4), ValueError, r"'token' .*loss_scale_factor=4\.0 would be ignored"),
+    (dict(global_batch_size=2.5), ValueError, r"global_batch_size=2\.5: a count of sequences is a whole number"),
+    (dict(batch_num_tokens=1e39), ValueError, r"batch_num_tokens=1e\+39 is out of range: float32"),
+    (dict(loss_scale_factor=1e39, loss_agg_mode="seq-mean-token-sum-norm"), ValueError,
+     r"loss_scale_factor=1e\+39 is out of range: float32"),
 ]
 
 
@@ -76,6 +100,71 @@ BAD = [  # (field values, error type, the message names the field)
 def test_bad_values_name_the_field(values, error, match):
     with pytest.raises(error, match=match):
         PolicyLossConfig(**values)
+
+
+def test_settings_a_mode_does_not_use_are_kept_for_verl_modes():
+    """verl's trainer passes both global counts and ``loss_scale_factor`` with every one of its
+    modes: a verl mode ignores those it does not use (the loss is the one without them)."""
+    logp, old, adv, mask = _padded(0)
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean"):
+        base = policy_loss(logp, old, adv, mask, loss_agg_mode=mode, dp_size=2, batch_num_tokens=11,
+                           global_batch_size=3).loss
+        extra = policy_loss(logp, old, adv, mask, config=PolicyLossConfig(
+            loss_agg_mode=mode, dp_size=2, batch_num_tokens=11, global_batch_size=3, loss_scale_factor=64)).loss
+        assert torch.equal(base, extra)
+
+
+_BOUND = st.one_of(st.none(), st.floats(allow_nan=False), st.sampled_from([0.0, -0.0, 0.22, -0.22, 1.25, 20.0]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(lo=_BOUND, hi=_BOUND, clip_low=st.sampled_from([0.0, 0.1, 1.0]), clip_high=st.sampled_from([0.0, 0.3, math.inf]),
+       clip_c=st.sampled_from([None, 1.5, 3.0]))
+def test_a_config_built_leaves_an_on_policy_token_alone(lo, hi, clip_low, clip_high, clip_c):
+    """Every log-ratio clamp and clip a config accepts leaves the on-policy ratio 1 unclamped and
+    unclipped: on-policy (log_probs equal to old_log_probs) its loss and gradient are bitwise the
+    default config's. What it refuses, it refuses naming the field."""
+    try:
+        config = PolicyLossConfig(log_ratio_clamp=(lo, hi), clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                                  clip_ratio_c=clip_c)
+    except (ValueError, TypeError) as e:
+        assert re.match(r"(log_ratio_clamp|clip_ratio_low=0 and clip_ratio_high=0)", str(e)), str(e)
+        low, high = (-math.inf if lo is None else lo), (math.inf if hi is None else hi)
+        assert not (low < 0 < high and abs(low) <= F32_MAX >= abs(high)) or (clip_low == clip_high == 0)
+        return
+    logp, _, adv, mask = _padded(2)
+    (a, ga), (b, gb) = (_run_policy_loss(logp, logp.detach(), adv, mask, {}, config=c)
+                        for c in (config, PolicyLossConfig()))
+    assert torch.equal(a.loss, b.loss) and torch.equal(ga, gb)
+
+
+_FIELD = r"(dp_size|batch_num_tokens|global_batch_size|loss_scale_factor|loss_agg_mode)"
+
+
+@settings(max_examples=80, deadline=None)
+@given(mode=st.sampled_from([m.value for m in AggMode]), dp_size=st.integers(1, 3),
+       batch_num_tokens=st.none() | st.integers(0, 30) | st.floats(0.0, 30.0),
+       global_batch_size=st.none() | st.integers(0, 6) | st.floats(0.0, 6.0),
+       loss_scale_factor=st.none() | st.floats(0.5, 100.0))
+def test_an_aggregation_is_refused_by_name_or_is_the_formula(mode, dp_size, batch_num_tokens, global_batch_size,
+                                                             loss_scale_factor):
+    """Any mix of mode, dp_size, global counts and loss_scale_factor is refused with an error naming
+    one of them, or aggregates by the mode's formula with the settings it uses (never a setting
+    silently dropped by EasyR1's modes, never a count below what the batch shows)."""
+    logp, _, _, mask = _padded(5)
+    settings_ = dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                     loss_scale_factor=loss_scale_factor)
+    try:
+        got = agg_loss(logp.detach(), mask.long(), mode, **settings_)  # an int mask: the counts are read and checked
+    except ValueError as e:
+        assert re.match(_FIELD, str(e)), str(e)
+        if mode in ("token", "seq"):
+            assert dp_size > 1 or any(v is not None for k, v in settings_.items() if k != "dp_size")
+        return
+    assert mode not in ("token", "seq") or (dp_size == 1 and batch_num_tokens is global_batch_size is None
+                                            and loss_scale_factor is None)
+    expected = oracle.agg(logp.detach().double(), mask, mode, **settings_)
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-6), (got, expected)
 
 
 def test_config_and_keywords_do_not_mix_and_unknown_knobs_are_named():

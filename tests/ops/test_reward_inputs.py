@@ -133,6 +133,16 @@ def _reward_cases() -> list[Case]:
             r"buffer=21"),
         ok("overlong", lambda: overlong_penalty(torch.tensor([0, 16, 25]), 20, 8),
            lambda r: r.tolist() == [0.0, -0.5, -1.0]),
+        bad("overlong lengths bool", lambda: overlong_penalty(torch.tensor([True]), 20, 8), TypeError,
+            r"lengths must be int64"),
+        bad("overlong max_length 0", lambda: overlong_penalty(torch.tensor([3]), 0, 1), ValueError,
+            r"max_length=0 is out of range: it must be >= 1"),
+        bad("overlong max_length beyond int64 math", lambda: overlong_penalty(torch.tensor([3]), 2**70, 8), ValueError,
+            r"max_length=1180591620717411303424 is out of range"),
+        ok("overlong no lengths", lambda: overlong_penalty(torch.zeros(0, dtype=torch.long), 20, 8),
+           lambda r: r.shape == (0,)),
+        ok("overlong counts above 2^24 are not rounded", lambda: overlong_penalty(torch.tensor([2**24 + 3]), 2**24 + 4, 2),
+           lambda r: r.tolist() == [-0.5]),
     ]
 
 
@@ -156,3 +166,16 @@ def test_a_non_finite_score_stays_in_its_group(groups, data, estimator, value):
     others = ids != ids[i]
     assert torch.equal(out[others], group_advantages(scores[others], ids[others], estimator=estimator))
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_length=st.integers(1, 2**40), data=st.data())
+def test_the_overlong_penalty_is_its_formula_at_any_length(max_length, data):
+    """The penalty is ``clamp((max_length - buffer - length) / buffer, -1, 0)`` to float32's
+    precision at every length, counts above 2^24 included (they are not rounded first)."""
+    buffer = data.draw(st.integers(1, max_length))
+    lengths = data.draw(st.lists(st.integers(0, 2**41), min_size=1, max_size=8))
+    got = overlong_penalty(torch.tensor(lengths), max_length, buffer)
+    for length, value in zip(lengths, got.tolist()):
+        exact = min(0.0, max(-1.0, ((max_length - buffer) - length) / buffer))
+        assert abs(value - exact) <= 2**-22 * abs(exact) + 2**-126, (length, value, exact)

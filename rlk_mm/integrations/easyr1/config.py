@@ -59,9 +59,15 @@ def loss_config(clip_ratio_low, clip_ratio_high, clip_ratio_dual, loss_type: str
     ValueError, TypeError
         For a bad argument, naming it.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"{names}loss_type={loss_type!r}: the fused loss implements {', '.join(LOSS_TYPES)}; EasyR1's "
+                         "own loss serves cispo and sapo")
     agg_mode = avg_mode_arg(f"{names}loss_avg_mode", loss_avg_mode)
     if not 0.0 <= float_arg(f"{names}clip_ratio_low", clip_ratio_low) < 1.0:
         raise ValueError(f"{names}clip_ratio_low={clip_ratio_low}: log-space clipping needs 0 <= clip_ratio_low < 1")
+    if clip_ratio_low == 0.0 and float_arg(f"{names}clip_ratio_high", clip_ratio_high, min=0.0, finite=False) == 0.0:
+        raise ValueError(f"{names}clip_ratio_low=0 and {names}clip_ratio_high=0 clip every ratio that moves off 1, so "
+                         "no token's probability can change past the first step: give the clip its width (e.g. 0.2)")
     dual_clip(f"{names}clip_ratio_dual", clip_ratio_dual)  # PolicyLossConfig checks it too, but names it clip_ratio_c
     kl = {}
     if kl_penalty is not None:

@@ -58,6 +58,7 @@ def loss_config(loss_type: str, importance_sampling_level: str, epsilon_low: flo
     """
     loss_type, level, low, high, delta, _ = check_options(loss_type, importance_sampling_level, epsilon_low, epsilon_high,
                                                      delta, 0.0)
+    num_completions = int_arg("num_completions", num_completions, min=0)
     return PolicyLossConfig(
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=delta,
         ratio=RatioMode.GSPO if level == "sequence" else RatioMode.TOKEN, log_ratio_clamp=(None, None),
@@ -76,6 +77,10 @@ def check_options(loss_type, level, epsilon_low, epsilon_high, delta, beta):
         raise ValueError(f"importance_sampling_level={level!r}: expected 'token' or 'sequence'")
     epsilon_low = float_arg("epsilon", epsilon_low, min=0.0, max=1.0)
     epsilon_high = float_arg("epsilon_high", epsilon_high, min=0.0)
+    if epsilon_low == 0.0 and epsilon_high == 0.0:
+        raise ValueError("epsilon=0 and epsilon_high=0 make the clip interval [1, 1]: every ratio that moves off 1 is "
+                         "clipped, so no token's probability can change past the first step; give the clip its width "
+                         "(TRL's default epsilon is 0.2)")
     if delta is not None:
         delta = float_arg("delta", delta)
         if not delta > 1.0 + epsilon_high:

@@ -52,15 +52,17 @@ class PolicyLossConfig:
     Parameters
     ----------
     clip_ratio_low : float
-        The PPO clip's lower side, ``r >= 1 - clip_ratio_low``; in [0, 1].
+        The PPO clip's lower side, ``r >= 1 - clip_ratio_low``; in [0, 1] (1: no lower bound).
     clip_ratio_high : float
-        The PPO clip's upper side, ``r <= 1 + clip_ratio_high``; >= 0 (inf: no bound).
+        The PPO clip's upper side, ``r <= 1 + clip_ratio_high``; >= 0 (inf: no bound). Not both
+        sides 0: the interval ``[1, 1]`` would clip every ratio that leaves 1.
     clip_ratio_c : float or None
         The dual-clip bound for negative advantages, > 1; None turns it off.
     ratio : RatioMode or str
         The importance ratio: ``"token"``, ``"gspo_token"``, ``"gspo"``.
     log_ratio_clamp : tuple of float, optional
-        (low, high) bounds of the log-ratio before ``exp``; None for no bound (kept as ±inf).
+        (low, high) bounds of the log-ratio (not the ratio) before ``exp``, ``low < 0 < high`` so
+        that an on-policy token (log-ratio 0) is never clamped; None for no bound (kept as ±inf).
     kl_type : KLType or str
         The KL estimator (a trailing ``+``, e.g. ``"k3+"``: k2's gradient).
     kl_coef : float
@@ -70,7 +72,8 @@ class PolicyLossConfig:
     loss_agg_mode : AggMode or str
         How per-token losses become a scalar.
     dp_size : int
-        Data-parallel ranks the global counts span, >= 1.
+        Data-parallel ranks the global counts span, >= 1. EasyR1's ``token`` and ``seq`` modes
+        average this batch alone: they take no ``dp_size`` above 1 and no global count.
     batch_num_tokens : float or Tensor, optional
         The global token count of ``token-mean`` (None: this batch's mask sum); a number >= 0 or a
         0-d tensor (its value checked in the op's one host sync), at least this batch's mask sum.
@@ -80,10 +83,13 @@ class PolicyLossConfig:
     loss_scale_factor : float, optional
         ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
 
+    The verl modes ignore a count or ``loss_scale_factor`` they do not use (verl's trainer passes
+    them all with every mode).
+
     Raises
     ------
     ValueError, TypeError
-        For a bad value, naming the field.
+        For a bad value, or values that cannot be meant together, naming the fields and what to change.
     """
 
     clip_ratio_low: float = 0.2
@@ -114,16 +120,13 @@ class PolicyLossConfig:
             dp_size=int_arg("dp_size", self.dp_size, min=1),
             batch_num_tokens=_count_arg("batch_num_tokens", self.batch_num_tokens),
             global_batch_size=_count_arg("global_batch_size", self.global_batch_size),
-            loss_scale_factor=None if self.loss_scale_factor is None else float_arg(
-                "loss_scale_factor", self.loss_scale_factor, min=0.0, min_open=True),
+            loss_scale_factor=None if self.loss_scale_factor is None else f32_arg(
+                "loss_scale_factor", self.loss_scale_factor, min=0.0, open_min=True),
         )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        mode, dp_size = self.loss_agg_mode, self.dp_size
-        if dp_size > 1 and mode is AggMode.TOKEN_MEAN and self.batch_num_tokens is None:
-            raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
-        if dp_size > 1 and mode in SEQ_MODES and self.global_batch_size is None:
-            raise ValueError("global_batch_size is required when dp_size > 1")
+        _check_clip(self.clip_ratio_low, self.clip_ratio_high)
+        _check_aggregation(self)
 
     @property
     def kl_estimator(self) -> tuple[KLEstimator, bool]:
@@ -199,11 +202,11 @@ def policy_loss_config(config: Optional[PolicyLossConfig], knobs: dict, op: str)
 
 
 # ----------------------------------------------------------------------------- the knobs' checks
-def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False) -> float:
+def f32_arg(name: str, value, *, min: Optional[float] = None, inf_ok: bool = False, open_min: bool = False) -> float:
     """The knob ``name``'s ``value`` as a float the float32 math can hold: at least ``min``
-    (when given), finite unless ``inf_ok`` (±inf: no bound), and within float32's range;
-    otherwise a ``ValueError`` or ``TypeError`` naming the knob."""
-    value = float_arg(name, value, min=min, finite=not inf_ok)
+    (above it with ``open_min``; when given), finite unless ``inf_ok`` (±inf: no bound), and
+    within float32's range; otherwise a ``ValueError`` or ``TypeError`` naming the knob."""
+    value = float_arg(name, value, min=min, finite=not inf_ok, min_open=open_min)
     if math.isfinite(value) and abs(value) > _F32_MAX:
         raise ValueError(f"{name}={value} is out of range: float32 math needs |{name}| <= {_F32_MAX:.7g}")
     return value
@@ -263,7 +266,45 @@ def log_ratio_bounds(value) -> tuple[float, float]:
     )
     if lo > hi:
         raise ValueError(f"log_ratio_clamp=({lo}, {hi}): the lower bound must be <= the upper")
+    if not lo < 0.0 < hi:
+        hint = (f"; for ratio bounds ({lo:g}, {hi:g}) pass their logs ({math.log(lo):.4g}, {math.log(hi):.4g})"
+                if 0.0 < lo < 1.0 < hi else "")
+        raise ValueError(
+            f"log_ratio_clamp=({lo}, {hi}) does not hold 0, the log-ratio of an on-policy token: every such token "
+            f"would be clamped and the loss changed. The bounds apply to log(ratio) before exp and need "
+            f"low < 0 < high (default ±{LOG_RATIO_LIMIT:g}; None: unbounded){hint}"
+        )
     return lo, hi
+
+
+def _check_clip(low: float, high: float) -> None:
+    """The clip interval ``[1 - low, 1 + high]`` must have room on some side of 1."""
+    if low == 0.0 and high == 0.0:
+        raise ValueError(
+            "clip_ratio_low=0 and clip_ratio_high=0 make the clip interval [1, 1]: every ratio that moves off 1 is "
+            "clipped, so no token's probability can change past the first step. Give the clip its width (verl's "
+            "default is 0.2 on each side), or to turn clipping off pass clip_ratio_low=1.0 and clip_ratio_high=inf"
+        )
+
+
+def _check_aggregation(config: PolicyLossConfig) -> None:
+    """The aggregation's settings agree: the global counts a ``dp_size > 1`` needs, and none for
+    EasyR1's modes, which average this batch alone."""
+    mode, dp_size = config.loss_agg_mode, config.dp_size
+    if mode in (AggMode.TOKEN, AggMode.SEQ):
+        given = [f"{name}={getattr(config, name)!r}" for name in ("batch_num_tokens", "global_batch_size",
+                                                                "loss_scale_factor") if getattr(config, name) is not None]
+        given = ([f"dp_size={dp_size}"] if dp_size != 1 else []) + given
+        if given:
+            raise ValueError(
+                f"loss_agg_mode={mode.value!r} (EasyR1's) averages over this batch alone: {', '.join(given)} would be "
+                "ignored. Leave dp_size at 1 and the counts and loss_scale_factor at None, or choose a verl mode "
+                "(token-mean, token-sum, seq-mean-*) that takes them"
+            )
+    if dp_size > 1 and mode is AggMode.TOKEN_MEAN and config.batch_num_tokens is None:
+        raise ValueError("batch_num_tokens (the global token count) is required when dp_size > 1")
+    if dp_size > 1 and mode in SEQ_MODES and config.global_batch_size is None:
+        raise ValueError("global_batch_size is required when dp_size > 1")
 
 
 def kl_estimator(kl_type, argument: str) -> tuple[KLEstimator, bool]:
@@ -303,12 +344,15 @@ def _kl_type(value) -> KLType | str:
 
 
 def _count_arg(name: str, value):
-    """A global count: None, a number >= 0 (as a float) or a 0-d real tensor (its value is
-    checked by the op, in its one host sync)."""
+    """A global count: None, a number >= 0 within float32's range (as a float; a count of
+    sequences whole) or a 0-d real tensor (its value is checked by the op, in its one host sync)."""
     if value is None:
         return None
     if not isinstance(value, Tensor):
-        return float_arg(name, value, min=0.0)
+        value = f32_arg(name, value, min=0.0)
+        if name == "global_batch_size" and value != math.floor(value):
+            raise ValueError(f"{name}={value}: a count of sequences is a whole number")
+        return value
     if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
         raise ValueError(f"{name} must be a number or a 0-d tensor, got {value.dtype} of shape {tuple(value.shape)}")
     return value
