@@ -91,23 +91,35 @@ def _parity(args) -> int:
     return command.OK if report.ok else command.NEGATIVE
 
 
-def _add_invariance_parser(sub) -> None:
-    from .parity.invariance import CASES
+#: the invariance sweep's cases, ``rlk_mm.parity.invariance.CASES``' names (a test keeps them equal), held here
+#: so that the parser imports no torch
+INVARIANCE_CASES = ("batch_size", "position", "padding_side", "packed", "neighbour_images", "processor_cache",
+                    "vision_cache", "prefix_cache", "group_cache", "decode", "video_frames")
 
+
+def _add_invariance_parser(sub) -> None:
     p = sub.add_parser("invariance", help=HELP["invariance"])
     p.add_argument("--model-path", type=command.folder,
                    help="local Qwen2.5-VL model directory (default: the tiny random-weight model)")
     p.add_argument("--samples", type=command.int_at_least(2), default=4,
-                   help="number of synthetic image-text samples (>= 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cases", nargs="+", choices=list(CASES), help="cases to run (default: all)")
+                   help="number of synthetic image-text samples (>= 2; default 4)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic samples, their responses and the tiny model's weights (default 0)")
+    p.add_argument("--cases", nargs="+", choices=INVARIANCE_CASES, metavar="CASE",
+                   help=f"cases to run (default: all): {', '.join(INVARIANCE_CASES)}")
     p.add_argument("--backend", choices=["torch", "triton"],
                    help="kernels inside batch_invariant() (default: Triton on CUDA, torch on CPU)")
-    p.add_argument("--score", choices=["logprob", "hidden"], default="logprob")
-    p.add_argument("--response-length", type=command.int_at_least(1), default=8)
-    p.add_argument("--group-size", type=command.int_at_least(1), default=4)
+    p.add_argument("--score", choices=["logprob", "hidden"], default="logprob",
+                   help="what must be bitwise: the selected log-probs through the LM head (logprob, the default) or "
+                        "the hidden states that feed it (hidden)")
+    p.add_argument("--response-length", type=command.int_at_least(1), default=8,
+                   help="tokens in each sample's seeded random response, EOS included (>= 1; default 8)")
+    p.add_argument("--group-size", type=command.int_at_least(1), default=4,
+                   help="responses in the GRPO group that the vision_cache and group_cache cases score (>= 1; "
+                        "default 4)")
     p.add_argument("--device", type=command.device, help="cpu, cuda or cuda:N (default: cuda when there is one)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's dtype (default float32)")
     p.add_argument("--no-control", action="store_true", help="skip the run without batch_invariant()")
     p.add_argument("--json", type=command.output_file, help="write the report as JSON here")
     p.add_argument("--png", type=command.image_file, help="draw the 'where drift starts' chart here")
@@ -159,7 +171,7 @@ def _sweep(args, bar: Progress):
 
     return invariance_sweep(model, processor, samples, cases=args.cases, control=not args.no_control,
                             backend=args.backend, score=args.score, response_length=args.response_length,
-                            group_size=args.group_size, progress=progress)
+                            group_size=args.group_size, seed=args.seed, progress=progress)
 
 
 #: each sub-command's line in ``rlk-mm --help``
@@ -184,8 +196,8 @@ def _add_inspect_parser(sub) -> None:
 
 def _add_parity_parser(sub) -> None:
     p = sub.add_parser("parity", help=HELP["parity"])
-    p.add_argument("rollout")
-    p.add_argument("training")
+    p.add_argument("rollout", help="the rollout side's batch, saved with RLBatch.save (.safetensors)")
+    p.add_argument("training", help="the training side's batch of the same samples, saved with RLBatch.save")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--model-path", type=command.folder,
                    help=("a local Qwen-VL model dir whose tokenizer decodes context tokens "
@@ -217,7 +229,8 @@ def _build_parser(argv=None) -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 mismatch / not invariant / check failed, 2 bad input or usage, 3 internal error",
     )
     command.add_debug_flag(parser)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of these; 'rlk-mm COMMAND --help' lists its options")
     chosen = _chosen(sys.argv[1:] if argv is None else argv)
     for name in COMMANDS:
         if name == chosen:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .counts import plural
 from .schema import Modality, RLBatch
 from .schema.batch import batch_arg
 from .schema.checks import int_arg, sequence_arg
@@ -60,7 +61,7 @@ def draw_layout(batch: RLBatch, path, samples: Optional[Sequence[int]] = None, t
     handles = [Patch(color=COLOURS[m], label=m.label) for m in (Modality.TEXT, Modality.IMAGE, Modality.VIDEO)]
     handles.append(Patch(color=LOSS_COLOUR, label="loss (scored targets)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=4, fontsize=8)
-    ax.set_title(title or f"layout: {batch.num_samples} samples, fingerprint {batch.processor_fingerprint[:12]}",
+    ax.set_title(title or f"layout: {plural(batch.num_samples, 'sample')}, fingerprint {batch.processor_fingerprint[:12]}",
                  fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..counts import plural
 from ..schema import Modality, RLBatch, Span, key_settings
 from ..schema.batch import batch_arg
 
@@ -107,8 +108,9 @@ class LayoutParityReport:
 
     def __str__(self) -> str:
         if self.ok:
-            return f"layout parity OK: {self.num_samples} samples, {self.num_tokens} tokens match"
-        lines = [f"layout parity FAILED: {len(self.mismatches)} mismatches over {self.num_samples} samples", "first: " + self.first.describe()]
+            return f"layout parity OK: {plural(self.num_samples, 'sample')}, {plural(self.num_tokens, 'token')} match"
+        lines = [f"layout parity FAILED: {plural(len(self.mismatches), 'mismatch')} over {plural(self.num_samples, 'sample')}",
+                 "first: " + self.first.describe()]
         others = [m for m in self.mismatches if m is not self.first]
         for m in others[:20]:
             lines.append("  - " + m.describe().replace("\n", "\n    "))
@@ -289,7 +291,7 @@ class _Item:
     def describe(self) -> str:
         settings = key_settings(self.key)
         extra = "" if settings is None else ", " + settings.describe()
-        return f"{self.end - self.start} placeholder tokens (grid {'×'.join(map(str, self.grid))}{extra})"
+        return f"{plural(self.end - self.start, 'placeholder token')} (grid {'×'.join(map(str, self.grid))}{extra})"
 
 
 def _items(batch: RLBatch, b: int) -> list[_Item]:

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..counts import plural
 from ..schema import RLBatch
 from ..schema.batch import batch_arg
 from ..schema.checks import first_true, float_arg, tensor_arg
@@ -52,7 +53,7 @@ class LogprobComparison:
     def __str__(self) -> str:
         head = "log-prob parity OK" if self.ok else "log-prob parity FAILED"
         text = (
-            f"{head}: {self.num_tokens} tokens, max |Δ| {self.max_abs:.3g}, mean |Δ| {self.mean_abs:.3g} "
+            f"{head}: {plural(self.num_tokens, 'token')}, max |Δ| {self.max_abs:.3g}, mean |Δ| {self.mean_abs:.3g} "
             f"(tolerance {self.tolerance:g}); ratio exp(Δ) in [{self.ratio_min:.4f}, {self.ratio_max:.4f}], "
             f"{100 * self.ratio_outside_band:.2f}% outside 1±{RATIO_BAND}"
         )

@@ -47,20 +47,47 @@ colour, Geo3K, video-direction, point), ``policy`` (model, hooks, training
 forward, warm-up), ``rollout``, ``gates``, ``learning`` (the learning check), ``report``
 (versions, progress table, curves), ``tuning`` (``SmokeTuning``: the settings the command line
 does not offer), ``train`` (``run_smoke``), ``options`` (argparse),
-``cli`` (the sub-command and ``python -m rlk_mm.smoke``).
+``cli`` (the sub-command and ``python -m rlk_mm.smoke``). ``task_settings`` holds the tasks' names
+and settings without their code, so that the parser (``options``) imports no torch, and this
+package serves its names on first use: ``rlk-mm smoke --help`` answers at once.
 """
 
-from .cli import add_smoke_parser as add_smoke_parser
-from .options import LR_FLOOR as LR_FLOOR
-from .options import parse_args as parse_args
-from .policy import TINY_MODEL as TINY_MODEL
-from .policy import load_policy as load_policy
-from .tasks import COLOURS as COLOURS
-from .tasks import colour_reward as colour_reward
-from .tasks import colour_sample as colour_sample
-from .tasks import geo3k_reward as geo3k_reward
-from .train import lr_factor as lr_factor
-from .train import run_smoke as run_smoke
-from .tuning import SmokeTuning as SmokeTuning
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy names below are, for IDEs, type checkers and the API reference
+    from .cli import add_smoke_parser  # noqa: F401
+    from .options import LR_FLOOR, parse_args  # noqa: F401
+    from .policy import TINY_MODEL, load_policy  # noqa: F401
+    from .tasks import COLOURS, colour_reward, colour_sample, geo3k_reward  # noqa: F401
+    from .train import lr_factor, run_smoke  # noqa: F401
+    from .tuning import SmokeTuning  # noqa: F401
+
+#: name -> the module of this package that holds it
+_EXPORTS = {"add_smoke_parser": "cli", "LR_FLOOR": "options", "parse_args": "options", "TINY_MODEL": "policy",
+            "load_policy": "policy", "COLOURS": "tasks", "colour_reward": "tasks", "colour_sample": "tasks",
+            "geo3k_reward": "tasks", "lr_factor": "train", "run_smoke": "train", "SmokeTuning": "tuning"}
 
 __all__ = ["SmokeTuning", "add_smoke_parser", "parse_args", "run_smoke"]
+
+
+#: the submodules, served as attributes before anything imported them (``smoke.tasks.TASKS``)
+_SUBMODULES = ("cli", "gates", "learning", "options", "policy", "report", "rollout", "task_settings", "tasks", "train",
+               "tuning")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})

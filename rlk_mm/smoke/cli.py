@@ -7,7 +7,6 @@ import argparse
 
 from .. import command
 from .options import add_arguments, check_args, parser, resolve_task_settings
-from .train import run_smoke
 
 __all__ = ["add_smoke_parser", "main"]
 
@@ -25,6 +24,8 @@ def add_smoke_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
+    from .train import run_smoke  # torch and the model: imported only to run (the parser answers --help without)
+
     check_args(resolve_task_settings(args))
     return run_smoke(args)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..counts import plural
 from ..models.forward import layout_inputs
 from ..parity import LOGPROB_MAX_ABS, check_layout_parity, compare_logprobs
 from ..parity.layout import LayoutParityError
@@ -35,9 +36,10 @@ class Gate:
 def gate_layout(policy: Policy, rb: RLBatch, tb: RLBatch) -> Gate:
     report = check_layout_parity(rb, tb, tokenizer=policy.tokenizer)
     if report.ok:
-        return Gate("(a) layout parity", True, f"{tb.num_samples} samples, {tb.num_tokens} tokens, {tb.num_media} media items agree")
+        return Gate("(a) layout parity", True, f"{plural(tb.num_samples, 'sample')}, {plural(tb.num_tokens, 'token')}, "
+                    f"{plural(tb.num_media, 'media item')} agree")
     first = report.first
-    return Gate("(a) layout parity", False, f"{len(report.mismatches)} mismatches; first: {first.describe()}", report.to_dict())
+    return Gate("(a) layout parity", False, f"{plural(len(report.mismatches), 'mismatch')}; first: {first.describe()}", report.to_dict())
 
 
 def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBatch, dtype, tokenizer, *,
@@ -53,9 +55,9 @@ def gate_logprobs(rollout_lp: Tensor, training_lp: Tensor, rb: RLBatch, tb: RLBa
         return Gate(name, False, str(error))
     if bitwise:
         same = torch.equal(rollout_lp, training_lp)
-        detail = f"{cmp.num_tokens} tokens, max |Δ| {cmp.max_abs:.2e} ({'bitwise equal' if same else 'NOT bitwise equal'})"
+        detail = f"{plural(cmp.num_tokens, 'token')}, max |Δ| {cmp.max_abs:.2e} ({'bitwise equal' if same else 'NOT bitwise equal'})"
         return Gate(name, same, detail, {**cmp.to_dict(), "bitwise": same})
-    detail = f"{cmp.num_tokens} tokens, max |Δ| {cmp.max_abs:.2e} (contract {cmp.tolerance:g})"
+    detail = f"{plural(cmp.num_tokens, 'token')}, max |Δ| {cmp.max_abs:.2e} (contract {cmp.tolerance:g})"
     if not cmp.ok:
         f = cmp.first_beyond
         detail += f"; first beyond: sample {f['sample']}, position {f['position']}: {f['rollout']:.5f} vs {f['training']:.5f}"
@@ -95,7 +97,7 @@ def gate_masking(policy: Policy, ro: Rollout, tb: RLBatch, hidden: Tensor, loss_
     same = all(torch.equal(a, b) for a, b in zip(*results))
     ok = in_prompt == 0 and in_media == 0 and padding == 0 and same
     detail = (
-        f"{sample.numel()} scored targets: {in_prompt} prompt, {in_media} media, {padding} padding; "
+        f"{plural(sample.numel(), 'scored target')}: {in_prompt} prompt, {in_media} media, {padding} padding; "
         f"{int(changed.sum())} unscored target ids randomized: loss and grads {'bitwise equal' if same else 'CHANGED'}"
     )
     return Gate(name, ok, detail, dict(prompt=in_prompt, image=in_media, padding=padding, bitwise_equal=same))
@@ -105,7 +107,7 @@ def gate_ratio(logp: Tensor, old: Tensor, dtype) -> Gate:
     tol = math.expm1(LOGPROB_MAX_ABS.for_dtype(dtype))
     name = "(d) on-policy ratio"
     if logp.shape != old.shape:
-        return Gate(name, False, f"{logp.numel()} training log-probs for {old.numel()} rollout tokens")
+        return Gate(name, False, f"{plural(logp.numel(), 'training log-prob')} for {plural(old.numel(), 'rollout token')}")
     dev = float((logp.detach().float().cpu() - old).exp().sub(1).abs().max()) if logp.numel() else 0.0
     ok = dev <= tol
     return Gate(name, ok, f"max |exp(logp - old) - 1| = {dev:.2e} at the first update (contract {tol:.1e})", dict(max_dev=dev, tolerance=tol))

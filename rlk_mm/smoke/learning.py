@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..counts import plural
 from ..schema import RLBatch
 from .tasks import Task
 
@@ -53,10 +54,10 @@ def learning_check(task: Task, args, steps: list[dict], direction: Optional[floa
         good = start <= LEARNING_MAX_START and final >= LEARNING_MIN_FINAL
         ok &= good
         checks.append(f"reward {start:.3f} at step 1 (need <= {LEARNING_MAX_START}) -> {final:.3f} over the last "
-                      f"{LEARNING_WINDOW} steps (need >= {LEARNING_MIN_FINAL})")
+                      f"{plural(LEARNING_WINDOW, 'step')} (need >= {LEARNING_MIN_FINAL})")
         result.update(start_reward=start, final_reward=final)
     elif steps:
-        checks.append(f"reward thresholds not applied ({task.name} task, {len(steps)} steps; they need the colour task and "
+        checks.append(f"reward thresholds not applied ({task.name} task, {plural(len(steps), 'step')}; they need the colour task and "
                       f">= {LEARNING_MIN_STEPS} steps)")
     result.update(ok=ok, detail="; ".join(checks) + (" -> OK" if ok else " -> FAILED"))
     return result

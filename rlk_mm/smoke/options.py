@@ -1,6 +1,7 @@
 """The smoke test's options: their argparse definitions (bad values refused at parse time:
 exit 2), the checks across options, `parse_args`, and `to_argv` (options back to
-command-line words, for the report)."""
+command-line words, for the report). Standard library and ``task_settings`` only: building the
+parser imports no torch."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ from pathlib import Path
 
 from .. import command
 from ..command import UsageError
-from ..schema.checks import MIN_TEMPERATURE
-from .tasks import DATA_TASKS, TASK_SETTINGS, TASKS
+from .task_settings import DATA_TASKS, TASK_NAMES, TASK_SETTINGS
 
 __all__ = ["parse_args"]
+
+MIN_TEMPERATURE = 1e-5
+"""``rlk_mm.schema.checks.MIN_TEMPERATURE`` (a test keeps them equal), held here so that the parser
+imports no schema (pydantic, torch): ``rlk-mm smoke --help`` answers at once."""
 
 BREAKS = ("loss-shift", "adv-sign", "image-swap")
 LR_FLOOR = 0.1
 """The learning rate decays (cosine) to this fraction of `--lr` at the last GRPO step (`--lr-floor`)."""
 OPTION_DEFAULTS = {"steps": 170, "temperature": 0.75, "lr": 3e-3, "lr_warmup_steps": 40, "lr_floor": LR_FLOOR,
                    "warmup_steps": 40}
-"""The defaults of the options a task may set otherwise (``tasks.TASK_SETTINGS``): they parse as
+"""The defaults of the options a task may set otherwise (``task_settings.TASK_SETTINGS``): they parse as
 None and ``resolve_task_settings`` fills them in."""
 IMAGE_SWAP_MIN_PROMPTS = 5
 """With 5 or more prompts, the 4 first-image sizes force two same-size images in different groups."""
@@ -49,7 +53,7 @@ def _defaults(name: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     count, positive = command.int_at_least, command.number(0, open_low=True)
-    p.add_argument("--task", choices=sorted(TASKS), help="the smoke task (default: colour, or geo3k with --data)")
+    p.add_argument("--task", choices=sorted(TASK_NAMES), help="the smoke task (default: colour, or geo3k with --data)")
     p.add_argument("--data", type=command.folder,
                    help="a Geo3K folder (problems.jsonl + images); implies --task geo3k "
                         "(which reads the 3-problem sample in rlk_mm/fixtures/geo3k_sample without it)")
@@ -94,7 +98,7 @@ def task_name(args) -> str:
 
 
 def resolve_task_settings(args) -> argparse.Namespace:
-    """Fill the options left out (None) with the task's settings (``tasks.TASK_SETTINGS``), else
+    """Fill the options left out (None) with the task's settings (``task_settings.TASK_SETTINGS``), else
     ``OPTION_DEFAULTS``; options given on the command line stay. Returns ``args``."""
     settings = TASK_SETTINGS.get(task_name(args), {})
     for name, default in OPTION_DEFAULTS.items():

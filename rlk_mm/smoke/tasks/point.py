@@ -29,6 +29,7 @@ from ...fixtures import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, Sample
 from ...fixtures.palette import ANSWER_COLOURS
 from ...grounding import CONVENTION_SYSTEM, Convention, check_values, find_regions
 from ...schema import CoordinateSystem, convert_points
+from ..task_settings import POINT_SETTINGS as POINT_SETTINGS
 from .base import Task, draw_shape, numbered_draw
 
 __all__: list[str] = []
@@ -220,12 +221,6 @@ def point_task(convention="qwen2_5_vl", *, shuffled: bool = False, shapes: int =
     return PointTask(name, draw, point_reward, lambda label: '{"point_2d": [%s]}' % label, max_new_tokens=18,
                      convention=convention)
 
-
-POINT_SETTINGS = {"lr": 5e-4, "lr_warmup_steps": 20, "warmup_steps": 100, "temperature": 0.7, "steps": 400}
-"""The smoke options the point tasks run with unless given: at higher learning rates the JSON
-answers lose their format, after which every group's reward spread is 0
-(``bench/results/point_diagnosis/h200/2026-11-28-old-vs-new-settings.json``,
-``bench/results/smoke_tasks/h200/2026-11-28-default.json``)."""
 
 POINT_TASKS = {
     "point": lambda data, tuning=None: point_task(),

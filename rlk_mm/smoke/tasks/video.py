@@ -11,6 +11,7 @@ from PIL import Image, ImageDraw
 
 from ...fixtures import Sample
 from ...fixtures.palette import ANSWER_COLOURS
+from ..task_settings import VIDEO_SETTINGS as VIDEO_SETTINGS
 from .base import Task, numbered_draw
 
 __all__: list[str] = []
@@ -67,13 +68,6 @@ def video_direction_task(*, shuffled: bool = False) -> Task:
     draw = numbered_draw(name, lambda rng, sample_id: direction_sample(rng, sample_id, shuffled))
     return Task(name, draw, direction_reward, lambda label: label, max_new_tokens=2)
 
-
-VIDEO_SETTINGS = {"lr": 5e-4, "steps": 450, "lr_floor": 0.5}
-"""The smoke options the video tasks run with unless given: at higher learning rates the policy
-never reads the motion, and it finds the motion late in a run (after a few hundred steps), so
-the learning rate decays only to half its peak
-(``bench/results/smoke_tasks/h200/2026-11-28-default.json``,
-``bench/results/supervised_probe/cpu/2026-11-28-video.json``)."""
 
 VIDEO_TASKS = {
     "video-direction": lambda data, tuning=None: video_direction_task(),
