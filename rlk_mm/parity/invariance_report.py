@@ -91,7 +91,12 @@ class InvarianceReport:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         return path
 
+    def __str__(self) -> str:
+        """The table ``rlk-mm invariance`` prints (``print(report)``); ``repr`` keeps the fields."""
+        return self.table()
+
     def table(self) -> str:
+        """One row per case and mode: bitwise or not, the max |diff|, the tokens compared and where drift starts."""
         head = f"{'case':<18} {'detail':<22} {'mode':<16} {'bitwise':<8} {'max |diff|':>11} {'tokens':>6}  drift starts at"
         lines = [head, "-" * len(head)]
         for r in self.results:
@@ -124,7 +129,8 @@ class InvarianceReport:
         ax1.set_yticks(list(y), names)
         ax1.invert_yaxis()
         ax1.set_xlabel(f"max |Δ| vs reference (bars at {floor:g} = bitwise equal)")
-        ax1.legend(loc="lower right")
+        # above the bars, outside the axes: inside, it covers the bars of the last cases
+        ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2, frameon=False, borderaxespad=0)
         stages = self.meta.get("module_order", [])
         for i, key in enumerate(labels):
             for r in self.results:
