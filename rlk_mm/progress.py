@@ -54,11 +54,26 @@ def add_progress_flags(parser) -> None:
                         help="draw the progress bar even when stderr is not a terminal (a line per update)")
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """``seconds`` as a clock reading: "0:42", "12:05", "1:02:09"."""
     seconds = max(int(round(seconds)), 0)
     minutes, seconds = divmod(seconds, 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
+
+
+def about(seconds: float) -> str:
+    """``seconds`` rounded for an estimate: "8 s", "4 min", "1.6 h"."""
+    if seconds < 59.5:
+        return f"{max(int(round(seconds)), 1)} s"
+    if seconds < 90 * 60:
+        return f"{int(round(seconds / 60))} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def eta(times: list[float], left: int) -> str:
+    """The time ``left`` more steps take at the mean of the step ``times`` so far ("?" before the first)."""
+    return duration(sum(times) / len(times) * left) if times else "?"
 
 
 class Progress:
@@ -99,8 +114,8 @@ class Progress:
         elapsed = self.clock() - self.start
         filled = WIDTH * self.done // self.total
         bar = "#" * filled + "-" * (WIDTH - filled)
-        eta = _duration(elapsed / self.done * (self.total - self.done)) if self.done else "?"
-        text = f"{self.label} [{bar}] {self.done}/{self.total} {_duration(elapsed)} elapsed, ETA {eta}"
+        left = duration(elapsed / self.done * (self.total - self.done)) if self.done else "?"
+        text = f"{self.label} [{bar}] {self.done}/{self.total} {duration(elapsed)} elapsed, ETA {left}"
         return f"{text}  {note}" if note else text
 
     def update(self, done: Optional[int] = None, note: str = "") -> None:

@@ -5,6 +5,7 @@ log-probs (with the `image-swap` bug), and the supervised warm-up on the answer 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -16,6 +17,7 @@ from .. import fixtures
 from ..fixtures import processor_inputs
 from ..models.forward import forward_hidden
 from ..ops import selected_logprob
+from ..progress import eta
 from ..schema import Modality, RLBatch
 from .tasks import Task
 
@@ -189,7 +191,8 @@ def warm_up(policy: Policy, task: Task, rng: random.Random, *, steps: int, promp
     model.get_input_embeddings().weight.requires_grad_(False)  # the answer format needs the head, not the embeddings
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
-    losses = []
+    losses, times = [], []
+    start = time.perf_counter()
     for step in range(steps):
         samples = task.batch(rng, prompts, "warmup")
         labels = [s.answer for s in samples]
@@ -203,6 +206,8 @@ def warm_up(policy: Policy, task: Task, rng: random.Random, *, steps: int, promp
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        times.append(time.perf_counter() - start)
+        start = time.perf_counter()
         if step % 10 == 0 or step == steps - 1:
-            log(f"  warm-up step {step + 1:>3}/{steps}: loss {losses[-1]:.3f}")
+            log(f"  warm-up step {step + 1:>3}/{steps}: loss {losses[-1]:.3f}, ETA {eta(times, steps - step - 1)}")
     return losses

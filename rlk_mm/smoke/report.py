@@ -1,5 +1,5 @@
-"""What a run reports besides its gates: versions and device, the live progress table,
-and the reward and KL curves."""
+"""What a run reports besides its gates: versions and device, the live progress table (with
+the estimate that opens it and an ETA per row), and the reward and KL curves."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..counts import plural
+from ..progress import about, eta
 from .learning import LEARNING_WINDOW
 
 __all__: list[str] = []
@@ -34,7 +36,7 @@ def versions() -> dict:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"{platform.processor() or platform.machine()} ({plural(os.cpu_count() or 0, 'core')}, {plural(torch.get_num_threads(), 'thread')})"
 
 
 def _bar(done: int, total: int, width: int = 12) -> str:
@@ -42,15 +44,24 @@ def _bar(done: int, total: int, width: int = 12) -> str:
     return "█" * filled + "·" * (width - filled)
 
 
-HEADER = f"{'step':>9} {'progress':<12} {'reward':>11} {'loss':>8} {'KL':>8} {'clip':>5} {'|r-1|max':>8} {'tok/s':>6} {'s':>5}"
+HEADER = (f"{'step':>9} {'progress':<12} {'reward':>11} {'loss':>8} {'KL':>8} {'clip':>5} {'|r-1|max':>8} {'tok/s':>6} "
+          f"{'s':>5} {'ETA':>7}")
 
 
-def progress_row(m: dict, steps: int) -> str:
+def progress_row(m: dict, steps: int, times: list[float]) -> str:
+    """A row of the live table: step ``m``'s metrics, and the ETA of the steps left at the mean
+    of the step ``times`` so far (the gates left out)."""
     return (
         f"{m['step']:>4}/{steps:<4} {_bar(m['step'], steps)} {m['reward_mean']:>5.2f}±{m['reward_std']:<4.2f} "
         f"{m['loss']:>8.4f} {m['kl']:>8.5f} {m['clip_frac']:>5.2f} {m['max_ratio_dev']:>8.1e} "
-        f"{m['tokens_per_s']:>6.0f} {m['seconds']:>5.2f}"
+        f"{m['tokens_per_s']:>6.0f} {m['seconds']:>5.2f} {eta(times, steps - m['step']):>7}"
     )
+
+
+def estimate(steps: int, first: float) -> str:
+    """The line that opens the table: how long the ``steps`` take here, from the first step's ``first`` seconds."""
+    return (f"{plural(steps, 'step')}, about {about(first * steps)} here ({first:.1f} s for step 1, the gates aside; "
+            "the ETA column follows the mean step)")
 
 
 def draw_curves(steps: list[dict], path: Path, task: str, args, control: list[dict] | None = None) -> None:
@@ -76,7 +87,7 @@ def draw_curves(steps: list[dict], path: Path, task: str, args, control: list[di
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("reward")
     ax1.legend(fontsize=8, loc="lower right")
-    ax1.set_title(f"reward ({args.prompts} prompts x {args.samples} answers per step)", fontsize=10)
+    ax1.set_title(f"reward ({plural(args.prompts, 'prompt')} x {plural(args.samples, 'answer')} per step)", fontsize=10)
     ax2.plot(x, [s["kl"] for s in steps], color="#d95f0e", linewidth=1.5)
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("k3 KL to the warm-up policy")

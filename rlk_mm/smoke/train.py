@@ -16,13 +16,14 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from ..counts import plural
 from ..ops import batch_invariant, group_advantages, linear_policy_loss, scatter_rewards
 from ..schema import RLBatch
 from .gates import gate_layout, gate_logprobs, gate_masking, gate_ratio
 from .learning import learning_check, update_direction
 from .options import LR_FLOOR, task_name, to_argv
 from .policy import freeze_embeddings_and_head, hidden_states, load_policy, policy_logprobs, swap_pair, warm_up
-from .report import HEADER, device_name, draw_curves, progress_row, versions
+from .report import HEADER, device_name, draw_curves, estimate, progress_row, versions
 from .rollout import rollout, rollout_batch, training_batch
 from .tasks import TASKS
 from .tuning import SmokeTuning
@@ -95,7 +96,8 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
     timings: dict = {}
     report["timings"] = timings
 
-    log(f"rlk-mm smoke: task {task.name}, {args.steps} steps of {args.prompts} prompts x {args.samples} answers, "
+    log(f"rlk-mm smoke: task {task.name}, {plural(args.steps, 'step')} of {plural(args.prompts, 'prompt')} x "
+        f"{plural(args.samples, 'answer')}, "
         f"seed {args.seed}, device {report['device']}" + (f", BREAK {args.break_mode}" if args.break_mode else ""))
     t = time.perf_counter()
     policy = load_policy(args.model_path, args.seed, device, dtype, tiny=tuning.tiny_model, model=args.model)
@@ -104,7 +106,7 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         f"({sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, {timings['setup_s']:.1f}s)")
 
     t = time.perf_counter()
-    log(f"warm-up: {args.warmup_steps} steps on the answer format with shuffled labels")
+    log(f"warm-up: {plural(args.warmup_steps, 'step')} on the answer format with shuffled labels")
     report["warmup_loss"] = warm_up(policy, task, rng_warm, steps=args.warmup_steps, prompts=args.prompts, lr=args.warmup_lr, log=log)
     timings["warmup_s"] = time.perf_counter() - t
     reference = copy.deepcopy(policy.model).requires_grad_(False) if args.kl_coef > 0 else None
@@ -133,6 +135,7 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         return batch_invariant() if invariant else contextlib.nullcontext()
 
     steps_out: list[dict] = []
+    step_times: list[float] = []  # seconds of each step, the gates left out: the ETA's
     report["steps"] = steps_out
     report["gates"] = []
     exit_code = 0
@@ -188,7 +191,6 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
                 log("a gate failed: no update was made")
                 exit_code = 1
                 break
-            log(HEADER)
         t3b = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -218,7 +220,11 @@ def run_smoke(args, *, tuning: Optional[SmokeTuning] = None, on_step: Optional[C
         )
         metrics.update({f"task_{k}": v for k, v in task.diagnostics(ro.texts, ro.rewards, ro.samples).items()})
         steps_out.append(metrics)
-        log(progress_row(metrics, args.steps))
+        step_times.append(seconds - timings.get("gates_s", 0.0) if step == 1 else seconds)
+        if step == 1:
+            log(estimate(args.steps, step_times[0]))
+            log(HEADER)
+        log(progress_row(metrics, args.steps, step_times))
         if on_step is not None:
             on_step(metrics)
     timings["train_s"] = time.perf_counter() - t_train

@@ -391,3 +391,24 @@ def test_the_supervised_probe_scores_the_right_candidate_and_writes_its_curve(tm
                                   "--prompts", "2", "--size", "64,1,1,32", "--out", str(tmp_path)])
     assert len(list(tmp_path.glob("supervised_probe/cpu/*-video.json"))) == 1 and data["chance"] == 0.25
     assert [s for s, _ in data["curve"]] == [0, 1, 2] and all(0 <= a <= 1 for _, a in data["curve"])
+
+
+def test_the_parser_imports_no_schema_and_keeps_its_values():
+    """The smoke parser's copies (held so that ``rlk-mm smoke --help`` imports no torch) equal their homes'."""
+    from rlk_mm.schema.checks import MIN_TEMPERATURE
+    from rlk_mm.smoke import options, task_settings, tasks
+
+    assert options.MIN_TEMPERATURE == MIN_TEMPERATURE
+    assert set(task_settings.TASK_NAMES) == set(tasks.TASKS)
+    assert tasks.TASK_SETTINGS is task_settings.TASK_SETTINGS
+
+
+def test_the_table_opens_with_an_estimate_and_each_row_ends_with_an_eta():
+    from rlk_mm.smoke.report import HEADER, estimate, progress_row
+
+    assert estimate(170, 1.4).startswith("170 steps, about 4 min here (1.4 s for step 1")
+    assert estimate(1, 3.0).startswith("1 step, about 3 s here")
+    row = dict(step=2, reward_mean=0.5, reward_std=0.1, loss=0.1, kl=0.0, clip_frac=0.0, max_ratio_dev=0.0,
+               tokens_per_s=100.0, seconds=2.0)
+    assert HEADER.split()[-1] == "ETA"
+    assert progress_row(row, 170, [3.0, 2.0]).endswith(" 7:00")  # 168 steps left at 2.5 s
