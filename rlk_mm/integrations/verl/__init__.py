@@ -75,16 +75,38 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: what to install when the module verl needs is missing, by its top-level name: verl's package
+#: imports ray, so without it verl itself cannot be imported (``make setup`` installs verl without
+#: its dependencies, ray among them: the main suite uses the tests' ray stand-in)
+_INSTALL = {
+    "ray": ("verl imports ray, which is not installed here, so verl itself cannot be imported: pip install ray "
+            "(or, in rlk_mm's clone, pip install -e '.[verl]': verl 0.9.1 with all of its dependencies)"),
+    "verl": "verl is not installed here: pip install -e '.[verl]' in rlk_mm's clone (verl 0.9.1 and its dependencies)",
+}
+
+
+def _missing(error: BaseException) -> str | None:
+    """The top-level name of the module whose absence caused ``error`` (it or an exception it chains), if any."""
+    while error is not None:
+        if isinstance(error, ModuleNotFoundError) and error.name:
+            return error.name.split(".")[0]
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _register_on_import() -> None:
     """Register, turning an error into a warning: verl's plugin loader would log it at debug level only."""
     try:
         register()
     except Exception as error:
-        warnings.warn(
-            f"rlk_mm's verl plugin did not register ({type(error).__name__}: {error}); verl runs without rlk_mm. "
-            "Call rlk_mm.integrations.verl.register() to see the traceback",
-            RuntimeWarning, stacklevel=2,
-        )
+        hint = _INSTALL.get(_missing(error))
+        if hint is not None:
+            message = (f"rlk_mm's verl plugin did not register: {hint}. Once it is, verl's plugin loader registers "
+                       "rlk_mm when verl is imported")
+        else:
+            message = (f"rlk_mm's verl plugin did not register ({type(error).__name__}: {error}); verl runs without "
+                       "rlk_mm. Call rlk_mm.integrations.verl.register() to see the traceback")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 _register_on_import()
