@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..schema import RLBatch, SpanTable
-from ..schema.checks import device_arg, int_arg
+from ..schema.checks import device_arg, int_arg, pad_token_arg
 from .padded import INT32_LIMIT, cu_seqlens_of, data_arg, fill_arg
 
 Tensor = torch.Tensor
@@ -187,7 +187,9 @@ def pack(
         Samples are taken in order and a new pack starts when the next (aligned) sample would not
         fit; each pack's batch is ``batch.select`` of its samples. Samples are never split.
     pad_token_id : int
-        The token id of the alignment padding (never scored).
+        The token id of the alignment padding (never scored); never one of the batch's media
+        placeholders (``image_token_id``, ``video_token_id``), which the model would count as
+        media tokens.
 
     Returns
     -------
@@ -203,7 +205,7 @@ def pack(
     if not isinstance(batch, RLBatch):
         raise TypeError(f"pack takes an RLBatch; got {type(batch).__name__} (padded tensors: use pack_padded)")
     align = int_arg("align", align, min=1, max=INT32_LIMIT - 1)
-    pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
+    pad_token_id = pad_token_arg("pad_token_id", pad_token_id, batch)
     if max_tokens_per_pack is not None:
         max_tokens_per_pack = int_arg("max_tokens_per_pack", max_tokens_per_pack, min=1)
     lengths = batch.seq_lengths().tolist()  # the one host sync

@@ -110,6 +110,20 @@ def float_arg(
     return value
 
 
+def pad_token_arg(name: str, value, batch) -> int:
+    """A pad token id for ``batch`` (an ``RLBatch``): an int >= 0 (never a bool or a float) that is
+    not one of the batch's media placeholders (``image_token_id``, ``video_token_id``). The model
+    counts every placeholder token as a media item's token, so padding written with one would
+    misplace the vision features (or fail inside the model)."""
+    value = int_arg(name, value, min=0, max=2**63 - 1)
+    for field, label in (("image_token_id", "image"), ("video_token_id", "video")):
+        if value == getattr(batch, field, None):
+            raise ValueError(f"{name}={value} is the batch's {label} placeholder token ({field}): the model would count "
+                             f"padding written with it as {label} tokens and misplace the vision features; pass the "
+                             "tokenizer's pad token (tokenizer.pad_token_id) or another id that is no media placeholder")
+    return value
+
+
 def bool_arg(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")

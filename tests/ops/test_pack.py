@@ -226,6 +226,23 @@ def test_pack_round_trip(processor, data, align, pad):
     assert torch.equal(unpack(p, packed_values), values)
 
 
+@settings(max_examples=15, **SETTINGS)
+@given(st.data(), st.sampled_from([1, 8]), st.sampled_from(["image", "video", "other"]), st.booleans())
+def test_pack_refuses_a_media_placeholder_as_pad_id(processor, data, align, which, split):
+    """Any batch, any alignment, one pack or several: a pad id equal to the batch's image or video
+    placeholder is refused, naming the argument and the placeholder; any other id pads."""
+    batch = data.draw(token_batches(processor))
+    pad = {"image": F.IMAGE_TOKEN_ID, "video": F.VIDEO_TOKEN_ID, "other": F.ENDOFTEXT_TOKEN_ID}[which]
+    limit = max(batch.seq_lengths().tolist(), default=0) + 8 if split else None
+    if which == "other":
+        got = pack(batch, align=align, pad_token_id=pad, max_tokens_per_pack=limit)
+        for q in got if split else [got]:
+            assert bool((q.input_ids[~q.valid] == pad).all())
+    else:
+        with pytest.raises(ValueError, match=rf"pad_token_id={pad} is the batch's {which} placeholder token"):
+            pack(batch, align=align, pad_token_id=pad, max_tokens_per_pack=limit)
+
+
 @settings(max_examples=12, **SETTINGS)
 @given(st.data(), st.sampled_from([1, 8]), st.integers(0, 40))
 def test_pack_split(processor, data, align, extra):
@@ -456,6 +473,12 @@ BAD = [
          Raises(ValueError, r"pad_token_id=-1 is out of range")),
     Case("pack.pad.huge", lambda c: pack(c.batch, pad_token_id=2**63),
          Raises(ValueError, r"pad_token_id=\d+ is out of range")),
+    Case("pack.pad.image", lambda c: pack(c.batch, align=8, pad_token_id=F.IMAGE_TOKEN_ID),
+         Raises(ValueError, r"pad_token_id=151655 is the batch's image placeholder token \(image_token_id\).*pass the")),
+    Case("pack.pad.video", lambda c: pack(c.image_batch, align=8, pad_token_id=F.VIDEO_TOKEN_ID),
+         Raises(ValueError, r"pad_token_id=151656 is the batch's video placeholder token \(video_token_id\)")),
+    Case("pack.pad.image.unaligned", lambda c: pack(c.batch, pad_token_id=F.IMAGE_TOKEN_ID),
+         Raises(ValueError, r"pad_token_id=151655 is the batch's image placeholder")),
     Case("pack.max.zero", lambda c: pack(c.batch, max_tokens_per_pack=0),
          Raises(ValueError, r"max_tokens_per_pack=0 is out of range")),
     Case("pack.max.str", lambda c: pack(c.batch, max_tokens_per_pack="64"),
@@ -511,6 +534,8 @@ BAD = [
 
 
 GOOD = [
+    Case("pack.pad.numpy", lambda c: pack(c.batch, align=8, pad_token_id=np.int64(F.ENDOFTEXT_TOKEN_ID)),
+         Returns(lambda r, c: bool((r.input_ids[~r.valid] == F.ENDOFTEXT_TOKEN_ID).all()) or fail(r))),
     Case("pack_padded.non_finite",
          lambda c: pack_padded(torch.tensor([[math.nan, 1.0, 0.0], [0.0, math.inf, -math.inf]]),
                                torch.tensor([[1, 1, 0], [0, 1, 1]])), Returns(_check_nan_pack)),
