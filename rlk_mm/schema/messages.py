@@ -208,10 +208,7 @@ def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: in
     fps = _positive(where, "fps", part["fps"]) if "fps" in part else DEFAULT_FPS
     indices = list(range(len(frames)))
     if "nframes" in part:
-        n = _count(where, "nframes", part["nframes"], temporal)
-        if n > len(frames):
-            raise ValueError(f"{where}: nframes {n} > the {len(frames)} frames given")
-        indices = torch.linspace(0, len(frames) - 1, n).round().long().tolist()  # as qwen-vl-utils' readers sample
+        indices = _sampled_frames(vp, where, _count(where, "nframes", part["nframes"]), len(frames))
     if len(indices) < temporal:
         raise ValueError(f"{where}: {len(indices)} frame(s); a video needs at least the temporal patch, {temporal} frames")
     indices += [indices[-1]] * (-len(indices) % temporal)  # qwen-vl-utils repeats the last frame up to the frame factor
@@ -236,6 +233,21 @@ def _fetch_frames(vp, where: str, part: dict, limits: tuple[int, int], patch: in
     resized = [frames[i].resize((width, height), Image.BICUBIC) for i in indices]
     return resized, ResizeSettings(low, high, height, width, total, fps, tuple(indices), original_height=frames[0].height,
                                    original_width=frames[0].width)
+
+
+def _sampled_frames(vp, where: str, nframes: int, total: int) -> list[int]:
+    """The indices of the frames qwen-vl-utils' video readers keep for ``nframes`` of ``total``
+    frames: ``nframes`` rounded to the nearest multiple of its frame factor (2; Python's
+    ``round``, so a half rounds to even: 3 -> 4, 5 -> 4, 7 -> 8), which must lie in
+    ``[2, total]``, then that many indices spread evenly over ``[0, total - 1]`` and rounded
+    (``linspace(...).round()``). An odd ``nframes`` is thus never taken as it is."""
+    factor = vp.FRAME_FACTOR
+    count = vp.round_by_factor(nframes, factor)
+    if not factor <= count <= total:
+        raise ValueError(f"{where}: nframes {nframes} rounds to {count} frames (qwen-vl-utils takes the nearest multiple "
+                         f"of {factor}, a half rounding to even), outside [{factor}, {total}] for the {total} frames "
+                         f"given: give nframes between {factor} and {total - total % factor}, or more frames")
+    return torch.linspace(0, total - 1, count).round().long().tolist()
 
 
 def _conversation_list(conversations, markers: Sequence[str]) -> list:
@@ -304,7 +316,8 @@ def fields_from_messages(
     messages; content parts are ``{"type": "text", "text"}``, ``{"type": "image", "image":
     path | "file://..." | "data:image/...;base64,..." | PIL image, "min_pixels", "max_pixels",
     "resized_height", "resized_width"}`` and ``{"type": "video", "video": [frames: paths or
-    PIL images], "fps" (the frames' rate) or "nframes" (evenly sampled), "min_pixels",
+    PIL images], "fps" (the frames' rate) or "nframes" (sampled as qwen-vl-utils' video readers sample: rounded
+    to an even count, a half to even, then spread evenly over the frames), "min_pixels",
     "max_pixels", "total_pixels", "resized_height", "resized_width"}``. Pixel limits an item
     does not give are the processor's. URLs and video files are refused.
     ``assistant_turns=True`` scores every assistant message of a conversation (its content
