@@ -4,8 +4,9 @@
   (a fork of one process that imported torch, transformers and rlk_mm once, so that the
   blocks share the import time but nothing else: each starts from an empty namespace in an
   empty working directory). A block marked ``no-run`` (```` ```python {.no-run} ````, the form
-  Markdown renders as a highlighted block; for framework code that needs a cluster) is skipped;
-  keep those rare.
+  Markdown renders as a highlighted block; for framework code that needs a cluster) is skipped,
+  and sits in a note titled "Fragment: not runnable as is" that says what it needs, so that the
+  site does not show it as a block to paste and run; keep those rare.
   ``RLK_MM_DOCS_FRESH=1`` runs each block in a fresh interpreter instead (slower, the
   same verdicts).
 - Every API reference page lists every public name of its package (its ``__all__``;
@@ -19,14 +20,18 @@ The site itself is built by ``make docs`` (``mkdocs build --strict``), not here.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
+import itertools
 import json
 import os
 import pkgutil
 import re
+import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -184,6 +189,47 @@ def test_python_blocks_are_plain_or_no_run():
                 assert info in ("python", "python {.no-run}"), f"{path.relative_to(ROOT)}: ```{info}"
 
 
+#: the title of the admonition that holds a no-run block, so that the site shows it is a fragment
+NO_RUN_TITLE = "Fragment: not runnable as is"
+ADMONITION = re.compile(r'^(?P<indent>[ \t]*)(?:!!!|\?\?\?\+?) \w+ "(?P<title>[^"]*)"')
+
+
+def no_run_blocks(path: Path) -> list[tuple[int, str]]:
+    """``(line, the title of the admonition holding it or "")`` of every no-run python block of ``path``."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    found = []
+    for m in FENCE.finditer(text):
+        if not m.group("info").strip().startswith("python") or "no-run" not in m.group("info"):
+            continue
+        line = text.count("\n", 0, m.start())  # 0-based: the fence's own line
+        indent, title = len(m.group("indent").expandtabs()), ""
+        for above in reversed(lines[:line]):  # the nearest line less indented than the fence
+            if above.strip() and len(above) - len(above.lstrip()) < indent:
+                head = ADMONITION.match(above)
+                title = head.group("title") if head else ""
+                break
+        found.append((line + 1, title))
+    return found
+
+
+def test_every_no_run_block_is_marked_as_a_fragment():
+    """A no-run block sits in a note titled "Fragment: not runnable as is", which says what it
+    needs: on the site it must not read as a block one can paste and run."""
+    found = {f"{path.relative_to(ROOT)}:{line}": title for path in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
+             for line, title in no_run_blocks(path)}
+    assert found, "no no-run block found: the check reads nothing"
+    unmarked = [where for where, title in found.items() if not title.startswith(NO_RUN_TITLE)]
+    assert not unmarked, f"no-run blocks outside a '!!! note \"{NO_RUN_TITLE}\"' admonition: {unmarked}"
+
+
+def test_no_run_blocks_reader(tmp_path):
+    page = tmp_path / "a.md"
+    page.write_text('```python {.no-run}\nx\n```\n\n!!! note "Fragment: not runnable as is"\n    Needs a cluster.\n\n'
+                    '    ```python {.no-run}\n    y\n    ```\n\n```python\nz\n```\n', encoding="utf-8")
+    assert no_run_blocks(page) == [(1, ""), (8, NO_RUN_TITLE)]
+
+
 def test_code_blocks_finds_blocks_and_skips_no_run(tmp_path):
     (tmp_path / "a.md").write_text(
         "# t\n\n```python\nprint(1)\n```\n\n```python {.no-run}\nraise SystemExit(1)\n```\n\n"
@@ -196,6 +242,80 @@ def test_a_failing_block_is_reported():
     results = run_blocks([("ok", "print('hi')"), ("bad", "import torch\nraise ValueError('boom')")])
     assert results["ok"]["exit"] == 0 and "hi" in results["ok"]["output"]
     assert results["bad"]["exit"] != 0 and "ValueError: boom" in results["bad"]["output"]
+
+
+# --------------------------------------------------------------------------- verl's switch
+
+#: a verl command and the lines its trailing backslashes continue it over
+VERL_COMMAND = re.compile(r"python -m verl\.trainer\.main_ppo((?:[^\n]*\\\n)*[^\n]*)")
+VERL_GUIDE, VERL_EXAMPLE = "docs/guides/verl.md", "examples/verl_fused_kernels.py"
+
+
+def verl_switches() -> dict[str, list[str]]:
+    """Every verl command of the docs, the README and the examples' docstrings that sets
+    ``RLK_MM_VERL_FUSED``: its overrides as the shell passes them to Hydra, by file."""
+    texts = {path: path.read_text(encoding="utf-8") for path in [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]}
+    texts.update({path: ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+                  for path in sorted((ROOT / "examples").glob("*.py"))})
+    found = {}
+    for path, text in texts.items():
+        for m in VERL_COMMAND.finditer(text):
+            words = shlex.split(m.group(1).replace("\\\n", " "), comments=True)
+            if any("RLK_MM_VERL_FUSED" in w for w in words):
+                assert str(path.relative_to(ROOT)) not in found, f"{path}: two verl commands that set RLK_MM_VERL_FUSED"
+                found[str(path.relative_to(ROOT))] = [w for w in words if "=" in w]
+    return found
+
+
+def hydra_value(text: str):
+    """An override's value as Hydra's grammar reads it (the primitives the switch uses)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def test_the_verl_switch_is_one_set_everywhere():
+    """The verl guide, the fused-kernels example and any other page list the same overrides; Hydra
+    reads each as verl and Ray need it (the environment variable a string); the example's YAML
+    form says the same; and only the override that adds a key to verl's config has a ``+``."""
+    switches = verl_switches()
+    assert {VERL_GUIDE, VERL_EXAMPLE} <= set(switches), f"the verl switch was not found in {set(switches)}"
+    overrides = switches[VERL_GUIDE]
+    assert all(found == overrides for found in switches.values()), switches
+    values = {key: hydra_value(value) for key, value in (o.split("=", 1) for o in overrides)}
+    assert values == {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "rlk_mm",
+        "actor_rollout_ref.model.use_fused_kernels": True,
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.RLK_MM_VERL_FUSED": "1",
+    }
+
+    from omegaconf import OmegaConf
+
+    docstring = ast.get_docstring(ast.parse((ROOT / VERL_EXAMPLE).read_text(encoding="utf-8")))
+    after = docstring.split("in a YAML config::\n", 1)[1].splitlines()
+    yaml = textwrap.dedent("\n".join(itertools.takewhile(lambda line: not line or line[0] == " ", after)))
+    flat = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            walk(value, f"{prefix}{key}.") if isinstance(value, dict) else flat.setdefault(f"{prefix}{key}", value)
+
+    walk(OmegaConf.to_container(OmegaConf.create(yaml)), "")
+    assert flat == {key.lstrip("+"): value for key, value in values.items()}
+
+    spec = importlib.util.find_spec("verl")
+    if spec is not None:  # verl's own defaults: the keys set exist, the one added does not
+        config = OmegaConf.load(Path(spec.origin).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+        for key in values:
+            assert (OmegaConf.select(config, key.lstrip("+"), default=None) is None) == key.startswith("+"), key
 
 
 # --------------------------------------------------------------------------- API reference

@@ -15,11 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 #: the arguments that keep an example short on 2 CPU cores (the smoke test: gates and two small steps)
-ARGS = {"grpo_smoke.py": ["--steps", "2", "--warmup-steps", "0", "--prompts", "2", "--samples", "2"]}
+ARGS = {"grpo_smoke.py": ["--steps", "2", "--warmup-steps", "0", "--prompts", "2", "--samples", "2"],
+        "trl_on_policy.py": ["--steps", "1", "--prompts", "1", "--max-completion-length", "4"]}
 #: lines an example's output must hold: the smoke test opens its table with an estimate from the
 #: first step, and every row ends with the ETA of the steps left
 EXPECT = {"grpo_smoke.py": [r"^2 steps, about \d+ (s|min) here \(\d+\.\d s for step 1", r"^ +step progress .* ETA$",
-                            r"^ +1/2 .* \d+:\d\d$", r"^ +2/2 .* 0:00$"]}
+                            r"^ +1/2 .* \d+:\d\d$", r"^ +2/2 .* 0:00$"],
+          "trl_on_policy.py": [r"^step 1: .* max \|Δ log-prob\| 0, 0 tokens differ$"]}
 #: run a script with the ray stand-in installed where ray is missing, as a user's verl install has ray
 LAUNCH = ("import runpy, sys; sys.path.insert(0, {tests!r}); import ray_stand_in; ray_stand_in.install(); "
           "sys.argv = [{script!r}, *sys.argv[1:]]; runpy.run_path({script!r}, run_name='__main__')")
@@ -27,7 +29,7 @@ LAUNCH = ("import runpy, sys; sys.path.insert(0, {tests!r}); import ray_stand_in
 
 def test_every_example_is_listed():
     assert {p.name for p in EXAMPLES} >= {"grpo_smoke.py", "verl_policy_loss.py", "verl_fused_kernels.py",
-                                           "easyr1_swap.py", "trl_grpo.py"}
+                                           "easyr1_swap.py", "trl_grpo.py", "trl_on_policy.py"}
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
