@@ -1,21 +1,24 @@
-"""rlk_mm as verl's fused-kernel backend, switched on with one line.
+"""rlk_mm as verl's fused-kernel backend, switched on with four overrides.
 
-In a verl 0.9.1 run, turn on verl's fused kernels with the ``torch`` backend and set
-``RLK_MM_VERL_FUSED=1`` in the environment of the process that starts Ray (local Ray
-workers inherit it; for a remote cluster pass it in the runtime env). rlk_mm's
-``verl.plugins`` entry point then replaces ``FusedLinearForPPO`` in every worker and
-scores only response tokens::
+In a verl 0.9.1 run, the overrides of the verl guide (``docs/guides/verl.md``) select rlk_mm's
+loss, turn on verl's fused kernels with the ``torch`` backend and set ``RLK_MM_VERL_FUSED=1`` in
+every Ray worker's environment; rlk_mm's ``verl.plugins`` entry point then replaces
+``FusedLinearForPPO`` in every worker and scores only response tokens::
 
-    export RLK_MM_VERL_FUSED=1
     python -m verl.trainer.main_ppo \\
+        actor_rollout_ref.actor.policy_loss.loss_mode=rlk_mm \\
         actor_rollout_ref.model.use_fused_kernels=True \\
         actor_rollout_ref.model.fused_kernel_options.impl_backend=torch \\
-        +ray_kwargs.ray_init.runtime_env.env_vars.RLK_MM_VERL_FUSED='"1"' \\
-        ...                                    # the rest of your config
+        '+ray_kwargs.ray_init.runtime_env.env_vars.RLK_MM_VERL_FUSED="1"' \\
+        ...                                        # the rest of your config
 
-or, in a YAML config::
+(the value in double quotes for Hydra, which would read a bare ``1`` as a number where Ray takes
+only strings; the override in single quotes for the shell), or, in a YAML config::
 
     actor_rollout_ref:
+      actor:
+        policy_loss:
+          loss_mode: rlk_mm
       model:
         use_fused_kernels: true
         fused_kernel_options:
