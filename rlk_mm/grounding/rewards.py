@@ -26,6 +26,7 @@ from ..ops.rewards import SpanReward
 from ..schema import Choice, CoordinateSystem, RLBatch, SchemaError, Span, SpanTable, convert_boxes
 from ..schema.batch import batch_arg
 from ..schema.checks import FLOAT_DTYPES, first_true, float_arg, sequence_arg, tensor_arg
+from ..schema.coordinates import extent, outside
 from .parse import Grounding, Region
 
 __all__ = [
@@ -148,14 +149,16 @@ def _targets_absolute(batch: RLBatch, groundings: list[Grounding]) -> tuple[Tens
         mine = owner == b
         if not bool(mine.any()):
             continue
+        width, height = extent(system, g.original_size, g.resized_size)
+        off = mine & outside(targets, width, height)  # checked in the targets' own system, before converting
+        if bool(off.any()):
+            k = first_true(off)[0]
+            raise SchemaError(f"bbox_targets[{k}] (sample {b}) is {targets[k].tolist()} in {system.value} coordinates: it lies "
+                              f"outside the {g.original_size[0]}x{g.original_size[1]} image (0..{width:g} x 0..{height:g} in "
+                              f"{system.value} coordinates): fix or drop that target, or build the batch with the "
+                              "coordinate_system its values are really in")
         out[mine] = convert_boxes(targets[mine], system, CoordinateSystem.ABSOLUTE, original_size=g.original_size,
                                   resized_size=g.resized_size)
-        size = torch.tensor(g.original_size, dtype=torch.float64).repeat(2)
-        outside = mine & ((out < 0) | (out > size)).any(1)
-        if bool(outside.any()):
-            k = first_true(outside)[0]
-            raise SchemaError(f"bbox_targets[{k}] (sample {b}) is {targets[k].tolist()} in {system.value} coordinates: it lies "
-                              f"outside the {g.original_size[0]}x{g.original_size[1]} image")
     return out, owner
 
 

@@ -332,12 +332,12 @@ def build(
     given = {name: per_sample_values(name, value, B) for name, value in (("group_ids", group_ids), ("rewards", rewards), ("costs", costs))}
     group_ids, rewards, costs = (given[name] or [None] * B for name in ("group_ids", "rewards", "costs"))
     media_ids, media_cache_keys = str_list("media_ids", media_ids), str_list("media_cache_keys", media_cache_keys)
+    coordinate_system = coordinate_system_arg(coordinate_system)
     grounding = {
-        "bbox_targets": per_sample_targets("bbox_targets", bbox_targets, B, "box"),
-        "point_targets": per_sample_targets("point_targets", point_targets, B, "point"),
+        "bbox_targets": per_sample_targets("bbox_targets", bbox_targets, B, "box", coordinate_system),
+        "point_targets": per_sample_targets("point_targets", point_targets, B, "point", coordinate_system),
         "screen_size": screen_sizes(screen_size, B),
     }
-    coordinate_system = coordinate_system_arg(coordinate_system)
     for name in ("bbox_targets", "point_targets"):
         if grounding[name] is not None and coordinate_system is None:
             raise SchemaError(f"{name} given without coordinate_system: say which system the coordinates are in "

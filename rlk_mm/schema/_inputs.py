@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .checks import INTEGER_DTYPES, describe, first_true, group_id_list, sequence_arg, tensor_arg
-from .coordinates import CoordinateSystem, size_arg
+from .coordinates import CoordinateSystem, extent, outside, size_arg
 from .spans import SchemaError
 from .unsupported import require_no_audio_inputs
 
@@ -29,6 +29,8 @@ __all__ = [
     "per_sample_values", "processor_limits", "processor_outputs", "screen_sizes", "str_list", "token_rows", "unpad",
 ]
 
+#: the largest finite float32: rewards and costs are stored as float32
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 #: the most extreme width/height ratio the Qwen-VL image processors accept
 MAX_ASPECT_RATIO = 200
 
@@ -190,7 +192,8 @@ def check_positions(name: str, given: Tensor, expected: Tensor, b: int, tokens: 
 
 def per_sample_values(name: str, values, B: int) -> Optional[list]:
     """One value per sample: group ids as str (from str or int), rewards and costs as float
-    (from real numbers, never bools, None or strings); None when ``values`` is None."""
+    (from real numbers, never bools, None or strings; finite and within float32's range); None
+    when ``values`` is None."""
     if values is None:
         return None
     if name == "group_ids":
@@ -204,19 +207,24 @@ def per_sample_values(name: str, values, B: int) -> Optional[list]:
         for b, v in enumerate(items):
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name}[{b}] is {describe(v)}; {name} are numbers")
+            if not abs(float(v)) <= FLOAT32_MAX:  # nan fails too
+                raise SchemaError(f"{name}[{b}] is {float(v)} (sample {b}); {name} are finite numbers within float32's "
+                                  f"range (|x| <= {FLOAT32_MAX:.4g}), the dtype the batch stores them in")
         items = [float(v) for v in items]
     if len(items) != B:
         raise SchemaError(f"{name} has {len(items)} entries; expected one per sample ({B})")
     return items
 
 
-def per_sample_targets(name: str, values, B: int, what: str) -> Optional[list[Tensor]]:
+def per_sample_targets(name: str, values, B: int, what: str, system: Optional[str] = None) -> Optional[list[Tensor]]:
     """Grounding targets of each sample as float32 ``[k, width]`` CPU tensors; None when
     ``values`` is None. ``what`` is ``"box"`` (rows ``(x0, y0, x1, y1)``) or ``"point"``
     (``(x, y)``). One entry per sample: a ``[k, width]`` tensor or array, a list of k rows
     of numbers, or None / ``[]`` for none. Coordinates are real numbers (never bools or
-    strings) and finite; a box has ``x0 <= x1`` and ``y0 <= y1``. Errors name the sample and
-    the row."""
+    strings) and finite; a box has ``x0 <= x1`` and ``y0 <= y1``; in a normalized ``system``
+    every coordinate lies in the image (0..1 normalized, 0..1000 normalized_1000; pixel
+    coordinates are checked where the image is known: ``grounding_rewards``). Errors name the
+    sample and the row."""
     if values is None:
         return None
     width = 4 if what == "box" else 2
@@ -251,6 +259,11 @@ def per_sample_targets(name: str, values, B: int, what: str) -> Optional[list[Te
             rows = torch.tensor([[float(v) for v in (r.tolist() if isinstance(r, (Tensor, np.ndarray)) else r)] for r in rows],
                                 dtype=torch.float64).reshape(-1, width)
         rules = [(~torch.isfinite(rows).all(1), "coordinates must be finite")]
+        size = None if system is None else extent(CoordinateSystem(system))
+        if size is not None:
+            rules.append((outside(rows, *size), f"it lies outside the image (0..{size[0]:g} x 0..{size[1]:g} in {system} "
+                          "coordinates): fix or drop it, or pass the coordinate_system its values are really in "
+                          "(nothing is clamped)"))
         if what == "box":
             rules.append(((rows[:, 0] > rows[:, 2]) | (rows[:, 1] > rows[:, 3]), "a box has x0 <= x1 and y0 <= y1"))
         for mask, rule in rules:

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from ._validate_media import check_media, check_offsets, field, ints_on
 from .checks import DeviceChecks, first_true
-from .coordinates import CoordinateSystem
+from .coordinates import CoordinateSystem, extent
+from .coordinates import outside as outside_image
 from .layouts import layout_family_arg
 from .media import token_counts
 from .spans import Modality, SchemaError, Span, SpanTable, refuse
@@ -407,6 +408,12 @@ def _check_targets(batch, checks: DeviceChecks, name: str, owner_name: str, row:
     checks.add(outside.any(), lambda: refuse(
         f"{owner_name}[{(k := first_true(outside)[0])}] is {int(owner[k])}; the batch has samples 0..{B - 1}"))
     rules = [(~torch.isfinite(targets).all(1), "coordinates must be finite")]
+    system = CoordinateSystem.parse(batch.coordinate_system, "coordinate_system", SchemaError)
+    size = extent(system)  # pixel systems: the image's size is not the batch's to know (a sample may show several)
+    if size is not None:
+        rules.append((outside_image(targets, *size), f"it lies outside the image (0..{size[0]:g} x 0..{size[1]:g} in "
+                      f"{system.value} coordinates): fix or drop that row, or name the coordinate_system its values "
+                      "are really in"))
     if width == 4:
         rules.append(((targets[:, 0] > targets[:, 2]) | (targets[:, 1] > targets[:, 3]), "a box has x0 <= x1 and y0 <= y1"))
     for bad, rule in rules:

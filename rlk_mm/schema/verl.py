@@ -32,6 +32,7 @@ def fields_from_verl(
     multi_modal_inputs: Optional[Sequence[dict]] = None,
     group_ids=None,
     rewards=None,
+    costs=None,
     media_ids: Optional[Sequence[str]] = None,
     tokens_per_second: Optional[float] = None,
     allow_position_drift: bool = False,
@@ -44,7 +45,9 @@ def fields_from_verl(
     padding); ``position_ids`` ``(B, 4, L)`` (verl's text row + M-RoPE), ``(B, 3, L)`` or
     ``(B, L)`` are recorded as given, and must equal the positions the model computes (see
     ``from_qwen_vl`` for ``allow_position_drift``); ``multi_modal_inputs`` holds each sample's own
-    ``pixel_values``/``image_grid_thw`` (verl's per-sample dicts). ``group_ids`` is verl's uid."""
+    ``pixel_values``/``image_grid_thw`` (verl's per-sample dicts). ``group_ids`` is verl's uid;
+    ``rewards`` and ``costs`` are real numbers, one per sample, finite (as ``from_qwen_vl``
+    takes them: kept apart, a cost is never added to a reward)."""
     info = LayoutInfo.of(processor, tokens_per_second)
     input_ids = id_matrix("input_ids", input_ids)
     B, L = input_ids.shape
@@ -92,7 +95,7 @@ def fields_from_verl(
         pixel_values=_cat("pixel_values"), pixel_values_videos=_cat("pixel_values_videos"),
         second_per_grid_ts=_cat("second_per_grid_ts"),
         position_ids=positions, allow_position_drift=allow_position_drift, loss_masks=masks if R else None,
-        group_ids=group_ids, rewards=rewards, media_ids=media_ids,
+        group_ids=group_ids, rewards=rewards, costs=costs, media_ids=media_ids,
         media_per_sample=held, media_source="multi_modal_inputs",
     )
 

@@ -51,32 +51,45 @@ def test_width_scales_x_and_height_scales_y():
 
 
 def test_same_system_is_the_identity():
-    points = torch.randn(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 300
+    fractions = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for system in SYSTEMS:
+        points = fractions * torch.tensor(EXTENT[system], dtype=torch.float64)
         assert torch.equal(convert_points(points, system, system, **SIZES), points)
 
 
 SIZE = st.tuples(st.integers(1, 4096), st.integers(1, 4096))
+#: the image's (width, height) in each system at SIZES
+EXTENT = {CoordinateSystem.ABSOLUTE: ORIGINAL, CoordinateSystem.RESIZED: RESIZED,
+          CoordinateSystem.NORMALIZED: (1, 1), CoordinateSystem.NORMALIZED_1000: (1000, 1000)}
 
 
 @st.composite
-def coordinates(draw, last):
-    """A float64 tensor [..., last] of finite coordinates (inside the image or not)."""
+def fractions(draw, last):
+    """A float64 tensor [..., last] of (x, y) fractions of the image, in [0, 1] (edges included)."""
     lead = draw(st.sampled_from([(), (0,), (3,), (2, 3)]))
     n = last * (torch.Size(lead).numel())
-    values = draw(st.lists(st.floats(-5000, 5000, allow_nan=False), min_size=n, max_size=n))
+    values = draw(st.lists(st.one_of(st.floats(0, 1), st.sampled_from([0.0, 1.0])), min_size=n, max_size=n))
     return torch.tensor(values, dtype=torch.float64).reshape(*lead, last)
+
+
+def inside(system, fraction: torch.Tensor, sizes: dict) -> torch.Tensor:
+    """Coordinates of ``system`` at those fractions of the image (boxes sorted: x0 <= x1, y0 <= y1)."""
+    width, height = {CoordinateSystem.ABSOLUTE: sizes["original_size"], CoordinateSystem.RESIZED: sizes["resized_size"],
+                     CoordinateSystem.NORMALIZED: (1, 1), CoordinateSystem.NORMALIZED_1000: (1000, 1000)}[system]
+    return fraction * torch.tensor([width, height], dtype=torch.float64).repeat(fraction.shape[-1] // 2)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from(SYSTEMS), st.sampled_from(SYSTEMS), st.sampled_from(SYSTEMS),
-    coordinates(2), coordinates(4), SIZE, SIZE,
+    fractions(2), fractions(4), SIZE, SIZE,
 )
 def test_round_trips_between_every_pair(source, target, via, points, boxes, original, resized):
     """source -> target -> source gives the input back; going through a third system gives
-    the direct conversion; boxes convert as their two corner points."""
+    the direct conversion; boxes convert as their two corner points (points inside the image,
+    which the conversion keeps inside up to rounding, so each step converts)."""
     sizes = dict(original_size=original, resized_size=resized)
+    points, boxes = inside(source, points, sizes), inside(source, boxes, sizes)
     close = dict(rtol=1e-12, atol=1e-9)
     there = convert_points(points, source, target, **sizes)
     assert there.shape == points.shape and there.dtype == torch.float64

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from support.helpers import raised_by_rlk_mm
 
 __all__ = [
     "DRIFT", "PIXEL_DIM", "TRAINING", "Case", "Ctx", "Exits", "Raises", "Returns", "assert_well", "classify",
-    "equal_nan", "fail", "make_context", "same",
+    "equal_nan", "fail", "make_context", "make_schema_context", "rewritten", "same", "tally",
 ]
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "parity"
@@ -171,6 +172,68 @@ def make_context(processor, model, other_model, tmp: Path) -> Ctx:
         {"case": "packed", "detail": "right vs packed", "mode": "batch_invariant", "bitwise": True,
          "max_abs_diff": 0.0, "tokens": 4, "divergence": None}]}
     return c
+
+
+def make_schema_context(processor, tmp: Path) -> Ctx:
+    """The inputs of the schema and grounding tables (tests/schema, tests/grounding), built from the
+    real processor alone: ``batch``, a GRPO batch of three image samples (samples 0 and 1 answer one
+    prompt and share its 56x56 image and cache key; sample 2 has an 84x56 image of grid [1, 4, 6]) with
+    groups, rewards and costs, saved at ``path`` (``out``: the processor's output, ``prompts``: its
+    unpadded prompts); ``verl``, verl's tensors of two text samples (a
+    left-padded prompt, a right-padded response) for ``RLBatch.from_verl``."""
+    from rlk_mm.fixtures import IM_END_TOKEN_ID, processor_inputs, synthetic_image_text
+
+    c = Ctx()
+    c.processor, c.tmp = processor, tmp
+    square = synthetic_image_text(1, seed=11, max_images=1, sizes=((56, 56),))[0]
+    wide = synthetic_image_text(1, seed=12, max_images=1, sizes=((84, 56),))[0]
+    c.out = processor_inputs(processor, [square, square, wide])
+    c.responses = [[5, IM_END_TOKEN_ID], [6, 7, IM_END_TOKEN_ID], [8, IM_END_TOKEN_ID]]
+    c.batch = RLBatch.from_qwen_vl(c.out, processor=processor, responses=c.responses, group_ids=["g", "g", "h"],
+                                   rewards=[1.0, 0.0, 0.5], costs=[0.25, 0.0, 1.5])
+    c.path = c.batch.save(tmp / "batch.safetensors")
+    c.prompts = [c.out["input_ids"][b][c.out["attention_mask"][b].bool()].tolist() for b in range(3)]
+    pad = processor.tokenizer.pad_token_id
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, IM_END_TOKEN_ID], [7]]
+    ids = torch.full((2, 5), pad)
+    attention = torch.zeros(2, 5, dtype=torch.int64)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, 3 - len(p) : 3], ids[b, 3 : 3 + len(r)] = torch.tensor(p), torch.tensor(r)
+        attention[b, 3 - len(p) : 3 + len(r)] = 1
+    c.verl = dict(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+                  responses=ids[:, 3:], processor=processor)
+    c.verl_lists = (prompts, responses)
+    return c
+
+
+def rewritten(c, name: str, fields=None, identity=None, tensors=None, drop: tuple = (), source=None) -> Path:
+    """A copy ``name`` of the saved batch file ``source`` (default ``c.path``) edited in place by
+    ``fields(values)`` (its JSON fields), ``identity(record)`` (its identity record) and
+    ``tensors(tensors)``, with the metadata entries ``drop`` left out: a file changed after
+    ``RLBatch.save``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(source or c.path), framework="pt") as f:
+        meta, values = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for key, edit in (("fields", fields), ("identity", identity)):
+        if edit is not None:
+            record = json.loads(meta[key])
+            edit(record)
+            meta[key] = json.dumps(record)
+    if tensors is not None:
+        tensors(values)
+    path = c.tmp / name
+    save_file(values, str(path), metadata={k: v for k, v in meta.items() if k not in drop})
+    return path
+
+
+def tally(cases, ctx) -> dict[str, int]:
+    """How many of ``cases`` behave well, silently wrong, crash or unclear (``classify``)."""
+    counts = {"well": 0, "silent": 0, "crash": 0, "unclear": 0}
+    for case in cases:
+        counts[classify(case, ctx)[0]] += 1
+    return counts
 
 
 def assert_well(case: Case, ctx) -> None:
