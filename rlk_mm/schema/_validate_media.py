@@ -142,6 +142,42 @@ def _check_keys(batch, checks: DeviceChecks, modality: Tensor, grid: Tensor) -> 
               f"{grid[j].tolist()}) or modalities: a key names one vision-tower input")
 
     checks.add(differ.any(), shared)
+    lead = list(range(len(batch.media_cache_keys)))
+    for i, j in pairs:
+        lead[j] = i
+    for mod, pixel_name in ((Modality.IMAGE, "pixel_values"), (Modality.VIDEO, "pixel_values_videos")):
+        pixels = getattr(batch, pixel_name)
+        if pixels is not None and pixels.dim() == 2:
+            _check_shared_rows(batch, checks, mod, pixel_name, pixels, modality, grid, ints_on(lead, grid.device))
+
+
+def _check_shared_rows(batch, checks: DeviceChecks, mod: Modality, pixel_name: str, pixels: Tensor, modality: Tensor,
+                       grid: Tensor, lead: Tensor) -> None:
+    """Items of ``mod`` that share a cache key with an earlier item (``lead``: the first item of
+    each key) have its pixel rows, bitwise equal values: equal key means identical vision-tower
+    input. One pass over the rows, no host sync (the rows of an item whose grid differs from its
+    key's first item compare with themselves: that pair is refused by its grid)."""
+    rows = grid.prod(1)
+    mine = modality == int(mod)
+    start = offsets(rows, modality)  # each item's first row in its modality's pixel tensor
+    end = torch.cummax(torch.where(mine, start + rows, 0), 0).values  # non-decreasing: items of mod end in order
+    R = pixels.shape[0]
+    row = torch.arange(R, device=pixels.device)
+    item = torch.searchsorted(end, row, right=True).clamp(max=max(len(lead) - 1, 0))
+    leader = lead[item]
+    comparable = (leader != item) & mine[leader] & (grid[leader] == grid[item]).all(1)
+    source = torch.where(comparable, start[leader] + row - start[item], row).clamp(0, max(R - 1, 0))
+    differ = comparable & (pixels[source] != pixels).any(1)
+
+    def unequal():
+        r = first_true(differ)[0]
+        g, i = int(item[r]), int(leader[r])
+        raise SchemaError(f"media_cache_keys: media items {i} and {g} share the key {batch.media_cache_keys[g][:40]!r} but "
+                          f"their pixel rows differ ({pixel_name} row {r}, row {r - int(start[g])} of item {g}): a key "
+                          "names one vision-tower input; give different contents different keys (the builders derive "
+                          "each key from the pixels when none is given)")
+
+    checks.add(differ.any(), unequal)
 
 
 def ints_on(values: list[int], device: torch.device) -> Tensor:

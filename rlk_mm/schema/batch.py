@@ -359,15 +359,20 @@ class RLBatch(BaseModel):
 
     @classmethod
     def load(cls, path) -> "RLBatch":
-        """Read a file written by ``save``; the invariants are checked again, and each media
-        item's pixel rows against the digest saved with them (a ``BatchFileError`` when the
-        file's pixels changed, since its cache keys name the saved content)."""
-        fields, digests = io.load_fields(path, cls.model_fields)
+        """Read a file written by ``save``. Nothing that identifies content is trusted: every field
+        is checked against the identity record saved with it, each media item's pixel rows against
+        the content saved with its cache key, a key derived from pixels must name its own item's
+        (never another's), and the invariants are checked again; a ``BatchFileError`` names the
+        field and the item (``schema.io`` says what a file written before the record gets)."""
+        fields, record = io.load_fields(path, cls.model_fields)
+        if record["identity"] is not None:  # all but the pixel values are as saved: their items are read as saved
+            io.check_media(cls.model_construct(**fields), record, path)
         try:
             batch = cls(**fields)
         except SchemaError as e:
             raise BatchFileError(f"{path}: {e}") from None
-        io.check_media_digests(batch, digests, path)
+        if record["identity"] is None:
+            io.check_media(batch, record, path)
         return batch
 
     # ------------------------------------------------------------------ reading

@@ -68,6 +68,11 @@ def test_concat_select_and_load_check_groups(processor, tmp_path):
     values = json.loads(meta["fields"])
     values["group_ids"] = ["g0", "g0"]
     save_file(tensors, str(path), metadata={**meta, "fields": json.dumps(values)})
+    with pytest.raises(BatchFileError, match=r"group_ids is \['g0', 'g0'\], not the value saved: the file was changed"):
+        RLBatch.load(path)
+    # a file from before the identity record: the group invariant refuses the edit
+    save_file(tensors, str(path), metadata={**{k: v for k, v in meta.items() if k != "identity"},
+                                            "fields": json.dumps(values)})
     with pytest.raises(BatchFileError, match=r"group 'g0' with sample 0"):
         RLBatch.load(path)
 
@@ -152,13 +157,14 @@ def test_a_file_whose_pixels_changed_is_refused(processor, two_prompts, tmp_path
         tensors["pixel_values"][:4] += 1
 
     _rewrite(path, edit_tensors=bump)
-    with pytest.raises(BatchFileError, match=r"media item 0 .* its pixel rows are not those saved with its cache key"):
+    with pytest.raises(BatchFileError, match=r"media item 0 .* its pixel rows \(or its grid.*\) are not those saved with its "
+                                             r"cache key"):
         RLBatch.load(path)
     batch.save(path)
-    _rewrite(path, edit_meta=lambda meta: meta.pop("media_digests"))  # a file from before the digests: loads
+    _rewrite(path, edit_meta=lambda meta: meta.pop("identity"))  # a file from before the identity record: loads
     assert RLBatch.load(path) == batch
-    _rewrite(path, edit_meta=lambda meta: meta.update(media_digests="[1"))
-    with pytest.raises(BatchFileError, match=r"media_digests is damaged"):
+    _rewrite(path, edit_meta=lambda meta: meta.update(identity="[1"))
+    with pytest.raises(BatchFileError, match=r"batch metadata 'identity' is damaged"):
         RLBatch.load(path)
 
 
