@@ -20,15 +20,17 @@ failure reward in ``grounding_rewards``.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..schema import Choice, CoordinateSystem, Modality, RLBatch, SchemaError, Span, convert_boxes, convert_points
 from ..schema.batch import batch_arg
-from ..schema.checks import int_arg, sample_index
+from ..schema.checks import INTEGER_DTYPES, int_arg, sample_index, sequence_arg
 from ..schema.coordinates import size_arg
 
 __all__ = [
@@ -128,7 +130,11 @@ def _find_tags(data: bytes) -> list[Found]:
 def check_values(kind: str, values: tuple[float, ...], system, resized_size) -> str:
     """Why ``values`` (a box or point as written, in ``system``) are out of range, or "".
     The range is the image: 0..1000, 0..1, or 0..width / 0..height of the resized image
-    (edges included); a box also needs x1 <= x2 and y1 <= y2."""
+    (edges included); a box also needs x1 <= x2 and y1 <= y2. ``kind`` is ``"box"`` (4 values)
+    or ``"point"`` (2); ``values`` real numbers (a tuple, list, array or tensor; never bools)."""
+    if kind not in ("box", "point"):
+        raise ValueError(f"kind={kind!r}: expected 'box' or 'point'")
+    values = _real_values(values, 4 if kind == "box" else 2, "(x1, y1, x2, y2)" if kind == "box" else "(x, y)", kind)
     system = CoordinateSystem.parse(system, "system", SchemaError)
     if system is CoordinateSystem.RESIZED:
         width, height = size_arg("resized_size", resized_size)
@@ -144,6 +150,19 @@ def check_values(kind: str, values: tuple[float, ...], system, resized_size) -> 
     if kind == "box" and (values[0] > values[2] or values[1] > values[3]):
         return f"box {list(values)} has x1 > x2 or y1 > y2"
     return ""
+
+
+def _real_values(values, n: int, layout: str, kind: str) -> tuple[float, ...]:
+    if isinstance(values, (torch.Tensor, np.ndarray)):
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, (tuple, list)):
+        raise TypeError(f"values must be {n} numbers {layout}, got {type(values).__name__}")
+    if len(values) != n:
+        raise ValueError(f"values must be {n} numbers {layout} for a {kind}, got {len(values)}: {list(values)!r:.80}")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"values[{i}] is {type(v).__name__} {v!r}; coordinates are real numbers")
+    return tuple(float(v) for v in values)
 
 
 # ----------------------------------------------------------------------------- a batch's tokens
@@ -241,7 +260,23 @@ _BYTES = _byte_decoder()
 
 def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
     """The exact bytes of each token of a byte-level BPE tokenizer (Qwen's); added tokens
-    (``<|box_start|>``, ...) are their text."""
+    (``<|box_start|>``, ...) are their text. ``ids``: ints in ``[0, len(tokenizer))`` (a list
+    or a 1-D integer tensor or array)."""
+    if not callable(getattr(tokenizer, "convert_ids_to_tokens", None)):
+        raise TypeError(f"tokenizer must be a byte-level BPE tokenizer (with convert_ids_to_tokens), got "
+                        f"{type(tokenizer).__name__}")
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        if ids.ndim != 1 or not (ids.dtype in INTEGER_DTYPES or (isinstance(ids.dtype, np.dtype) and np.issubdtype(ids.dtype, np.integer))):
+            raise TypeError(f"ids must be a list of token ids (ints) or a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+        ids = ids.tolist()
+    ids = sequence_arg("ids", ids, "token ids (ints)", ordered=True)
+    vocab = len(tokenizer)
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"ids[{i}] is {type(t).__name__} {t!r}; token ids are ints")
+        if not 0 <= t < vocab:
+            raise ValueError(f"ids[{i}] is {t}; token ids lie in [0, {vocab}) for this tokenizer")
+    ids = [int(t) for t in ids]
     added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     pieces = tokenizer.convert_ids_to_tokens(ids)
     out = []

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..ops.rewards import SpanReward
 from ..schema import Choice, CoordinateSystem, RLBatch, SchemaError, Span, SpanTable, convert_boxes
 from ..schema.batch import batch_arg
-from ..schema.checks import FLOAT_DTYPES, first_true, float_arg, sequence_arg, tensor_arg
+from ..schema.checks import FLOAT_DTYPES, first_true, float_arg, readable, sequence_arg, tensor_arg
 from ..schema.coordinates import extent, outside
 from .parse import Grounding, Region
 
@@ -42,7 +42,7 @@ class GroundingMetric(Choice):
 
 
 def _rows(name: str, value, width: int) -> Tensor:
-    tensor_arg(name, value, dtypes=FLOAT_DTYPES, shape=(None, width))
+    readable(name, tensor_arg(name, value, dtypes=FLOAT_DTYPES, shape=(None, width)))
     bad = ~torch.isfinite(value).all(1)
     if bool(bad.any()):
         k = first_true(bad)[0]
@@ -57,6 +57,8 @@ def _rows(name: str, value, width: int) -> Tensor:
 
 def _pair(a_name: str, a, a_width: int, b_name: str, b) -> tuple[Tensor, Tensor]:
     a, b = _rows(a_name, a, a_width), _rows(b_name, b, 4)
+    if a.device != b.device:
+        raise ValueError(f"{a_name} is on {a.device}, {b_name} on {b.device}: they are scored row by row on one device")
     if a.shape[0] != b.shape[0]:
         raise SchemaError(f"{a_name} has {a.shape[0]} rows, {b_name} {b.shape[0]}; they are scored row by row")
     return a, b
@@ -110,7 +112,7 @@ class GroundingRewards:
 
 
 def _groundings(batch: RLBatch, groundings) -> list[Grounding]:
-    items = sequence_arg("groundings", groundings, "Grounding (one per sample, from parse_grounding)")
+    items = sequence_arg("groundings", groundings, "Grounding (one per sample, from parse_grounding)", ordered=True)
     if len(items) != batch.num_samples:
         raise SchemaError(f"groundings has {len(items)} entries; the batch has {batch.num_samples} samples (one each, in order)")
     for b, g in enumerate(items):
@@ -118,6 +120,12 @@ def _groundings(batch: RLBatch, groundings) -> list[Grounding]:
             raise TypeError(f"groundings[{b}] is {type(g).__name__}; expected a Grounding from parse_grounding")
         if g.sample != b:
             raise SchemaError(f"groundings[{b}] was parsed from sample {g.sample}; give one per sample, in batch order")
+        losses = batch.loss_spans_of(b)
+        for span in [r.span for r in g.regions] + [f.span for f in g.failures]:
+            if not any(loss.start <= span.start and span.end <= loss.end for loss in losses):
+                raise SchemaError(f"groundings[{b}]: span [{span.start}, {span.end}) is not inside a loss span of sample {b} "
+                                  f"of this batch (its loss spans: {[(s.start, s.end) for s in losses]}): the groundings come "
+                                  "from another batch; parse each sample of this batch with parse_grounding")
     return items
 
 
@@ -244,7 +252,7 @@ def parse_action(text: str) -> Optional[dict]:
     while start >= 0:
         try:
             value, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # malformed, or nested past Python's recursion limit: no action
             value = None
         if isinstance(value, dict) and value.get("action") in ACTIONS:
             return value
@@ -266,15 +274,18 @@ def action_match(actions: Sequence[Optional[dict]], targets: Sequence[dict], *, 
     ValueError
         A target without a known ``"action"``, or a target ``"bbox_2d"`` that is not four
         finite real numbers (the error names ``targets[b]['bbox_2d']``)."""
-    actions = sequence_arg("actions", actions, "action dicts (or None where none was parsed)")
-    targets = sequence_arg("targets", targets, "target action dicts")
+    actions = sequence_arg("actions", actions, "action dicts (or None where none was parsed)", ordered=True)
+    targets = sequence_arg("targets", targets, "target action dicts", ordered=True)
     failure_reward = float_arg("failure_reward", failure_reward)
     if len(actions) != len(targets):
         raise ValueError(f"actions has {len(actions)} entries, targets {len(targets)}; one each per sample")
-    scores = []
-    for b, (action, target) in enumerate(zip(actions, targets)):
+    for b, target in enumerate(targets):  # every target checked before any score
         if not isinstance(target, dict) or target.get("action") not in ACTIONS:
             raise ValueError(f"targets[{b}] is {target!r}; a target is a dict with an 'action' in {ACTIONS}")
+        if "bbox_2d" in target:
+            _target_box(b, target["bbox_2d"])
+    scores = []
+    for b, (action, target) in enumerate(zip(actions, targets)):
         if action is None:
             scores.append(failure_reward)
             continue
@@ -312,13 +323,18 @@ def _reals(value, n: int) -> Optional[list[float]]:
     return [float(v) for v in value]
 
 
-def _field_hit(b: int, key: str, action: dict, value) -> bool:
-    if key != "bbox_2d":
-        return _same(action.get(key), value)
+def _target_box(b: int, value) -> Tensor:
+    """A target's ``bbox_2d`` as a checked float64 ``[1, 4]`` row."""
     box = _reals(value, 4)
     if box is None:
         raise ValueError(f"targets[{b}]['bbox_2d'] is {value!r:.80}; a target box is four real numbers (x0, y0, x1, y1)")
-    box = _rows(f"targets[{b}]['bbox_2d']", torch.tensor([box], dtype=torch.float64), 4)
+    return _rows(f"targets[{b}]['bbox_2d']", torch.tensor([box], dtype=torch.float64), 4)
+
+
+def _field_hit(b: int, key: str, action: dict, value) -> bool:
+    if key != "bbox_2d":
+        return _same(action.get(key), value)
+    box = _target_box(b, value)
     point = _reals(action.get("point_2d"), 2)  # the model's output: malformed is a miss, not an error
     if point is None or not all(math.isfinite(v) for v in point):
         return False

@@ -96,7 +96,7 @@ def mrope_positions(
 def _check_media_runs(media, L: int, merge_size: int) -> None:
     """``mrope_positions``' media spans: in order, disjoint, inside the sequence, grids that merge."""
     previous = (0, 0)
-    for i, item in enumerate(sequence_arg("media", media, "(start, modality, grid_thw, second_per_grid) tuples")):
+    for i, item in enumerate(sequence_arg("media", media, "(start, modality, grid_thw, second_per_grid) tuples", ordered=True)):
         if not isinstance(item, (tuple, list)) or len(item) != 4:
             raise TypeError(f"media[{i}] must be (start, modality, grid_thw, second_per_grid), got {item!r}")
         start, modality, grid, second = item
@@ -277,7 +277,7 @@ _DRIFT_FIX = (", or, if the rollout really ran with these positions, pass allow_
 
 def _recorded_positions(position_ids, B: int) -> list[Tensor]:
     """Per-sample (3, L) int positions a framework used (shapes checked per sample later)."""
-    items = sequence_arg("position_ids", position_ids, "per-sample (3, L) int tensors")
+    items = sequence_arg("position_ids", position_ids, "per-sample (3, L) int tensors", ordered=True)
     if len(items) != B:
         raise SchemaError(f"position_ids has {len(items)} entries; expected one per sample ({B})")
     for b, pos in enumerate(items):

@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 
 def token_rows(name: str, rows, vocab_size: int) -> list[Tensor]:
     """Per-sample token ids (lists of ints or 1-D integer tensors) as int64 CPU tensors."""
-    rows = sequence_arg(name, rows, "token-id sequences")
+    rows = sequence_arg(name, rows, "token-id sequences", ordered=True)
     out = []
     for b, row in enumerate(rows):
         if isinstance(row, np.ndarray):
@@ -203,7 +203,7 @@ def per_sample_values(name: str, values, B: int) -> Optional[list]:
             if values.ndim != 1:
                 raise SchemaError(f"{name} must have shape [{B}] (one value per sample), got {tuple(values.shape)}")
             values = values.tolist()
-        items = sequence_arg(name, values, "numbers, one per sample")
+        items = sequence_arg(name, values, "numbers, one per sample", ordered=True)
         for b, v in enumerate(items):
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"{name}[{b}] is {describe(v)}; {name} are numbers")
@@ -229,7 +229,7 @@ def per_sample_targets(name: str, values, B: int, what: str, system: Optional[st
         return None
     width = 4 if what == "box" else 2
     row = "(x0, y0, x1, y1)" if what == "box" else "(x, y)"
-    items = sequence_arg(name, values, f"one entry per sample: a list of {row} rows, a [k, {width}] tensor, or None")
+    items = sequence_arg(name, values, f"one entry per sample: a list of {row} rows, a [k, {width}] tensor, or None", ordered=True)
     if len(items) != B:
         raise SchemaError(f"{name} has {len(items)} entries; expected one per sample ({B}), each a list of {row} rows (or None)")
     out = []
@@ -249,7 +249,7 @@ def per_sample_targets(name: str, values, B: int, what: str, system: Optional[st
                 raise SchemaError(f"{where} has shape {tuple(item.shape)}; expected [k, {width}]: one {row} row per {what}")
             rows = item.detach().cpu().double()
         else:
-            rows = sequence_arg(f"{name}[{b}]", item, f"{row} rows")
+            rows = sequence_arg(f"{name}[{b}]", item, f"{row} rows", ordered=True)
             for j, r in enumerate(rows):
                 if isinstance(r, (str, bytes)) or not isinstance(r, (Sequence, Tensor, np.ndarray)) or len(r) != width:
                     raise SchemaError(f"{where}, {what} {j} is {describe(r)}; expected {width} numbers {row}")
@@ -281,7 +281,7 @@ def screen_sizes(values, B: int) -> Optional[Tensor]:
         return None
     if isinstance(values, (Tensor, np.ndarray)) and values.ndim != 2:
         raise SchemaError(f"screen_size must have shape [{B}, 2] (width, height per sample), got {tuple(values.shape)}")
-    items = sequence_arg("screen_size", values, "(width, height) pairs, one per sample")
+    items = sequence_arg("screen_size", values, "(width, height) pairs, one per sample", ordered=True)
     if len(items) != B:
         raise SchemaError(f"screen_size has {len(items)} entries; expected one (width, height) per sample ({B})")
     return torch.tensor([size_arg(f"screen_size[{b}]", size) for b, size in enumerate(items)], dtype=torch.int64).reshape(B, 2)
@@ -296,10 +296,13 @@ def str_list(name: str, values) -> Optional[list[str]]:
     """A list of str (media ids, media cache keys); None when ``values`` is None."""
     if values is None:
         return None
-    items = sequence_arg(name, values, "str")
+    items = sequence_arg(name, values, "str", ordered=True)
     for i, v in enumerate(items):
         if not isinstance(v, str):
             raise TypeError(f"{name}[{i}] is {describe(v)}; {name} are str")
+        if not v.strip():
+            raise SchemaError(f"{name}[{i}] is {v!r}: an empty str would name every item alike; give each item a non-blank "
+                              f"str (or leave {name} out: the builder derives it from the pixels)")
     return items
 
 
@@ -313,7 +316,7 @@ def processor_outputs(processor_output) -> Mapping:
 
 def multi_modal_inputs(value, B: int) -> list[dict]:
     """verl's per-sample dicts of media inputs (None or {} for a text-only sample)."""
-    items = [] if value is None else sequence_arg("multi_modal_inputs", value, "per-sample dicts")
+    items = [] if value is None else sequence_arg("multi_modal_inputs", value, "per-sample dicts", ordered=True)
     if items and len(items) != B:
         raise SchemaError(f"multi_modal_inputs has {len(items)} entries; expected one per sample ({B})")
     for b, item in enumerate(items):

@@ -107,7 +107,7 @@ def _check_tokens(batch, checks: DeviceChecks) -> Tensor:
             raise SchemaError(f"{name}={getattr(batch, name)} is not a token id (>= 0)")
     if batch.image_token_id is not None and batch.image_token_id == batch.video_token_id:
         raise SchemaError(f"image_token_id and video_token_id are both {batch.image_token_id}: the placeholders of images and videos differ")
-    if not batch.processor_fingerprint:
+    if not batch.processor_fingerprint.strip():
         raise SchemaError("processor_fingerprint is empty: pass processor_fingerprint(processor) of the processor that built the batch")
     if batch.coordinate_system is not None:
         CoordinateSystem.parse(batch.coordinate_system, "coordinate_system", SchemaError)

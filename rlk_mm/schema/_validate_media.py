@@ -38,6 +38,11 @@ def check_media(batch, checks: DeviceChecks) -> None:
     M = len(batch.media_ids)
     if len(batch.media_cache_keys) != M:
         raise SchemaError(f"media_cache_keys has {len(batch.media_cache_keys)} entries; media_ids has {M} (one per media item)")
+    for name in ("media_ids", "media_cache_keys"):
+        blank = next((g for g, v in enumerate(getattr(batch, name)) if not v.strip()), None)
+        if blank is not None:
+            raise SchemaError(f"{name}[{blank}] is empty: {'an id names one item' if name == 'media_ids' else 'a key names one content'}"
+                              f" (an empty one would name every item alike); give a non-blank str, or leave {name} to the builder")
     per_item = {
         "media_modality": ((torch.int8,), (M,), "one per media item"),
         "media_sample": ((torch.int64,), (M,), "one per media item"),

@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from . import io
 from ._assemble import SAMPLE_FIELDS, assemble, present_fields, sample_parts
 from ._validate import check, schema_error
-from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices
+from .checks import device_arg, group_id_list, int_arg, sample_index, sample_indices, tensor_arg
 from .choice import Choice
 from .coordinates import size_arg
 from .io import BatchFileError
-from .media import key_settings, token_counts
+from .media import NotASettingsTag, key_settings, token_counts
 from .messages import fields_from_messages
 from .qwen_vl import fields_from_qwen_vl, fields_from_token_lists
 from .spans import Modality, SchemaError, Span, SpanTable
@@ -178,10 +178,16 @@ class RLBatch(BaseModel):
         return self.per_token(self.modality_spans.modality)
 
     def per_token(self, span_values: Tensor) -> Tensor:
-        """A value per modality span spread to its tokens, [T]. The spans partition every
-        sample in token order, so this is one ``repeat_interleave``."""
+        """A value per modality span spread to its tokens: ``[S, *]`` (``S`` the batch's modality
+        spans, in table order) to ``[T, *]``. The spans partition every sample in token order, so
+        this is one ``repeat_interleave``."""
+        S = self.modality_spans.num_spans
+        tensor_arg("span_values", span_values, device=self.device)
+        if span_values.dim() == 0 or span_values.shape[0] != S:
+            raise ValueError(f"span_values must have shape [{S}, *] (one value per modality span, in the order of "
+                             f"modality_spans), got {tuple(span_values.shape)}")
         lengths = self.modality_spans.lengths().long()
-        return torch.repeat_interleave(span_values, lengths, output_size=self.num_tokens)
+        return torch.repeat_interleave(span_values, lengths, dim=0, output_size=self.num_tokens)
 
     def loss_mask(self) -> Tensor:
         """bool [T]: True at target tokens (inside loss spans)."""
@@ -274,8 +280,10 @@ class RLBatch(BaseModel):
         for g, key in enumerate(self.media_cache_keys):
             try:
                 settings = key_settings(key)
-            except ValueError:  # a caller-given key holding the separator but no settings tag: it records nothing
+            except NotASettingsTag:  # a caller-given key holding the separator but no settings tag: it records nothing
                 settings = None
+            except ValueError as e:  # a settings tag of bad values: it records them wrongly
+                raise ValueError(f"media_cache_keys[{g}]: {e}") from None
             size = None if settings is None else settings.original_size
             out.append(None if size is None else size_arg(f"media_cache_keys[{g}]: the recorded original size", size))
         return out
@@ -304,8 +312,9 @@ class RLBatch(BaseModel):
         """One batch of all samples of ``batches`` in order. They must be built the same way
         (fingerprint, placeholder ids, merge size, coordinate system), lie on one device and
         have the same optional fields: a field that some lack is refused, never dropped."""
-        if isinstance(batches, RLBatch) or isinstance(batches, (str, bytes)) or not hasattr(batches, "__iter__"):
-            raise TypeError(f"batches must be a list of RLBatch, got {type(batches).__name__}")
+        if isinstance(batches, (RLBatch, str, bytes, set, frozenset)) or not hasattr(batches, "__iter__"):
+            why = ": a set has no order; pass a list in the intended order" if isinstance(batches, (set, frozenset)) else ""
+            raise TypeError(f"batches must be a list of RLBatch, got {type(batches).__name__}{why}")
         batches = list(batches)
         if not batches:
             raise ValueError("RLBatch.concat needs at least one batch")

@@ -130,12 +130,25 @@ def bool_arg(name: str, value) -> bool:
     return value
 
 
-def sequence_arg(name: str, value, what: str) -> Sequence:
+def sequence_arg(name: str, value, what: str, *, ordered: bool = False) -> Sequence:
     """``value`` as a list: a list, tuple, range or other iterable, but never a str, bytes,
-    dict or a single object that happens to iterate (``what`` names the expected items)."""
+    dict or a single object that happens to iterate (``what`` names the expected items). With
+    ``ordered`` (the items' order means something: one per sample, per item, ...) a set is
+    refused too: it has no order, and drops repeats."""
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__}")
+    if ordered and isinstance(value, (set, frozenset)):
+        raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__}: a set has no order (and holds no "
+                        "repeats); pass a list in the intended order")
     return list(value)
+
+
+def readable(name: str, value: Tensor) -> Tensor:
+    """``value`` itself unless it is on the meta device, which holds no values to check or read."""
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no values to check or read: pass a tensor with "
+                         "values (on the CPU or a GPU)")
+    return value
 
 
 def describe(value) -> str:
@@ -151,7 +164,7 @@ def group_id_list(value, name: str = "group_ids") -> list:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
         items = value.tolist()
     else:
-        items = sequence_arg(name, value, "group ids (str or int) or a 1-D tensor/array")
+        items = sequence_arg(name, value, "group ids (str or int) or a 1-D tensor/array", ordered=True)
     for i, g in enumerate(items):
         if isinstance(g, bool) or not isinstance(g, (str, numbers.Integral)):
             raise TypeError(f"{name}[{i}] is {describe(g)}; a group id is a str or an int")
@@ -177,7 +190,7 @@ def sample_indices(value, count: int, owner: str) -> list[int]:
             raise TypeError(f"indices must be integers, got dtype {dtype}")
         items = value.tolist()
     else:
-        items = sequence_arg("indices", value, "sample indices or a 1-D integer tensor")
+        items = sequence_arg("indices", value, "sample indices or a 1-D integer tensor", ordered=True)
     out = []
     for i, item in enumerate(items):
         if isinstance(item, bool) or not isinstance(item, numbers.Integral):

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .checks import FLOAT_DTYPES, INTEGER_DTYPES, first_true, int_arg
+from .checks import FLOAT_DTYPES, INTEGER_DTYPES, first_true, int_arg, readable
 from .choice import Choice
 from .spans import SchemaError
 
@@ -49,7 +49,7 @@ def _coordinates(name: str, value, width: int, layout: str) -> torch.Tensor:
         raise TypeError(f"{name} must be a real (float or integer) tensor, got {value.dtype}")
     if value.dim() == 0 or value.shape[-1] != width:
         raise SchemaError(f"{name} must have a last dimension of {width} {layout}, got shape {tuple(value.shape)}")
-    return value
+    return readable(name, value)
 
 
 def extent(system: CoordinateSystem, original_size=None, resized_size=None) -> tuple[float, float] | None:

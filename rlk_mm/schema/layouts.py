@@ -70,6 +70,9 @@ def layout_family_of(processor: Any) -> Optional[LayoutFamily]:
         if family is not None:
             return family
     if getattr(processor, "image_processor", None) is None and getattr(processor, "video_processor", None) is None:
+        if not callable(getattr(getattr(processor, "tokenizer", processor), "get_vocab", None)):
+            raise TypeError(f"processor must be a Qwen-VL processor or a tokenizer (with get_vocab()), got "
+                            f"{type(processor).__name__}")
         return None
     supported = ", ".join(f"{name} ({family.label})" for family, (_, name) in PROCESSOR_CLASSES.items())
     raise TypeError(f"processor {type(processor).__name__} is not a supported Qwen-VL processor: rlk_mm builds batches "

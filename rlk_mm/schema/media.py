@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -26,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, tensor_arg
+from .checks import FLOAT_DTYPES, INTEGER_DTYPES, DeviceChecks, first_true, int_arg, readable, tensor_arg
 from .layouts import layout_family_of
 from .spans import Modality, SchemaError, refuse
 
@@ -116,7 +117,7 @@ def media_token_counts(grid_thw: torch.Tensor, merge_size: int) -> torch.Tensor:
     merge_size = int_arg("merge_size", merge_size, min=1)
     if isinstance(grid_thw, torch.Tensor) and grid_thw.ndim == 1:
         grid_thw = grid_thw[None]
-    grid = grid_arg("grid_thw", grid_thw)
+    grid = readable("grid_thw", grid_arg("grid_thw", grid_thw))
     checks = DeviceChecks()
     add_grid_checks(checks, "grid_thw", grid, merge_size)
     checks.run()
@@ -139,7 +140,7 @@ def vision_token_offsets(grid_thw: torch.Tensor, modality: torch.Tensor, merge_s
     output (items in grid order). ``modality`` is int [N]: 1 image, 2 video, 3 audio.
     The checks read the grid and modality on the host (one sync for CUDA tensors)."""
     counts = media_token_counts(grid_thw, merge_size)
-    modality = tensor_arg("modality", modality, shape=(counts.numel(),), dtypes=INTEGER_DTYPES)
+    modality = readable("modality", tensor_arg("modality", modality, shape=(counts.numel(),), dtypes=INTEGER_DTYPES))
     not_media = (modality < int(Modality.IMAGE)) | (modality > int(Modality.AUDIO))
     if bool(not_media.any()):
         i = first_true(not_media)[0]
@@ -253,7 +254,7 @@ def media_cache_key(pixel_rows: torch.Tensor, grid_thw, modality: str, fingerpri
     """Content key of one media item: its vision-tower input rows ``[t*h*w, D]`` (finite),
     grid ``(t, h, w)``, modality ("image", "video", "audio") and the processor fingerprint.
     Equal key ⇒ identical vision-tower input. Reads the rows on the host."""
-    rows = tensor_arg("pixel_rows", pixel_rows, ndim=2, dtypes=FLOAT_DTYPES).detach().cpu()
+    rows = readable("pixel_rows", tensor_arg("pixel_rows", pixel_rows, ndim=2, dtypes=FLOAT_DTYPES)).detach().cpu()
     grid = grid_row("grid_thw", grid_thw)
     if modality not in _MEDIA_LABELS:
         raise ValueError(f"modality={modality!r}: expected one of {', '.join(_MEDIA_LABELS)}")
@@ -281,6 +282,10 @@ def default_media_id(cache_key: str, modality: str) -> str:
     return f"{modality}-{cache_key[:16]}"
 
 
+class NotASettingsTag(ValueError):
+    """Text after a cache key's separator that is no ``ResizeSettings`` tag (a caller's own key)."""
+
+
 @dataclass(frozen=True)
 class ResizeSettings:
     """The resize settings one media item was processed with: the requested pixel limits
@@ -298,6 +303,22 @@ class ResizeSettings:
     frames: Optional[tuple[int, ...]] = None
     original_height: Optional[int] = None
     original_width: Optional[int] = None
+
+    def __post_init__(self):
+        """Sizes and pixel counts are ints >= 1, fps finite and > 0, frames ints >= 0 (a tag read
+        back from a key is checked as one written)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if f.name == "fps":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"ResizeSettings.fps={value!r}: a frame rate is a finite number > 0")
+            elif f.name == "frames":
+                if not isinstance(value, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value):
+                    raise ValueError(f"ResizeSettings.frames={value!r}: frame indices are a tuple of ints >= 0")
+            else:
+                int_arg(f"ResizeSettings.{f.name}", value, min=1)
 
     @property
     def original_size(self) -> Optional[tuple[int, int]]:
@@ -317,16 +338,18 @@ class ResizeSettings:
 
     @classmethod
     def from_tag(cls, tag: str) -> "ResizeSettings":
-        """The settings ``tag()`` wrote; a malformed tag is refused."""
+        """The settings ``tag()`` wrote. Text that is no such tag (not ``name=value`` pairs of the
+        settings' names joined by ``;``) raises ``NotASettingsTag``; a tag of bad values (a zero
+        size, a nan fps, a missing setting) a ``ValueError`` naming the setting."""
         kinds = {"fps": float, "frames": lambda v: tuple(int(x) for x in v.split(",") if x)}
-        values = {}
+        names = {f.name for f in fields(cls)}
+        words = [word.split("=", 1) for word in tag.split(";")]
+        if not all(len(w) == 2 and w[0] in names for w in words):
+            raise NotASettingsTag(f"{tag!r} is not a ResizeSettings tag (name=value pairs of {sorted(names)} joined by ';')")
         try:
-            for word in tag.split(";"):
-                name, value = word.split("=", 1)
-                values[name] = kinds.get(name, int)(value)
-            return cls(**values)
-        except (TypeError, ValueError):
-            raise ValueError(f"{tag!r} is not a ResizeSettings tag (name=value pairs joined by ';')") from None
+            return cls(**{name: kinds.get(name, int)(value) for name, value in words})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{tag!r} is a ResizeSettings tag of bad values: {e}") from None
 
     def describe(self) -> str:
         """For people: "resized 336×224 from 400×267, min_pixels 3136, max_pixels 12544" (the original

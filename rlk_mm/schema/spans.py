@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable, NoReturn, Sequence
 
+import numpy as np
 import torch
 
-from .checks import INTEGER_DTYPES, DeviceChecks, device_arg, first_true, int_arg, sample_index, sample_indices, sequence_arg
+from .checks import INTEGER_DTYPES, DeviceChecks, device_arg, first_true, int_arg, readable, sample_index, sample_indices, sequence_arg
 
 __all__ = [
     "complement", "intersect", "mask_from_spans", "Modality", "normalize", "SchemaError", "Span", "spans_from_mask",
@@ -45,6 +46,7 @@ class Modality(IntEnum):
 
 
 _MODALITY_CHOICES = "text (0), image (1), video (2), audio (3)"
+_INT32 = (-(2**31), 2**31 - 1)  # span positions are int32 in a SpanTable
 
 
 @dataclass(frozen=True, order=True)
@@ -63,6 +65,9 @@ class Span:
             start, end, media_index = (int_arg(f"Span.{name}", getattr(self, name)) for name in ("start", "end", "media_index"))
         if start < 0 or end < start:
             raise SchemaError(f"span [{start}, {end}) is not a valid half-open range: it needs 0 <= start <= end")
+        if end > _INT32[1]:
+            raise SchemaError(f"span [{start}, {end}) ends beyond {_INT32[1]}: positions are int32 in a SpanTable (and a "
+                              "batch); split the sequence")
         m = self.modality
         if type(m) is not Modality:
             if isinstance(m, bool) or not isinstance(m, numbers.Integral) or int(m) not in Modality._value2member_map_:
@@ -163,13 +168,18 @@ def subtract(a: Iterable[Span], b: Iterable[Span]) -> list[Span]:
 
 def complement(spans: Iterable[Span], length: int) -> list[Span]:
     """Positions of ``[0, length)`` not covered by ``spans`` (which must lie inside it)."""
-    spans, length = _spans("spans", spans), int_arg("length", length, min=0)
+    spans, length = _spans("spans", spans), int_arg("length", length, min=0, max=_INT32[1])
     _within(spans, length)
     return _subtracted([Span(0, length)], spans)
 
 
 def spans_from_mask(mask: Sequence[bool] | torch.Tensor) -> list[Span]:
-    """Maximal runs of True in a 1-D mask (bools, or integers 0/1), as text spans."""
+    """Maximal runs of True in a 1-D mask (bools, or integers 0/1: a tensor, a numpy array or a
+    list), as text spans."""
+    if isinstance(mask, np.ndarray):
+        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.integer):
+            raise TypeError(f"mask must be bool or integer (0/1), got numpy {mask.dtype}")
+        mask = torch.from_numpy(np.ascontiguousarray(mask))
     if not isinstance(mask, torch.Tensor):
         if isinstance(mask, (str, bytes)) or not isinstance(mask, Sequence):
             raise TypeError(f"mask must be a 1-D bool tensor or a list of bools, got {type(mask).__name__}")
@@ -181,6 +191,7 @@ def spans_from_mask(mask: Sequence[bool] | torch.Tensor) -> list[Span]:
         raise TypeError(f"mask must be bool or integer (0/1), got {mask.dtype}")
     if mask.ndim != 1:
         raise ValueError(f"mask must be 1-D, got shape {tuple(mask.shape)}")
+    readable("mask", mask)
     if mask.dtype != torch.bool:
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
@@ -198,7 +209,7 @@ def spans_from_mask(mask: Sequence[bool] | torch.Tensor) -> list[Span]:
 
 def mask_from_spans(spans: Iterable[Span], length: int) -> torch.Tensor:
     """bool [length]: True inside ``spans`` (which must lie inside ``[0, length)``)."""
-    spans, length = _spans("spans", spans), int_arg("length", length, min=0)
+    spans, length = _spans("spans", spans), int_arg("length", length, min=0, max=_INT32[1])
     _within(spans, length)
     mask = torch.zeros(length, dtype=torch.bool)
     for s in spans:
@@ -207,7 +218,6 @@ def mask_from_spans(spans: Iterable[Span], length: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- tensors
-_INT32 = (-(2**31), 2**31 - 1)
 
 
 def _column(name: str, value, device=None) -> torch.Tensor:
@@ -295,7 +305,7 @@ class SpanTable:
     @classmethod
     def from_lists(cls, per_sample: Sequence[Sequence[Span]]) -> "SpanTable":
         """A table of the spans of each sample (each list sorted by start here)."""
-        per_sample = sequence_arg("per_sample", per_sample, "lists of Span")
+        per_sample = sequence_arg("per_sample", per_sample, "lists of Span", ordered=True)
         rows = [sorted(_spans(f"per_sample[{b}]", spans), key=lambda s: (s.start, s.end)) for b, spans in enumerate(per_sample)]
         flat = [s for spans in rows for s in spans]
         ptr = [0]

@@ -73,7 +73,7 @@ def _check_trajectories(trajectories, markers: Sequence[str]) -> list[Trajectory
     screenshots the image processor can resize, finite rewards; errors name episode, step and field."""
     from PIL import Image
 
-    items = sequence_arg("trajectories", trajectories, "Trajectory")
+    items = sequence_arg("trajectories", trajectories, "Trajectory", ordered=True)
     if not items:
         raise SchemaError("trajectories is empty: give at least one episode")
     seen: dict[str, int] = {}

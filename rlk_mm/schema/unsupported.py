@@ -82,7 +82,7 @@ def require_supported_messages(messages, where: str):
     parts) when no part is of an unsupported modality (``{"type": "audio"}``,
     ``"input_audio"``, ``"audio_url"``); else ``UnsupportedModalityError`` naming
     ``where``, the message and the part. Other part types are the chat template's business."""
-    for m, message in enumerate(sequence_arg(f"{where} messages", messages, "chat messages (dicts)")):
+    for m, message in enumerate(sequence_arg(f"{where} messages", messages, "chat messages (dicts)", ordered=True)):
         if not isinstance(message, dict):
             raise TypeError(f"{where}: messages[{m}] is {type(message).__name__}; a chat message is a dict with 'role' and 'content'")
         content = message.get("content")

@@ -15,7 +15,6 @@ from PIL import Image
 
 from rlk_mm.grounding import grounding_rewards, parse_grounding
 from rlk_mm.schema import ResizeSettings, RLBatch, SchemaError, Step, Trajectory, key_settings
-from rlk_mm.schema.media import settings_key
 from rlk_mm.schema.messages import vision_process
 
 IM_END = 151645
@@ -225,8 +224,8 @@ def _swapped_screen(episode):
 
 
 def _bad_key(two_images):
-    bad = ResizeSettings(3136, 50176, 168, 224, original_height=0, original_width=224)
-    return RLBatch.from_token_lists(**two_images, media_cache_keys=[settings_key("k0", bad), "k1"])
+    tag = "min_pixels=3136;max_pixels=50176;resized_height=168;resized_width=224;original_height=0;original_width=224"
+    return RLBatch.from_token_lists(**two_images, media_cache_keys=[f"k0#{tag}", "k1"])
 
 
 BAD = [
@@ -264,7 +263,7 @@ BAD = [
     ("an action before any screenshot", lambda p, e, t: parse_grounding(_text_before_images(p), 0, processor=p),
      SchemaError, r"sample 0, loss span \[\d+, \d+\): no image precedes it, so it answers no screenshot: pass image= \(0\.\.1\)"),
     ("a recorded size of a zero side", lambda p, e, t: parse_grounding(_bad_key(t), 0, processor=p, image=0), ValueError,
-     r"media_cache_keys\[0\]: the recorded original size\[1\]=0 is out of range"),
+     r"media_cache_keys\[0\]: '.*' is a ResizeSettings tag of bad values: ResizeSettings.original_height=0 is out of range"),
     ("size_of an image not parsed", lambda p, e, t: parse_grounding(e, 0, processor=p, image=0).size_of(1), SchemaError,
      r"sample 0: image=1 is not one its coordinates refer to \(images \[0\]\)"),
     ("a screenshot no scored action answers", lambda p, e, t: parse_grounding(_older_screens(p), 2, processor=p, image=0),
