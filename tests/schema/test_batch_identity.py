@@ -156,6 +156,10 @@ GOOD = [
          Returns(lambda r, c: r.media_cache_keys == ["x", "x", "y"] or fail(r))),
     Case("load.legacy_file", lambda c: _load(rewritten(c, "old.safetensors", drop=("identity",))),
          Returns(lambda r, c: r.equals(c.batch) or fail(r))),
+    Case("load.file_before_a_field",  # a file of an rlk_mm that had no region_spans yet: the field is absent, its default
+         lambda c: _load(rewritten(c, "pre.safetensors", fields=lambda v: v.pop("region_spans"),
+                                   identity=lambda r: r["fields"].pop("region_spans"))),
+         Returns(lambda r, c: r.equals(c.batch) or fail(r))),
     Case("load.fixture_without_record", lambda c: _load(TRAINING), Returns(lambda r, c: r.num_samples == 2 or fail(r))),
     Case("concat.one_key_one_content", lambda c: RLBatch.concat([c.batch.select([0]), c.batch.select([1, 2])]),
          Returns(lambda r, c: r.equals(c.batch) or fail(r))),
