@@ -20,6 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import deprecations  # noqa: F401 (installs the moved-module finder; standard library only)
+from .lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs, type checkers and the API reference
     from . import models, ops  # noqa: F401
@@ -54,18 +55,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"{__name__}.{name}")
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=_SUBPACKAGES, listed=sorted({*__all__, *_SUBPACKAGES}))
 
 
 # ---------------------------------------------------------------------- the models' patches

@@ -10,10 +10,10 @@ kernels load only when an op that needs them is called). Ops depend only on
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from ..deprecations import moved_name
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from ._backend import BackendUnavailableError  # noqa: F401
@@ -66,14 +66,5 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        return moved_name(__name__, name)  # the model runners moved to rlk_mm.models
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+#: a name not served here may have moved (the model runners to rlk_mm.models): rlk_mm.deprecations says
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, missing=moved_name, listed=__all__)

@@ -54,8 +54,9 @@ package serves its names on first use: ``rlk-mm smoke --help`` answers at once.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs, type checkers and the API reference
     from .cli import add_smoke_parser  # noqa: F401
@@ -78,16 +79,4 @@ _SUBMODULES = ("cli", "gates", "learning", "options", "policy", "report", "rollo
                "tuning")
 
 
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=_SUBMODULES)

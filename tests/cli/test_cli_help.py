@@ -45,7 +45,7 @@ def test_help_is_fast_and_imports_no_torch(argv):
     assert result["code"] == 0 and "usage: rlk-mm" in p.stdout, p.stdout + p.stderr
     heavy = [m for m in result["modules"] if m.split(".")[0] in HEAVY]
     assert not heavy, f"rlk-mm {' '.join(argv)} imported {heavy[:8]}"
-    light = {"rlk_mm", "rlk_mm.cli", "rlk_mm.command", "rlk_mm.progress", "rlk_mm.deprecations", "rlk_mm.smoke",
+    light = {"rlk_mm", "rlk_mm.cli", "rlk_mm.command", "rlk_mm.progress", "rlk_mm.deprecations", "rlk_mm.lazy", "rlk_mm.smoke",
              "rlk_mm.smoke.cli", "rlk_mm.smoke.options", "rlk_mm.smoke.task_settings"}
     assert set(result["modules"]) <= light, f"rlk-mm {' '.join(argv)} imported {sorted(set(result['modules']) - light)}"
     assert seconds < HELP_LIMIT, f"rlk-mm {' '.join(argv)} took {seconds:.2f} s"

@@ -9,8 +9,9 @@ Names are imported on first use, as ``rlk_mm.ops``' are: the kernels' modules im
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ...lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below are, for IDEs and type checkers
     from .config import PolicyLoss, PolicyLossConfig  # noqa: F401
@@ -24,14 +25,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)
