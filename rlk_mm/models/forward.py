@@ -33,7 +33,7 @@ import torch
 from ..deprecations import renamed_keywords
 from ..ops.logprob import selected_logprob
 from ..schema.batch import PaddingSide, batch_arg
-from ..schema.checks import DeviceChecks, first_true, int_arg, temperature_arg, tensor_arg
+from ..schema.checks import DeviceChecks, first_true, pad_token_arg, temperature_arg, tensor_arg
 from .family import ModelFamily, check_batch_family, model_family
 from .vision_cache import VisionCache, check_pixels
 
@@ -62,7 +62,7 @@ def layout_inputs(batch, padding: PaddingSide | str | None = None, pad_token_id:
     """
     batch_arg("batch", batch)
     padding = padding_arg(padding, where="layout_inputs")
-    pad_token_id = int_arg("pad_token_id", pad_token_id, min=0, max=2**63 - 1)
+    pad_token_id = pad_token_arg("pad_token_id", pad_token_id, batch)
     device = batch.input_ids.device
     lengths = batch.seq_lengths().to(device)
     starts = batch.cu_seqlens.long().to(device)[:-1]

@@ -42,6 +42,8 @@ BAD = [
          Raises(TypeError, r"pad_token_id must be an int")),
     Case("layout_inputs.pad.float", lambda c: layout_inputs(c.batch, "right", 0.5),
          Raises(TypeError, r"pad_token_id must be an int")),
+    Case("layout_inputs.pad.image_placeholder", lambda c: layout_inputs(c.batch, "left", c.batch.image_token_id),
+         Raises(ValueError, r"pad_token_id=\d+ is the batch's image placeholder token")),
     # ---------------------------------------------------------------- forward_hidden / batch_logprobs
     Case("forward_hidden.model.none", lambda c: forward_hidden(None, c.image_batch),
          Raises(TypeError, r"model \w+ is not a supported model family")),
