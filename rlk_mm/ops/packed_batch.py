@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..schema import RLBatch, SpanTable
+from ..schema.batch import PackedRows
 from ..schema.checks import device_arg, int_arg, pad_token_arg
 from .padded import INT32_LIMIT, cu_seqlens_of, data_arg, fill_arg
 
@@ -32,7 +33,7 @@ _PACK_CALLS = itertools.count()  # numbers each pack() call: unpack refuses to m
 
 
 @dataclass(frozen=True, eq=False)
-class PackedBatch:
+class PackedBatch(PackedRows):
     """The samples of one pack in one packed sequence ("slots" in order), ready for varlen attention.
 
     Positions are positions in the pack. Slot ``i`` holds sample ``sample_index[i]`` of the batch
@@ -83,16 +84,6 @@ class PackedBatch:
     pad_token_id: int
     source_samples: int  # samples of the batch given to pack()
     source_id: int  # the pack() call that made this pack (the same for all its packs)
-
-    @property
-    def num_samples(self) -> int:
-        """The slots of this pack."""
-        return self.cu_seqlens.numel() - 1
-
-    @property
-    def num_tokens(self) -> int:
-        """The pack's tokens ``T'``, padding included."""
-        return self.input_ids.numel()
 
     @property
     def offsets(self) -> Tensor:

@@ -78,7 +78,23 @@ def _builder(fields_from):
     return classmethod(build)
 
 
-class RLBatch(BaseModel):
+class PackedRows:
+    """``num_samples`` and ``num_tokens`` of sequences packed in one row: a ``cu_seqlens``
+    ``[B + 1]`` of sequence boundaries over ``input_ids`` ``[T]`` (an ``RLBatch``, or a
+    ``PackedBatch`` whose sequences are its slots, padding included)."""
+
+    @property
+    def num_samples(self) -> int:
+        """The sequences (samples, or a pack's slots)."""
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens ``T``, a pack's alignment padding included."""
+        return self.input_ids.numel()
+
+
+class RLBatch(PackedRows, BaseModel):
     """A batch of image/video-text RL samples; docs/batch_contract.md gives each field's meaning.
 
     Constructing one checks every invariant (one host sync, also for a batch on CUDA); no
@@ -140,14 +156,6 @@ class RLBatch(BaseModel):
         return self
 
     # ------------------------------------------------------------------ basic views
-    @property
-    def num_samples(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
     @property
     def num_media(self) -> int:
         return len(self.media_ids)
