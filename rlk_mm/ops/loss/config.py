@@ -81,10 +81,9 @@ class PolicyLossConfig:
         The global sequence count of the seq modes (None: this batch's sequences with a token); a
         whole number >= 0 or a 0-d tensor, at least this batch's sequences with a token.
     loss_scale_factor : float, optional
-        ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R).
-
-    The verl modes ignore a count or ``loss_scale_factor`` they do not use (verl's trainer passes
-    them all with every mode).
+        ``seq-mean-token-sum-norm``'s divisor, > 0 (None: the padded length R). The verl modes
+        ignore a count or ``loss_scale_factor`` they do not use (verl's trainer passes them all
+        with every mode).
 
     Raises
     ------
