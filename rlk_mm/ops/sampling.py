@@ -105,8 +105,9 @@ def sample(
     check : bool
         False (default): a bad row (a NaN or +inf logit, every entry -inf, or an overflow
         after the temperature) is reported by NaN ``log_probs`` and ``sampled_log_probs``
-        (its token is 0), nothing is read back. True: read the rows' status (a host sync)
-        and raise for the first bad row, and range-check a device ``step`` tensor.
+        and token 0, on every backend and under every filter; nothing is read back. True:
+        read the rows' status (a host sync) and raise for the first bad row, and
+        range-check a device ``step`` tensor.
 
     Returns
     -------
@@ -141,7 +142,7 @@ def sample(
         out = _tri.sample_logits(logits, inv_t, filters, seeds, step)
     else:
         out = _ref.sample_rows(logits, inv_t, filters, seeds, _step_rows(step, B, logits.device))
-    return _result(out, lambda r: _logits_problem(logits, r, inv_t, temperature), check)
+    return _result(out, lambda r, _: _logits_problem(logits, r, inv_t, temperature), check)
 
 
 def sample_from_hidden(
@@ -165,9 +166,10 @@ def sample_from_hidden(
     every filter (filters gather the rows' logits: they need the whole row).
 
     ``step`` and ``check`` as in ``sample``: by default nothing is read back (a row whose
-    logits hold NaN or +inf gets NaN log-probs; a NaN or +inf bias entry or a bias masking
-    every token is not looked for); ``check=True`` reads back and raises, naming the row or
-    the bias entry. The vocabulary-parallel path always checks (its ranks agree on the
+    logits hold NaN or +inf, from hidden, weight or bias, or are -inf everywhere, gets token 0
+    and NaN log-probs on every backend; a NaN or +inf bias entry or a bias masking every
+    token is not looked for); ``check=True`` reads back and raises, naming the row or the
+    bias entry. The vocabulary-parallel path always checks (its ranks agree on the
     inputs over the group first).
 
     Raises
@@ -198,8 +200,7 @@ def sample_from_hidden(
         triton = resolve_backend(backend, on_cuda=hidden.is_cuda) is Backend.TRITON
         out = vocab_parallel.sample_from_hidden(hidden, weight, bias, temperature, filters, seeds, steps, triton,
                                                 tp_group, MAX_VOCAB)
-        return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias",
-                       True)
+        return _result(out, _hidden_problem, True)
     if bias is not None and check:
         check_bias(bias, rows[:0], float(bias.amax()), 0.0)
     hidden, weight = contiguous_rows(hidden), contiguous_rows(weight)
@@ -209,8 +210,7 @@ def sample_from_hidden(
         out = _tri_hidden.sample_hidden(hidden, weight, bias, temperature, filters, seeds, steps)
     else:
         out = _ref.sample_hidden_rows(hidden, weight, bias, temperature, filters, seeds, steps)
-    return _result(out, lambda r: f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias",
-                   check)
+    return _result(out, _hidden_problem, check)
 
 
 def group_seeds(seed: int, group_ids, step: int) -> Tensor:
@@ -318,12 +318,20 @@ def _score(logits, inv_t, filters, seeds, steps, tokens):
 
 # ------------------------------------------------------------------ results and errors
 def _result(out, problem, check: bool) -> SampleResult:
-    """The backend's output as a ``SampleResult``; with ``check``, a row with a bad status raises
-    ``problem(row)`` (a read of the status: a host sync)."""
+    """The backend's output as a ``SampleResult``; with ``check``, the first row with a bad status
+    raises ``problem(row, status)`` (a read of the status: a host sync)."""
     tokens, log_probs, sampled, status = out
     if check and status.numel() and bool((status != _ref.OK).any()):
-        raise ValueError(problem(first_true(status != _ref.OK)[0]))
+        r = first_true(status != _ref.OK)[0]
+        raise ValueError(problem(r, int(status[r])))
     return SampleResult(tokens, log_probs, sampled)
+
+
+def _hidden_problem(r: int, status: int) -> str:
+    if status == _ref.ALL_MASKED:
+        return (f"hidden row {r} gives -inf logits at every entry (the bias masks every token, or the logits overflow "
+                f"to -inf): nothing can be drawn; check hidden[{r}], weight and bias")
+    return f"hidden row {r} gives NaN or +inf logits: check hidden[{r}], weight and bias"
 
 
 def _logits_problem(logits: Tensor, r: int, inv_t: float, temperature: float) -> str:

@@ -1,4 +1,8 @@
-"""Bad and unusual inputs to sample: an empty vocabulary is refused, one entry is the only draw."""
+"""Bad and unusual inputs to sample and sample_from_hidden: an empty vocabulary is refused, one entry is the
+only draw, a filter's "off" value of other libraries is refused saying which value turns it off, and every kind
+of bad row (a NaN or +inf logit, -inf everywhere, an overflow once tempered; from the logits, the hidden state,
+the head or the bias) gives on every backend and under every filter what the docstrings say: token 0 and NaN
+log-probs, the good rows untouched."""
 
 from __future__ import annotations
 
@@ -7,11 +11,21 @@ import torch
 
 from rlk_mm.ops import (
     sample,
+    sample_from_hidden,
 )
 from support.op_cases import (
+    BAD_HIDDEN,
+    BAD_HIDDEN_STATUS,
+    BAD_LOGITS,
+    BAD_LOGITS_STATUS,
+    HEAD,
+    INF,
+    NAN,
+    SAMPLING_FILTERS,
     Case,
     assert_well,
     bad,
+    documented_rows,
     ok,
     table,
 )
@@ -50,3 +64,46 @@ CASES = {"sample": _sample_cases}
 def test_inputs(case):
     assert_well(case)
 
+
+def _name(kw: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kw.items()) or "plain"
+
+
+def _bad_row_cases() -> list[Case]:
+    seeds = torch.arange(8) + 11
+    cases = [ok(f"sample: each kind of bad row, {_name(kw)}",
+                lambda kw=kw: sample(BAD_LOGITS, seeds=seeds, temperature=0.5, **kw),
+                documented_rows(BAD_LOGITS_STATUS, {7: 17}))
+             for kw in SAMPLING_FILTERS[:4]]
+    cases += [ok(f"sample_from_hidden: NaN, +inf and overflowing hidden rows, {_name(kw)}",
+                 lambda kw=kw: sample_from_hidden(BAD_HIDDEN, HEAD, seeds=seeds[:4], temperature=0.9, **kw),
+                 documented_rows(BAD_HIDDEN_STATUS))
+              for kw in SAMPLING_FILTERS[:4]]
+    good = BAD_HIDDEN[[0, 0]]
+    w_nan = HEAD.clone()
+    w_nan[6, 1] = NAN
+    bias_inf, bias_nan, masked, one = torch.zeros(40), torch.zeros(40), torch.full((40,), -INF), torch.full((40,), -INF)
+    bias_inf[3], bias_nan[30], one[12] = INF, NAN, 0.0
+    for kw in SAMPLING_FILTERS[:2]:
+        cases += [
+            ok(f"sample_from_hidden: a NaN weight row, {_name(kw)}",
+               lambda kw=kw: sample_from_hidden(good, w_nan, seeds=seeds[:2], **kw), documented_rows((1, 1))),
+            ok(f"sample_from_hidden: a +inf bias entry, {_name(kw)}",
+               lambda kw=kw: sample_from_hidden(good, HEAD, bias=bias_inf, seeds=seeds[:2], **kw),
+               documented_rows((1, 1))),
+            ok(f"sample_from_hidden: a NaN bias entry, {_name(kw)}",
+               lambda kw=kw: sample_from_hidden(good, HEAD, bias=bias_nan, seeds=seeds[:2], **kw),
+               documented_rows((1, 1))),
+            ok(f"sample_from_hidden: bias -inf everywhere, {_name(kw)}",
+               lambda kw=kw: sample_from_hidden(good, HEAD, bias=masked, seeds=seeds[:2], **kw),
+               documented_rows((2, 2))),
+            ok(f"sample_from_hidden: bias -inf but at one entry, {_name(kw)}",
+               lambda kw=kw: sample_from_hidden(good, HEAD, bias=one, seeds=seeds[:2], **kw),
+               documented_rows((0, 0), {0: 12, 1: 12})),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize("case", table({"bad rows": _bad_row_cases}))
+def test_bad_rows(backend, case):
+    assert_well(case)

@@ -485,6 +485,77 @@ def test_bad_rows_give_nan_log_probs_by_default(be):
         assert bool(out.log_probs[1].isnan()) and bool(torch.isfinite(out.log_probs[[0, 2]]).all()), kw
 
 
+_BAD_KINDS = ("nan", "+inf", "-inf everywhere", "nan among -inf", "overflow once tempered", "-inf once tempered",
+              "one finite entry", "hidden nan", "hidden +inf", "bias -inf everywhere", "bias +inf")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), kind=st.sampled_from(_BAD_KINDS), V=st.integers(2, 70),
+       filters=st.sampled_from([{}, {"top_k": 3}, {"top_p": 0.6}, {"min_p": 0.2}, {"top_k": 4, "top_p": 0.9}]))
+def test_a_bad_row_gets_one_status_token_and_log_probs_on_every_backend(data, kind, V, filters):
+    """Whatever makes a row bad (a NaN or +inf logit, -inf everywhere, an overflow once tempered;
+    in the logits, the hidden state or the bias), under any filter, the torch and Triton backends
+    give it the same status, token and log-probs, the documented ones (token 0, NaN log-probs;
+    status 2 where every logit is -inf, else 1), and the other rows what they get in a good batch."""
+    from rlk_mm.ops._triton.sampling import sample_hidden, sample_logits
+
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 999)))
+    B, H = 3, 8
+    r, j = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, V - 1))
+    seeds, steps = torch.arange(B) * 7 + 1, torch.full((B,), 4)
+    inv_t = ref.fp32(1 / 0.5)
+    f = ref.Filters(filters.get("top_k") if filters.get("top_k", V) < V else None, filters.get("top_p"),
+                    ref.fp32(math.log(filters["min_p"])) if "min_p" in filters else None)
+    if kind.startswith(("hidden", "bias")):
+        hidden, weight, bias = torch.randn(B, H, generator=g), torch.randn(V, H, generator=g), torch.zeros(V)
+        clean = ref.sample_hidden_rows(hidden, weight, bias, 0.5, f, seeds, steps)
+        if kind.startswith("hidden"):
+            hidden[r, j % H] = math.nan if kind == "hidden nan" else math.inf
+        elif kind == "bias +inf":
+            bias[j] = math.inf
+        else:
+            bias[:] = -math.inf
+        want = ref.ALL_MASKED if kind == "bias -inf everywhere" else ref.NOT_FINITE
+        bad_rows = [r] if kind.startswith("hidden") else list(range(B))
+        outs = [ref.sample_hidden_rows(hidden, weight, bias, 0.5, f, seeds, steps),
+                sample_hidden(hidden, weight, bias, 0.5, f, seeds, steps)]
+    else:
+        x = torch.randn(B, V, generator=g)
+        clean = ref.sample_rows(x, inv_t, f, seeds, steps)
+        if kind == "nan":
+            x[r, j] = math.nan
+        elif kind == "+inf":
+            x[r, j] = math.inf
+        elif kind == "overflow once tempered":
+            x[r, j] = 3e38
+        elif kind == "-inf once tempered":
+            x[r] = -3e38
+        else:
+            x[r] = -math.inf
+            x[r, j] = {"nan among -inf": math.nan, "one finite entry": 0.25}.get(kind, -math.inf)
+        want = (ref.OK if kind == "one finite entry" else
+                ref.ALL_MASKED if kind in ("-inf everywhere", "-inf once tempered") else ref.NOT_FINITE)
+        bad_rows = [r]
+        outs = [ref.sample_rows(x, inv_t, f, seeds, steps), sample_logits(x, inv_t, f, seeds, 4)]
+    good = [row for row in range(B) if row not in bad_rows]
+    # the logits of the two backends' LM heads agree to the contract, not bitwise: compare their good rows
+    # only from logits (from hidden states, each backend's good rows are finite)
+    compared = list(range(B)) if kind[0] not in "hb" else bad_rows
+    for out in outs:
+        tok, lp, slp, status = out
+        assert torch.equal(status[bad_rows], torch.full((len(bad_rows),), want, dtype=torch.int8)), (kind, outs)
+        assert torch.equal(status[good], torch.zeros(len(good), dtype=torch.int8)), (kind, outs)
+        if want == ref.OK:  # the one finite entry
+            assert int(tok[r]) == j and lp[r] == 0.0 and slp[r] == 0.0, (kind, outs)
+        else:
+            assert (tok[bad_rows] == 0).all() and lp[bad_rows].isnan().all() and slp[bad_rows].isnan().all(), outs
+        assert torch.isfinite(lp[good]).all() and torch.isfinite(slp[good]).all(), (kind, outs)
+    for a, b in zip(*outs):
+        a, b = a[compared], b[compared]
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), (kind, outs)
+    assert all(torch.equal(o[good], c[good]) for o, c in zip(outs[0], clean)), (kind, outs, clean)
+
+
 @pytest.mark.parametrize("be", ["torch", "triton"])
 def test_step_as_a_tensor_draws_as_the_int(be):
     """A 0-d or per-row step tensor (what a CUDA graph replays) draws what the int step draws."""

@@ -26,9 +26,10 @@ from rlk_mm.schema.spans import Span, SpanTable
 from support.helpers import raised_by_rlk_mm
 
 __all__ = [
-    "ADV", "BATCH", "BIAS", "F32_MAX", "F32_TINY", "GROUPS", "H", "IDX", "INF", "LEFT", "LOGP", "MASK", "NAN", "OLD",
-    "PACKED", "RIGHT", "SAMPLE", "SCORES", "TGT", "TOKEN_REWARDS", "UIDS", "W", "Case", "assert_well", "bad",
-    "finite_scalar", "ok", "outcome", "table", "with_value",
+    "ADV", "BAD_HIDDEN", "BAD_HIDDEN_STATUS", "BAD_LOGITS", "BAD_LOGITS_STATUS", "BATCH", "BIAS", "F32_MAX", "F32_TINY",
+    "GROUPS", "H", "HEAD", "IDX", "INF", "LEFT", "LOGP", "MASK", "NAN", "OLD", "PACKED", "RIGHT", "SAMPLE",
+    "SAMPLING_FILTERS", "SCORES", "TGT", "TOKEN_REWARDS", "UIDS", "W", "Case", "assert_well", "bad",
+    "documented_rows", "finite_scalar", "ok", "outcome", "table", "with_value",
 ]
 
 NAN, INF = math.nan, math.inf
@@ -116,6 +117,44 @@ GROUPS = torch.tensor([0, 0, 1, 1, 2, 2])
 # ============================================================================ the verl adapter
 TOKEN_REWARDS = torch.randn(6, 4, generator=_g)
 UIDS = ["a", "a", "b", "b", "c", "c"]
+
+
+# ============================================================================ sampling: every kind of bad row
+#: logits [8, 40] drawn at temperature 0.5, one row per kind, and each row's status (the
+#: torch backend's codes: 0 OK, 1 a NaN or +inf logit, 2 every logit -inf): a good row; a NaN;
+#: a +inf; -inf everywhere; a NaN among -inf; 3e38 (+inf once tempered); -3e38 everywhere (-inf
+#: everywhere once tempered); and one finite entry (good: its token is 17)
+BAD_LOGITS = torch.randn(8, 40, generator=_g)
+BAD_LOGITS[1, 5], BAD_LOGITS[2, 33] = NAN, INF
+BAD_LOGITS[3] = -INF
+BAD_LOGITS[4], BAD_LOGITS[4, 9] = -INF, NAN
+BAD_LOGITS[5, 21] = 3e38
+BAD_LOGITS[6] = -3e38
+BAD_LOGITS[7], BAD_LOGITS[7, 17] = -INF, 0.5
+BAD_LOGITS_STATUS = (0, 1, 1, 2, 1, 1, 2, 0)
+#: hidden states [4, 8] and a head [40, 8]: a good row, a NaN, a +inf, and a row whose logits overflow
+BAD_HIDDEN = torch.randn(4, 8, generator=_g)
+BAD_HIDDEN[1, 2], BAD_HIDDEN[2, 6], BAD_HIDDEN[3] = NAN, INF, 1e38
+BAD_HIDDEN_STATUS = (0, 1, 1, 1)
+HEAD = torch.randn(40, 8, generator=_g)
+#: the filters a bad row must meet on every path (plain, top-k's list, top-p's histogram, min-p, all three)
+SAMPLING_FILTERS = ({}, {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}, {"top_k": 3, "top_p": 0.9, "min_p": 0.1})
+
+
+def documented_rows(status, token_of_ok=None):
+    """A ``SampleResult``'s check: each row as its ``status`` documents it. A bad row (status not 0)
+    has token 0 and NaN log-probs; a good one finite log-probs (``token_of_ok``: {row: its token})."""
+    def check(result) -> bool:
+        for r, st in enumerate(status):
+            token, lp, slp = int(result.tokens[r]), float(result.log_probs[r]), float(result.sampled_log_probs[r])
+            if st != 0 and not (token == 0 and math.isnan(lp) and math.isnan(slp)):
+                return False
+            if st == 0 and not (math.isfinite(lp) and math.isfinite(slp)
+                                and token == (token_of_ok or {}).get(r, token)):
+                return False
+        return True
+
+    return check
 
 
 # ============================================================================ the tables as tests

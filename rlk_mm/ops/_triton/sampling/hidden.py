@@ -166,24 +166,36 @@ def sample_hidden(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], temper
             sampled[s : s + m], status[s : s + m] = slp, st
         # a shard's exchange gathers the partials; the drawn token's logit is the same on every rank already
         exchange_and_combine(cfg, parts, z_tok, s, m, n_parts, False, log_probs[s:], log_probs, lse, shard)
-    if draw:
-        _plain_status_kernel[(triton.cdiv(B, scfg.status_block),)](
-            log_probs, sampled, status, B, OK=_ref.OK, NOT_FINITE=_ref.NOT_FINITE, BLOCK=scfg.status_block)
+        _row_status_kernel[(triton.cdiv(m, scfg.status_block),)](
+            log_probs[s:], sampled[s:], tokens[s:], status[s:], lse, m, PLAIN=draw, OK=_ref.OK,
+            NOT_FINITE=_ref.NOT_FINITE, ALL_MASKED=_ref.ALL_MASKED, BLOCK=scfg.status_block)
     return tokens, log_probs, sampled, status
 
 
 @triton.jit
-def _plain_status_kernel(lp_ptr, slp_ptr, status_ptr, n_rows, OK: tl.constexpr, NOT_FINITE: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Plain temperature: the sampled log-prob is the log-prob, and a row's status is
-    ``NOT_FINITE`` where it is not finite (a NaN or +inf logit, from hidden, weight or bias).
-    One launch for what would be four elementwise torch ops in a decode step."""
+def _row_status_kernel(lp_ptr, slp_ptr, tok_ptr, status_ptr, lse_ptr, n_rows, PLAIN: tl.constexpr, OK: tl.constexpr,
+                       NOT_FINITE: tl.constexpr, ALL_MASKED: tl.constexpr, BLOCK: tl.constexpr):
+    """A chunk's bad rows as the torch backend gives them: token 0, log-probs NaN. Plain
+    temperature also finds the status (a log-prob that is not finite: ``ALL_MASKED`` where the
+    log-sum-exp is -inf, every logit -inf; else ``NOT_FINITE``, a NaN or +inf logit from hidden,
+    weight or bias) and writes the sampled log-prob, the log-prob; filters read the status
+    ``sample_logits`` wrote. One launch for what would be several elementwise torch ops a step."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_rows
     lp = tl.load(lp_ptr + offs, mask=ok, other=0.0)
-    tl.store(slp_ptr + offs, lp, mask=ok)
-    finite = (lp == lp) & (tl.abs(lp) != float("inf"))
-    tl.store(status_ptr + offs, tl.where(finite, OK, NOT_FINITE).to(tl.int8), mask=ok)
+    if PLAIN:
+        finite = (lp == lp) & (tl.abs(lp) != float("inf"))
+        masked = tl.load(lse_ptr + offs, mask=ok, other=0.0) == -float("inf")
+        status = tl.where(finite, OK, tl.where(masked, ALL_MASKED, NOT_FINITE)).to(tl.int8)
+        tl.store(status_ptr + offs, status, mask=ok)
+    else:
+        status = tl.load(status_ptr + offs, mask=ok, other=OK)
+    bad = status != OK
+    lp = tl.where(bad, float("nan"), lp)
+    tl.store(lp_ptr + offs, lp, mask=ok)
+    if PLAIN:
+        tl.store(slp_ptr + offs, lp, mask=ok)
+        tl.store(tok_ptr + offs, 0, mask=ok & bad)
 
 
 def _best_tile(best: Tensor, best_block: Tensor, best_z: Tensor, n_tiles: int, m: int):

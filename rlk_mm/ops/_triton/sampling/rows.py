@@ -169,8 +169,8 @@ def row_mass(part_mass_ptr, row, n_blocks, NBP: tl.constexpr):
 
 @triton.jit
 def store_row(row, token, lp, slp, status, tok_ptr, lp_ptr, slp_ptr, status_ptr):
-    """A row's results; its log-probs NaN for a bad row."""
-    tl.store(tok_ptr + row, token)
+    """A row's results; a bad row's as the torch backend gives them: token 0, log-probs NaN."""
+    tl.store(tok_ptr + row, tl.where(status == 0, token, 0))
     tl.store(lp_ptr + row, tl.where(status == 0, lp, float("nan")))
     tl.store(slp_ptr + row, tl.where(status == 0, slp, float("nan")))
     tl.store(status_ptr + row, status.to(tl.int8))
