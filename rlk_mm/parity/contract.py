@@ -21,6 +21,9 @@ class Tolerance:
     low_precision: float
 
     def for_dtype(self, dtype: torch.dtype) -> float:
+        """The bound for inputs of ``dtype``: fp32/fp64 get ``fp32``, bf16/fp16 ``low_precision``."""
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a torch floating dtype (the inputs' dtype, e.g. torch.bfloat16), got {dtype!r}")
         return self.fp32 if dtype in (torch.float32, torch.float64) else self.low_precision
 
 

@@ -127,6 +127,8 @@ def compare_logprobs(
     tol = LOGPROB_MAX_ABS.for_dtype(dtype) if tolerance is None else float_arg("tolerance", tolerance, min=0)
     for name, values in (("rollout_logprobs", rollout_logprobs), ("training_logprobs", training_logprobs)):
         tensor_arg(name, values)
+        if values.is_meta:
+            raise ValueError(f"{name} is on the meta device (no data to compare); pass the log-probs as a CPU or CUDA tensor")
     report = check_layout_parity(rollout, training, tokenizer=tokenizer)
     if not report.ok:
         raise LayoutParityError(report)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlk_mm import RLBatch
-from rlk_mm.parity import check_layout_parity, compare_logprobs
+from rlk_mm.parity import LOGPROB_MAX_ABS, check_layout_parity, compare_logprobs
 from rlk_mm.parity.invariance import invariance_sweep
 from rlk_mm.parity.invariance_report import InvarianceReport
 from support.context_cases import (
@@ -127,6 +127,12 @@ BAD = [
     Case("compare_logprobs.tolerance.str",
          lambda c: compare_logprobs(c.logp, c.logp, c.training, c.training,
                                     tolerance="0.1"), Raises(TypeError, r"tolerance must be a number")),
+    Case("compare_logprobs.meta", lambda c: compare_logprobs(c.logp.to("meta"), c.logp, c.training, c.training),
+         Raises(ValueError, r"rollout_logprobs is on the meta device.*CPU or CUDA tensor")),
+    Case("Tolerance.for_dtype.str", lambda c: LOGPROB_MAX_ABS.for_dtype("bf16"),
+         Raises(TypeError, r"dtype must be a torch floating dtype.*got 'bf16'")),
+    Case("Tolerance.for_dtype.int", lambda c: LOGPROB_MAX_ABS.for_dtype(torch.int32),
+         Raises(TypeError, r"dtype must be a torch floating dtype.*torch\.int32")),
     Case("compare_logprobs.rollout.none", lambda c: compare_logprobs(c.logp, c.logp, None, c.training),
          Raises(TypeError, r"rollout must be an RLBatch")),
     # ---------------------------------------------------------------- invariance_sweep
