@@ -19,6 +19,7 @@ is left out of the returned batch (``rejected``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -111,12 +112,16 @@ class OnPolicyRollout:
             tensor_arg("rewards", rewards, ndim=1)
             if not rewards.dtype.is_floating_point and rewards.dtype not in INTEGER_DTYPES:
                 raise TypeError(f"rewards must be a float or integer tensor, got {rewards.dtype}")
+            if rewards.is_meta:
+                raise ValueError("rewards is on the meta device (no values); pass a CPU or CUDA tensor or a list")
             rewards = rewards.detach().to("cpu", torch.float64).tolist()
+        if isinstance(rewards, (set, frozenset)):
+            raise TypeError("rewards must be in row order (a list or tuple, one number per kept row), got a set")
         rewards = sequence_arg("rewards", rewards, "one number per sample")
         if len(rewards) != self.batch.num_samples:
             raise ValueError(f"rewards has {len(rewards)} entries but the batch has {self.batch.num_samples} samples: "
                              "one reward per kept row (rollout.rows)")
-        rewards = [float_arg(f"rewards[{i}]", r) for i, r in enumerate(rewards)]
+        rewards = [_reward(i, r) for i, r in enumerate(rewards)]
         fields = {name: getattr(self.batch, name) for name in type(self.batch).model_fields}
         fields["rewards"] = torch.tensor(rewards, dtype=torch.float32, device=self.batch.device)
         self.batch = RLBatch(**fields)
@@ -124,6 +129,21 @@ class OnPolicyRollout:
 
 
 # --------------------------------------------------------------------------- arguments
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _reward(i: int, value) -> float:
+    """``rewards[i]`` as a finite float that float32 (the batch's reward dtype) holds."""
+    try:
+        r = float_arg(f"rewards[{i}]", value)
+    except OverflowError:
+        r = math.inf
+    if abs(r) > _FLOAT32_MAX:
+        raise ValueError(f"rewards[{i}]={value!r:.40} is beyond float32's range (|r| <= {_FLOAT32_MAX:.4g}): rewards are "
+                         "stored as float32; rescale them")
+    return r
+
+
 def _prompt_batch(prompts, processor) -> RLBatch:
     """The prompts as one prompt-only RLBatch (its positions are the ones fed)."""
     if isinstance(prompts, RLBatch):

@@ -7,9 +7,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rlk_mm import RLBatch
-from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, group_logprobs, layout_inputs
+from rlk_mm import RLBatch, fixtures
+from rlk_mm.models import VisionCache, batch_logprobs, forward_hidden, generate_on_policy, group_logprobs, layout_inputs
+from rlk_mm.schema import SchemaError
 from support.context_cases import (
     Case,
     Raises,
@@ -28,7 +31,25 @@ def _kept_twice(c):
         return cache(c.key_big)
 
 
+def _rollout(c):
+    """One two-row rollout of the tiny model (one new token), built once per context."""
+    if not hasattr(c, "rollout"):
+        prompts = fixtures.processor_inputs(c.processor, c.samples[:1])
+        c.rollout = generate_on_policy(c.model, prompts, processor=c.processor, max_new_tokens=1, samples_per_prompt=2,
+                                       seed=0, backend="torch")
+    return c.rollout
+
+
 BAD = [
+    # ---------------------------------------------------------------- OnPolicyRollout.set_rewards
+    Case("set_rewards.meta", lambda c: _rollout(c).set_rewards(torch.zeros(2, device="meta")),
+         Raises(ValueError, r"rewards is on the meta device.*CPU or CUDA tensor")),
+    Case("set_rewards.set", lambda c: _rollout(c).set_rewards({0.0, 1.0}),
+         Raises(TypeError, r"rewards must be in row order.*got a set")),
+    Case("set_rewards.huge_int", lambda c: _rollout(c).set_rewards([10**400, 0]),
+         Raises(ValueError, r"rewards\[0\]=1000.* beyond float32's range.*rescale")),
+    Case("set_rewards.beyond_float32", lambda c: _rollout(c).set_rewards([0.0, 1e39]),
+         Raises(ValueError, r"rewards\[1\]=1e\+39 is beyond float32's range")),
     # ---------------------------------------------------------------- layout_inputs(batch, padding, pad_token_id)
     Case("layout_inputs.batch.list", lambda c: layout_inputs([c.batch]),
          Raises(TypeError, r"batch must be an RLBatch")),
@@ -120,3 +141,25 @@ GOOD = [
 def test_input(case, input_context):
     assert_well(case, input_context)
 
+
+_ENTRIES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6), st.booleans(),
+                     st.none(), st.text(max_size=2))
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(_ENTRIES, max_size=4))
+def test_set_rewards_accepts_exactly_finite_numbers_of_the_right_count(input_context, rewards):
+    """set_rewards keeps the rewards (as float32) exactly when every entry is a finite real number (not a bool)
+    and there is one per row; otherwise it raises our error and leaves the batch's rewards unchanged."""
+    rollout = _rollout(input_context)
+    before = rollout.batch.rewards
+    ok = len(rewards) == rollout.batch.num_samples and all(
+        not isinstance(r, bool) and isinstance(r, (int, float)) and math.isfinite(r) and abs(r) <= torch.finfo(torch.float32).max
+        for r in rewards)
+    if ok:
+        got = rollout.set_rewards(rewards).rewards
+        assert torch.equal(got, torch.tensor([float(r) for r in rewards], dtype=torch.float32))
+    else:
+        with pytest.raises((TypeError, ValueError, SchemaError)):
+            rollout.set_rewards(rewards)
+        assert rollout.batch.rewards is before
