@@ -31,6 +31,17 @@ def outcome_inputs(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     """Checks an outcome-advantage call; returns its group ids (``index``) as a list, one per row."""
     tensor_arg("token_level_rewards", token_level_rewards, ndim=2, dtypes=FLOAT_DTYPES)
     tensor_arg("response_mask", response_mask, shape=tuple(token_level_rewards.shape))
+    for name, t in (("token_level_rewards", token_level_rewards), ("response_mask", response_mask)):
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device (no values); pass it on the CPU or a GPU")
+    if isinstance(index, (set, frozenset, dict)):
+        raise TypeError(f"index must be in row order (a list, tuple or array, one group id per response), "
+                        f"got a {type(index).__name__}")
+    bad = ~torch.isfinite(token_level_rewards)
+    if bool(bad.any()):
+        row, col = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(f"token_level_rewards: row {row}, column {col} is {float(token_level_rewards[row, col])}: "
+                         "rewards must be finite (fix the reward function, or score a failed response with a number)")
     ids = np.asarray(index).reshape(-1).tolist()
     if len(ids) != token_level_rewards.shape[0]:
         raise ValueError(

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlk_mm.integrations import easyr1
 from rlk_mm.integrations.verl import FusedLinearForPPO, enable, scoring
@@ -163,6 +165,13 @@ def _easyr1_cases() -> list[Case]:
         bad("grpo: index length", adv(index=UIDS[:5]), ValueError,
             r"index has 5 entries but token_level_rewards has 6 rows"),
         bad("grpo: eps 0", adv(eps=0.0), ValueError, r"eps=0\.0 is out of range"),
+        bad("grpo: token_level_rewards nan", adv(token_level_rewards=with_value(TOKEN_REWARDS, (2, 1), NAN)), ValueError,
+            r"token_level_rewards: row 2, column 1 is nan: rewards must be finite"),
+        bad("grpo: token_level_rewards -inf", adv(token_level_rewards=with_value(TOKEN_REWARDS, (0, 3), -math.inf)),
+            ValueError, r"token_level_rewards: row 0, column 3 is -inf"),
+        bad("grpo: token_level_rewards meta", adv(token_level_rewards=TOKEN_REWARDS.to("meta")), ValueError,
+            r"token_level_rewards is on the meta device"),
+        bad("grpo: index set", adv(index=set(UIDS)), TypeError, r"index must be in row order.*got a set"),
         bad("grpo: response_mask shape", adv(response_mask=torch.ones(6)), ValueError,
             r"response_mask must have shape \[6, 4\]"),
         bad("grpo: single response", adv(index=["a", "a", "b", "b", "c", "d"]), ValueError,
@@ -251,3 +260,18 @@ VERL_CASES = {"verl": _verl_cases}
 def test_verl_inputs(requires_verl, case):
     assert_well(case)
 
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=6, max_size=6))
+def test_outcome_advantage_refuses_exactly_non_finite_rewards(scores):
+    """EasyR1's GRPO advantage accepts a reward tensor exactly when every entry is finite, and then its
+    advantages are finite."""
+    rewards = torch.zeros(6, 4)
+    rewards[:, -1] = torch.tensor(scores)
+    call = lambda: easyr1.compute_grpo_outcome_advantage(rewards, torch.ones(6, 4), UIDS)  # noqa: E731
+    if all(math.isfinite(v) for v in scores):
+        assert bool(torch.isfinite(call()[0]).all())
+    else:
+        with pytest.raises(ValueError, match=r"token_level_rewards: row \d, column 3 is .*must be finite"):
+            call()
