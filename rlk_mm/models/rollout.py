@@ -129,6 +129,7 @@ class OnPolicyRollout:
 
 
 # --------------------------------------------------------------------------- arguments
+_MAX_NEW_TOKENS = 1 << 20  # a response buffer per row; larger asks are typos (an allocator error before)
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -284,7 +285,7 @@ def generate_on_policy(
             raise ValueError(f"backend={str(backend)!r} inside an active batch_invariant(backend={active_backend()!r}) "
                              "block: the block's backend would run; leave backend None inside the block, or call "
                              "generate_on_policy outside it")
-    max_new_tokens = int_arg("max_new_tokens", max_new_tokens, min=1)
+    max_new_tokens = int_arg("max_new_tokens", max_new_tokens, min=1, max=_MAX_NEW_TOKENS)
     samples_per_prompt = int_arg("samples_per_prompt", samples_per_prompt, min=1)
     temperature = temperature_arg(temperature)
     top_k = None if top_k is None else int_arg("top_k", top_k, min=1)

@@ -171,6 +171,8 @@ def _easyr1_cases() -> list[Case]:
             ValueError, r"token_level_rewards: row 0, column 3 is -inf"),
         bad("grpo: token_level_rewards meta", adv(token_level_rewards=TOKEN_REWARDS.to("meta")), ValueError,
             r"token_level_rewards is on the meta device"),
+        bad("compute_kl: meta", lambda: easyr1.compute_kl(LOGP.to("meta"), LOGP, "kl"), ValueError,
+            r"log_probs is on the meta device"),
         bad("grpo: index set", adv(index=set(UIDS)), TypeError, r"index must be in row order.*got a set"),
         bad("grpo: response_mask shape", adv(response_mask=torch.ones(6)), ValueError,
             r"response_mask must have shape \[6, 4\]"),

@@ -42,6 +42,10 @@ def _rollout(c):
 
 BAD = [
     # ---------------------------------------------------------------- OnPolicyRollout.set_rewards
+    Case("generate_on_policy.max_new_tokens.huge",
+         lambda c: generate_on_policy(c.model, fixtures.processor_inputs(c.processor, c.samples[:1]),
+                                      processor=c.processor, max_new_tokens=10**12),
+         Raises(ValueError, r"max_new_tokens=1000000000000 is out of range: it must be .*<= 1048576")),
     Case("set_rewards.meta", lambda c: _rollout(c).set_rewards(torch.zeros(2, device="meta")),
          Raises(ValueError, r"rewards is on the meta device.*CPU or CUDA tensor")),
     Case("set_rewards.set", lambda c: _rollout(c).set_rewards({0.0, 1.0}),

@@ -64,6 +64,8 @@ def compute_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_penalty:
         )
     for name, t in (("log_probs", log_probs), ("ref_log_probs", ref_log_probs)):
         tensor_arg(name, t, dtypes=FLOAT_DTYPES)
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device (no values); pass it on the CPU or a GPU")
     return _loss.kl_penalty(log_probs.float(), ref_log_probs.float(), kl_penalty)
 
 
