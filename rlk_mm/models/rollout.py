@@ -321,7 +321,8 @@ def generate_on_policy(
     start = time.perf_counter()
     invariant = kernels is Kernels.INVARIANT
     # what runs: the invariant kernels' backend (the block's inside one; Triton on CUDA, torch elsewhere), else None
-    ran = (str(backend or active_backend() or ("triton" if device.type == "cuda" else "torch"))) if invariant else None
+    block = active_backend() if active_backend() != "auto" else None  # "auto" picks by device, as below
+    ran = (str(backend or block or ("triton" if device.type == "cuda" else "torch"))) if invariant else None
     static = loop is DecodeLoop.STATIC or (loop is DecodeLoop.AUTO and device.type == "cuda")
     with torch.no_grad(), (within_batch_invariant(backend) if invariant else contextlib.nullcontext()):
         tokens, logps, sampled, lengths, ended, steps = _decode(

@@ -170,19 +170,20 @@ def test_set_rewards_accepts_exactly_finite_numbers_of_the_right_count(input_con
         assert rollout.batch.rewards is before
 
 
-@settings(deadline=None, max_examples=8)
+@settings(deadline=None, max_examples=16)
 @given(st.booleans(), st.sampled_from([None, "torch"]), st.sampled_from(["invariant", "default"]),
        st.sampled_from([None, "torch"]))
 def test_generate_on_policy_runs_the_kernels_it_reports(input_context, inside, block_backend, kernels, backend):
     """Inside or outside an active batch_invariant() block, generate_on_policy either reports the kernels it ran
     (.kernels, settings['backend']: None for the model's own, else the invariant backend) or refuses by name."""
-    from rlk_mm import batch_invariant
+    from rlk_mm.ops import batch_invariant
 
     c = input_context
     prompts = fixtures.processor_inputs(c.processor, c.samples[:1])
     call = lambda: generate_on_policy(c.model, prompts, processor=c.processor, max_new_tokens=1, seed=0,  # noqa: E731
                                       kernels=kernels, backend=backend)
-    refused = (kernels == "default" and (backend is not None or inside))
+    refused = (kernels == "default" and (backend is not None or inside)) or (inside and backend is not None
+                                                                             and block_backend != backend)
     with batch_invariant(backend=block_backend) if inside else contextlib.nullcontext():
         if refused:
             with pytest.raises(ValueError, match=r"kernels='default'|backend"):
