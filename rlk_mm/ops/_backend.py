@@ -19,8 +19,8 @@ from ..schema import Choice
 from .options import Backend
 
 __all__ = [
-    "Backend", "BackendUnavailableError", "backend_arg", "backend_name", "resolve_backend", "triton_interpreting",
-    "use_triton",
+    "Backend", "BackendUnavailableError", "backend_arg", "backend_name", "readable_args", "resolve_backend",
+    "triton_interpreting", "use_triton",
 ]
 
 #: the backends ``RLK_MM_BACKEND`` and most ``backend=`` arguments take
@@ -89,6 +89,16 @@ def resolve_backend(backend: Optional[Backend] = Backend.AUTO, *, on_cuda: bool,
             "imported), or move the tensors to CUDA"
         )
     return chosen
+
+
+def readable_args(op: str, **tensors) -> None:
+    """Refuses, by name, a tensor among ``tensors`` on the meta device: ``op`` reads its inputs'
+    values (to check them, or to size its output) and a meta tensor holds none (the error
+    from inside torch said only that it could not copy). Non-tensors are left to the op's checks."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(f"{name} is on the meta device, which holds no values: {op} computes with its inputs' "
+                             "values and checks them; pass tensors with data")
 
 
 def use_triton(*tensors: Optional[torch.Tensor]) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from ..schema import RLBatch
 from ..schema.checks import bool_arg, temperature_arg
-from ._backend import use_triton
+from ._backend import readable_args, use_triton
 from ._head_inputs import TargetError, check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ._torch import logprob as _ref
 from .options import PaddingSide
@@ -110,6 +110,7 @@ def selected_logprob(
     """
     return_entropy = bool_arg("return_entropy", return_entropy)
     temperature = temperature_arg(temperature)
+    readable_args("selected_logprob", hidden=hidden)  # (the others must be on its device)
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)
     weight, bias, tp_group = sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)
     if tp_group is not None:

@@ -37,6 +37,12 @@ class Option(Choice):
         member.__doc__ = doc
         return member
 
+    @classmethod
+    def _missing_(cls, value):
+        """``AggMode("mean")`` and the like: an error that lists the accepted values (Python's
+        own said only that the value is not valid)."""
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}: expected one of {', '.join(m.value for m in cls)}")
+
 
 def _list_members(cls):
     """Appends ``value: description`` of each member to the class docstring."""

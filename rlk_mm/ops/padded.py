@@ -24,7 +24,7 @@ import torch
 from ..deprecations import renamed_keywords
 from ..schema import PaddingSide
 from ..schema.checks import INTEGER_DTYPES, DeviceChecks, int_arg, tensor_arg
-from ._backend import use_triton
+from ._backend import readable_args, use_triton
 
 Tensor = torch.Tensor
 
@@ -132,6 +132,7 @@ def pack_padded(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         shape or device. One host sync: the mask checks and the output size, read together.
     """
     x = data_arg("x", x, 2, "[B, L, *]")
+    readable_args("pack_padded", x=x)  # (the mask must be on its device)
     checks = DeviceChecks()
     starts, lengths = mask_runs(x, mask, checks)
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
@@ -177,6 +178,7 @@ def unpack_to_padded(
         ``cu_seqlens`` and mask checks, read together.
     """
     packed = data_arg("packed", packed, 1, "[T, *]")
+    readable_args("unpack_to_padded", packed=packed, cu_seqlens=cu_seqlens, padding=padding)
     cu = tensor_arg("cu_seqlens", cu_seqlens, ndim=1, dtypes=INTEGER_DTYPES)
     if cu.numel() == 0:
         raise ValueError("cu_seqlens must hold B+1 >= 1 offsets (0, then each sample's end), got none")

@@ -36,6 +36,7 @@ from ..schema.checks import (
     int_arg,
     tensor_arg,
 )
+from ._backend import readable_args
 from .options import Estimator, RewardPlacement
 
 __all__ = ["Estimator", "RewardPlacement", "SpanReward", "group_advantages", "overlong_penalty", "scatter_rewards"]
@@ -103,6 +104,7 @@ def overlong_penalty(lengths: Tensor, max_length: int, buffer: int) -> Tensor:
         For bad arguments or a negative length (one host read).
     """
     tensor_arg("lengths", lengths, dtypes=INTEGER_DTYPES)
+    readable_args("overlong_penalty", lengths=lengths)
     max_length, buffer = _penalty_args(max_length, buffer)
     checks = DeviceChecks()
 
@@ -179,6 +181,7 @@ def scatter_rewards(
         without loss tokens (it would be lost), or ``num_tokens`` unequal to the count.
     """
     table, rewards, spans = _resolve_target(batch, rewards, spans)
+    readable_args("scatter_rewards", rewards=rewards, **{f"{sr.name}: values": sr.values for sr in spans})
     mode = RewardPlacement.parse(mode, "mode")
     check = bool_arg("check", check)
     if num_tokens is not None:
@@ -207,7 +210,11 @@ def scatter_rewards(
     else:
         n = num_tokens
 
-    span_id = torch.repeat_interleave(torch.arange(table.num_spans, device=dev), lengths, output_size=n)
+    try:
+        span_id = torch.repeat_interleave(torch.arange(table.num_spans, device=dev), lengths, output_size=n)
+    except RuntimeError:  # a trusted num_tokens (check=False) that is not the count, where torch notices it
+        raise ValueError(f"num_tokens={n} is not the loss spans' token count (check=False trusts it): pass the count "
+                         "(batch.loss_spans.lengths().sum()), or leave it out") from None
     sample = table.span_sample()[span_id]
     position = torch.arange(n, device=dev) - (cum - lengths)[span_id] + table.starts.long()[span_id]
     keys = (sample << _KEY_SHIFT) | position
@@ -412,6 +419,12 @@ def group_advantages(
     if estimator is Estimator.GRPO:
         var = torch.segment_reduce(dev * dev, "sum", offsets=offsets, axis=0, unsafe=True) / (n - 1).clamp(min=1)
         std = torch.where(singleton, torch.ones((), dtype=work_dtype, device=x.device), var.sqrt())
+        # the squares overflow for deviations beyond ~1e19 (float32): there, the std of the deviations
+        # scaled by their largest (finite) one, times it; elsewhere the bits above
+        big = torch.segment_reduce(dev.abs(), "max", offsets=offsets, axis=0, unsafe=True)
+        scaled = dev / big[seg]
+        var_scaled = torch.segment_reduce(scaled * scaled, "sum", offsets=offsets, axis=0, unsafe=True)
+        std = torch.where(torch.isinf(var) & torch.isfinite(big), big * (var_scaled / (n - 1).clamp(min=1)).sqrt(), std)
         adv_sorted = dev / (std[seg] + eps)
     elif estimator is Estimator.DR_GRPO:
         adv_sorted = dev

@@ -44,7 +44,7 @@ from ..schema.checks import (
     temperature_arg,
     tensor_arg,
 )
-from ._backend import backend_arg, resolve_backend
+from ._backend import backend_arg, readable_args, resolve_backend
 from ._head_inputs import check_bias, check_head, contiguous_rows
 from ._torch import sampling as _ref
 from .logprob import sharded_head
@@ -64,7 +64,7 @@ MAX_VOCAB = 1 << 23
 
 
 class SampleResult(NamedTuple):
-    """One drawn token per row, and its log-probs (fp32)."""
+    """One drawn token per row, and its log-probs (fp32, detached: a draw keeps no autograd graph)."""
 
     tokens: Tensor  # int64 [B]
     log_probs: Tensor  # fp32 [B]: under softmax(logits / temperature)
@@ -120,6 +120,7 @@ def sample(
         Bad arguments (always, before any launch); bad rows only with ``check=True``.
     """
     tensor_arg("logits", logits)
+    readable_args("sample", logits=logits, seeds=seeds, step=step)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V] (one row per sample); got shape {tuple(logits.shape)}")
     if logits.dtype not in KERNEL_FLOAT_DTYPES:
@@ -129,7 +130,7 @@ def sample(
     check = bool_arg("check", check)
     seeds, step = _seeds_and_steps(seeds, step, B, logits.device, check)
     backend = backend_arg(backend, "backend", BACKENDS[1:])
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    logits = (logits if logits.stride(-1) == 1 else logits.contiguous()).detach()  # no graph on any backend
     if backend is Backend.FLASHINFER:
         from ._flashinfer import sampling as _fi
 
@@ -178,6 +179,7 @@ def sample_from_hidden(
         Bad arguments (shapes, dtypes, devices, settings); bad rows or bias only with ``check=True``.
     """
     tensor_arg("hidden", hidden)
+    readable_args("sample_from_hidden", hidden=hidden, seeds=seeds, step=step)  # (weight and bias: on its device)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [B, H] (one hidden state per sample); got shape {tuple(hidden.shape)}")
     B = hidden.shape[0]
@@ -194,6 +196,8 @@ def sample_from_hidden(
     backend = backend_arg(backend, "backend", BACKENDS[1:])
     if backend is Backend.FLASHINFER:
         raise ValueError("backend='flashinfer' samples from logits only: use sample(logits, ...), or backend=None")
+    # a draw keeps no autograd graph, on any backend (the head's graph would outlive the step)
+    hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     if tp_group is not None:
         from ._vocab_parallel import sampling as vocab_parallel
 

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlk_mm.ops import (
+    pack_padded,
     selected_logprob,
+    unpack_to_padded,
 )
 from rlk_mm.schema import RLBatch
 from rlk_mm.schema.spans import Span, SpanTable
@@ -135,10 +137,26 @@ def _selected_logprob_cases() -> list[Case]:
            lambda r: bool(r[0].isnan()) and bool(r[1].isfinite())),
         # documented: a bias of -inf masks vocabulary entries that are not targets
         ok("-inf bias elsewhere", _sl(bias=with_value(BIAS, 7, -INF)), lambda r: bool(torch.isfinite(r).all())),
+        bad("every input on meta", _sl(hidden=H.to("meta"), weight=W.to("meta"), index=IDX.to("meta"),
+                                       targets=TGT.to("meta")), ValueError,
+            r"hidden is on the meta device, which holds no values: selected_logprob computes with"),
+        ok("hidden [1, T, H] with index: its flattened rows", _sl(hidden=H[None]),
+           lambda r: torch.equal(r, selected_logprob(H, W, index=IDX, targets=TGT))),
     ]
 
 
-CASES = {"selected_logprob": _selected_logprob_cases}
+def _padded_cases() -> list[Case]:
+    x, mask = torch.zeros(2, 3, 1), torch.ones(2, 3, dtype=torch.bool)
+    return [
+        bad("pack_padded on meta", lambda: pack_padded(x.to("meta"), mask.to("meta")), ValueError,
+            r"x is on the meta device.*pack_padded"),
+        bad("unpack_to_padded cu_seqlens on meta",
+            lambda: unpack_to_padded(x[0], torch.tensor([0, 3], dtype=torch.int32, device="meta"), 3), ValueError,
+            r"cu_seqlens is on the meta device.*unpack_to_padded"),
+    ]
+
+
+CASES = {"selected_logprob": _selected_logprob_cases, "padded": _padded_cases}
 
 
 @pytest.mark.parametrize("case", table(CASES))

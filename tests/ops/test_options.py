@@ -41,6 +41,10 @@ def test_option_sets_are_documented_choices_in_one_public_home(enum):
         assert f"{member.value!r}" in enum.__doc__  # help(enum) lists it
     with pytest.raises(ValueError, match=r"my_arg='nope': expected one of"):
         enum.parse("nope", "my_arg")
+    first = next(iter(enum)).value
+    for bad in ("nope", None, 3):  # the class called directly lists its values too
+        with pytest.raises(ValueError, match=rf"{bad!r} is not a valid {enum.__name__}: expected one of {first}"):
+            enum(bad)
 
 
 def test_padding_side_is_served_from_options_and_schema():

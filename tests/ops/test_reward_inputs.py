@@ -59,6 +59,13 @@ def _group_advantages_cases() -> list[Case]:
         # documented: a non-finite score makes its own group NaN, no other
         ok("nan score propagates to its group", _adv(scores=with_value(SCORES, 2, NAN)),
            lambda r: bool(r[2:4].isnan().all()) and bool(r[[0, 1, 4, 5]].isfinite().all())),
+        # squares of deviations beyond ~1e19 overflow float32 (1e154 float64): the advantages stay the scale-free ones
+        ok("scores beyond the squares' range", _adv(scores=SCORES * 1e30),
+           lambda r: torch.allclose(r, group_advantages(SCORES, GROUPS), rtol=1e-5)),
+        ok("float64 scores beyond the squares' range", _adv(scores=SCORES.double() * 1e300),
+           lambda r: torch.allclose(r, group_advantages(SCORES.double(), GROUPS), rtol=1e-5)),
+        ok("an infinite score still makes its group NaN", _adv(scores=with_value(SCORES * 1e30, 0, INF)),
+           lambda r: bool(r[:2].isnan().all()) and torch.allclose(r[2:], group_advantages(SCORES, GROUPS)[2:])),
     ]
 
 
@@ -143,6 +150,11 @@ def _reward_cases() -> list[Case]:
            lambda r: r.shape == (0,)),
         ok("overlong counts above 2^24 are not rounded", lambda: overlong_penalty(torch.tensor([2**24 + 3]), 2**24 + 4, 2),
            lambda r: r.tolist() == [-0.5]),
+        bad("overlong lengths on meta", lambda: overlong_penalty(torch.tensor([3], device="meta"), 20, 8), ValueError,
+            r"lengths is on the meta device"),
+        bad("rewards on meta", _sr(rewards=REWARDS.to("meta")), ValueError, r"rewards is on the meta device"),
+        bad("num_tokens wrong, trusted (check=False)", _sr(num_tokens=5, check=False), ValueError,
+            r"num_tokens=5 is not the loss spans' token count \(check=False trusts it\)"),
     ]
 
 

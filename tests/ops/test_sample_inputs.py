@@ -54,6 +54,14 @@ def _sample_cases() -> list[Case]:
             r"min_p=1\.5 is out of range: it must be in \[0, 1\].*0 or None turns min-p off"),
         bad("sample: min_p nan", lambda: sample(torch.zeros(2, 4), seeds=seeds, min_p=float("nan")), ValueError,
             r"min_p=nan must be a finite number"),
+        bad("sample: logits on meta", lambda: sample(torch.zeros(2, 4, device="meta"), seeds=seeds), ValueError,
+            r"logits is on the meta device, which holds no values: sample computes with"),
+        bad("sample: seeds on meta", lambda: sample(torch.zeros(2, 4), seeds=seeds.to("meta")), ValueError,
+            r"seeds is on the meta device"),
+        bad("sample: step on meta", lambda: sample(torch.zeros(2, 4), seeds=seeds, step=torch.tensor(1, device="meta")),
+            ValueError, r"step is on the meta device"),
+        bad("sample_from_hidden: on meta", lambda: sample_from_hidden(HEAD[:2].to("meta"), HEAD.to("meta"), seeds=seeds),
+            ValueError, r"hidden is on the meta device.*sample_from_hidden"),
     ]
 
 
@@ -104,6 +112,18 @@ def _bad_row_cases() -> list[Case]:
     return cases
 
 
-@pytest.mark.parametrize("case", table({"bad rows": _bad_row_cases}))
+def _graph_cases() -> list[Case]:
+    seeds = torch.arange(2)
+    logits, head = BAD_LOGITS[[0, 7]].clone().requires_grad_(), HEAD.clone().requires_grad_()
+    return [
+        ok("sample: logits that require grad give detached log-probs", lambda: sample(logits, seeds=seeds, top_k=3),
+           lambda r: not (r.log_probs.requires_grad or r.sampled_log_probs.requires_grad)),
+        ok("sample_from_hidden: a head that requires grad gives detached log-probs",
+           lambda: sample_from_hidden(BAD_HIDDEN[:2], head, seeds=seeds),
+           lambda r: not (r.log_probs.requires_grad or r.sampled_log_probs.requires_grad)),
+    ]
+
+
+@pytest.mark.parametrize("case", table({"bad rows": _bad_row_cases, "graphs": _graph_cases}))
 def test_bad_rows(backend, case):
     assert_well(case)

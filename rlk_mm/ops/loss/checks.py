@@ -20,6 +20,10 @@ from .config import SEQ_MODES, PolicyLossConfig
 __all__: list[str] = []
 
 
+#: the most samples a batch has (its ``cu_seqlens`` are int32; the seq modes take a value per sample)
+MAX_SAMPLES = 2**31 - 1
+
+
 # ----------------------------------------------------------------------------- layout and values
 @dataclass(frozen=True)
 class Layout:
@@ -72,7 +76,7 @@ def layout_of(name: str, ref, sample_index, num_samples, checks: DeviceChecks) -
         raise ValueError(f"{name} has shape {tuple(ref.shape)}: with sample_index, inputs are compact [n]")
     if num_samples is None:
         raise ValueError("num_samples is required with sample_index (the batch size B)")
-    num_samples = int_arg("num_samples", num_samples, min=0)
+    num_samples = int_arg("num_samples", num_samples, min=0, max=MAX_SAMPLES)
     tensor_arg("sample_index", sample_index, dtypes=(torch.int64, torch.int32))
     tensor_arg("sample_index", sample_index, shape=tuple(ref.shape), device=ref.device)
     idx = sample_index.long()

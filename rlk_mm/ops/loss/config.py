@@ -25,6 +25,8 @@ __all__ = ["PolicyLoss", "PolicyLossConfig", "PolicyLossKnobs"]
 _F32_MAX = torch.finfo(torch.float32).max
 #: the aggregation modes that average over sequences (their counts: ``global_batch_size``)
 SEQ_MODES = (AggMode.SEQ_MEAN_TOKEN_SUM, AggMode.SEQ_MEAN_TOKEN_MEAN, AggMode.SEQ_MEAN_TOKEN_SUM_NORM)
+#: the largest ``dp_size``: the factor multiplies in float32, exact for integers up to 2^24
+MAX_DP_SIZE = 2**24
 
 
 class PolicyLoss(NamedTuple):
@@ -72,7 +74,7 @@ class PolicyLossConfig:
     loss_agg_mode : AggMode or str
         How per-token losses become a scalar.
     dp_size : int
-        Data-parallel ranks the global counts span, >= 1. EasyR1's ``token`` and ``seq`` modes
+        Data-parallel ranks the global counts span, in [1, 2^24]. EasyR1's ``token`` and ``seq`` modes
         average this batch alone: they take no ``dp_size`` above 1 and no global count.
     batch_num_tokens : float or Tensor, optional
         The global token count of ``token-mean`` (None: this batch's mask sum); a number >= 0 or a
@@ -116,7 +118,7 @@ class PolicyLossConfig:
             entropy_coeff=f32_arg("entropy_coeff", self.entropy_coeff, min=0.0),
             kl_type=_kl_type(self.kl_type),
             loss_agg_mode=AggMode.parse(self.loss_agg_mode, "loss_agg_mode"),
-            dp_size=int_arg("dp_size", self.dp_size, min=1),
+            dp_size=_dp_size(self.dp_size),
             batch_num_tokens=_count_arg("batch_num_tokens", self.batch_num_tokens),
             global_batch_size=_count_arg("global_batch_size", self.global_batch_size),
             loss_scale_factor=None if self.loss_scale_factor is None else f32_arg(
@@ -342,6 +344,14 @@ def _kl_type(value) -> KLType | str:
     return f"{KLType(value[:-1]).value}+" if straight else KLType(value)
 
 
+def _dp_size(value) -> int:
+    value = int_arg("dp_size", value, min=1)
+    if value > MAX_DP_SIZE:
+        raise ValueError(f"dp_size={value} is out of range: the loss is multiplied by it in float32, exact for whole "
+                         f"numbers up to 2^24 = {MAX_DP_SIZE}; pass the number of data-parallel ranks")
+    return value
+
+
 def _count_arg(name: str, value):
     """A global count: None, a number >= 0 within float32's range (as a float; a count of
     sequences whole) or a 0-d real tensor (its value is checked by the op, in its one host sync)."""
@@ -354,4 +364,7 @@ def _count_arg(name: str, value):
         return value
     if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
         raise ValueError(f"{name} must be a number or a 0-d tensor, got {value.dtype} of shape {tuple(value.shape)}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device, which holds no value: the loss reads it; pass a number or a "
+                         "tensor with data")
     return value

@@ -254,7 +254,7 @@ def checked_policy(
     for arg, t in (("old_log_probs", old_log_probs), ("advantages", advantages), ("ref_log_probs", ref_log_probs)):
         check_data(layout, checks, scored, arg, t)
     check_data(layout, checks, scored, "rollout_is_weights", rollout_is_weights, weights=True)
-    if isinstance(entropy, Tensor):
+    if entropy is not None and entropy is not True:  # True: the caller computes it later
         like(layout, "entropy", entropy)
     kl_kind, kl_st = config.kl_estimator
     if config.kl_coef != 0.0 and ref_log_probs is None:

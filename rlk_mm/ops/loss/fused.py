@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ...schema import RLBatch
 from ...schema.checks import temperature_arg, tensor_arg
-from .._backend import use_triton
+from .._backend import readable_args, use_triton
 from .._head_inputs import check_head, check_values, contiguous_rows, scored_rows, targets_named_by
 from ..invariant.mode import stock_kernels
 from ..logprob import selected_logprob, sharded_head
@@ -177,6 +177,7 @@ def linear_policy_loss(
     the numerical contract.
     """
     config = policy_loss_config(config, knobs, "linear_policy_loss")
+    readable_args("linear_policy_loss", hidden=hidden, old_log_probs=old_log_probs)  # (the others: on their devices)
     rows, tgts = scored_rows(hidden, batch, index, targets, padding)
     temperature = temperature_arg(temperature)
     weight, bias, tp_group = sharded_head(weight, bias, tp_group, vocab_start_index, gather_weight)

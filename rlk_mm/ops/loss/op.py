@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ...deprecations import renamed_keywords
 from ...schema.checks import FLOAT_DTYPES, DeviceChecks, tensor_arg
+from .._backend import readable_args
 from ..options import AggMode, KLType, RatioMode
 from .checks import agg_args, checked_mask, layout_of
 from .config import PolicyLoss, PolicyLossConfig, PolicyLossKnobs, kl_estimator, policy_loss_config
@@ -104,6 +105,8 @@ def agg_loss(
     # the counts are checked against the data where the call reads the device anyway (else: NaN)
     reads = ((mask is not None and mask.dtype != torch.bool) or (sample_index is not None and loss_mat.numel() > 0)
              or any(isinstance(c, Tensor) for c in (batch_num_tokens, global_batch_size)))
+    if reads:
+        readable_args("agg_loss", loss_mat=loss_mat)  # (the others must be on its device)
     agg = agg_args(layout, checks, config, mask, check_counts=reads)
     checks.run()
     coef, scale = aggregation(layout, mask, agg)
@@ -236,6 +239,7 @@ def policy_loss(
     it is not.
     """
     config = policy_loss_config(config, knobs, "policy_loss")
+    readable_args("policy_loss", log_probs=log_probs)  # (the others must be on its device)
     policy = checked_policy(
         "log_probs", log_probs, old_log_probs, advantages, mask, sample_index=sample_index, num_samples=num_samples,
         rollout_is_weights=rollout_is_weights, ref_log_probs=ref_log_probs, entropy=entropy, config=config,

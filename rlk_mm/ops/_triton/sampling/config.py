@@ -35,7 +35,8 @@ class SamplingConfig:
     of launch 2b.
     ``logits_budget``: bytes of fp32 logits the filtered ``sample_hidden`` writes per row chunk;
     ``finish_rows`` / ``finish_tiles``: rows and tiles per step of its plain draw's finish;
-    ``status_block``: rows per program of its plain draw's status launch."""
+    ``status_block``: rows per program of its status launch (each chunk's bad rows; the plain
+    draw's status too)."""
 
     split_block: int
     row_block: int
