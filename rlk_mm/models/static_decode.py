@@ -18,12 +18,12 @@ the CPU the same step runs eagerly.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 
 from ..ops.invariant.attention import DecodeSegments
 from ..ops.sampling import sample_from_hidden
+from .forward import cache_keyword
 
 __all__: list[str] = []
 
@@ -38,8 +38,8 @@ class StaticKV:
     step's key and value go to column ``column`` (an int64 device tensor ``[1]`` the loop
     sets), and the attention gets the whole buffer with the ranges of the step's mask."""
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor):
-        self.keys, self.values, self.column = keys, values, column
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: torch.Tensor, width: int):
+        self.keys, self.values, self.column, self.width = keys, values, column, width  # width: the prefill's columns
 
     @classmethod
     def from_prefill(cls, cache, capacity: int) -> "StaticKV":
@@ -56,7 +56,7 @@ class StaticKV:
                 buffer = source.new_zeros((*source.shape[:2], capacity, source.shape[3]))
                 buffer[:, :, :width] = source
                 out.append(buffer)
-        return cls(keys, values, torch.zeros(1, dtype=torch.int64, device=keys[0].device))
+        return cls(keys, values, torch.zeros(1, dtype=torch.int64, device=keys[0].device), pairs[0][0].shape[2])
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.keys[layer_idx].index_copy_(2, self.column, key)
@@ -64,17 +64,16 @@ class StaticKV:
         return self.keys[layer_idx], self.values[layer_idx]
 
 
-def language_step(lm, embeds: torch.Tensor, positions: torch.Tensor, masks: dict, cache: StaticKV) -> torch.Tensor:
+def language_step(lm, embeds: torch.Tensor, positions: torch.Tensor, masks: list, cache: StaticKV,
+                  keyword: str) -> torch.Tensor:
     """One token per row through the language model, as its own forward runs a decode step
-    (rotary embeddings of ``positions``, every decoder layer against ``cache``, the final
-    norm), with each layer's mask taken from ``masks`` by its layer type. No DeepStack: decoded
+    (rotary embeddings of ``positions``, every decoder layer against ``cache``, passed by
+    ``keyword``, the final norm), with ``masks[i]`` layer ``i``'s mask. No DeepStack: decoded
     tokens are text. Returns the last hidden states ``[rows, H]``."""
     position_embeddings = lm.rotary_emb(embeds, positions)
-    layer_types = getattr(lm.config, "layer_types", None) or ["full_attention"] * len(lm.layers)
-    keyword = "cache" if "cache" in inspect.signature(lm.layers[0].forward).parameters else "past_key_values"
     hidden = embeds
-    for layer, kind in zip(lm.layers, layer_types):
-        out = layer(hidden, attention_mask=masks[kind], position_ids=None, position_embeddings=position_embeddings,
+    for layer, mask in zip(lm.layers, masks):
+        out = layer(hidden, attention_mask=mask, position_ids=None, position_embeddings=position_embeddings,
                     **{keyword: cache})
         hidden = out[0] if isinstance(out, tuple) else out
     return lm.norm(hidden)[:, -1]
@@ -92,9 +91,8 @@ def decode_static(model, hidden: torch.Tensor, cache, prompt: torch.Tensor, top:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     bias = getattr(head, "bias", None)
     device, rows = hidden.device, hidden.shape[0]
-    width = int(_prefill_width(cache))
-    capacity = width + max_new_tokens
-    kv = StaticKV.from_prefill(cache, capacity)
+    kv = StaticKV.from_prefill(cache, _prefill_width(cache) + max_new_tokens)
+    width, capacity = kv.width, kv.keys[0].shape[2]
     first_key = (width - prompt).to(torch.int32)
     keys = prompt.to(torch.int32).clone()
     columns = torch.arange(capacity, device=device)
@@ -102,7 +100,8 @@ def decode_static(model, hidden: torch.Tensor, cache, prompt: torch.Tensor, top:
         mask = DecodeSegments(first_key, keys, steps=max_new_tokens, capacity=capacity)
     else:
         mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=device)
-    masks = {kind: mask for kind in (getattr(lm.config, "layer_types", None) or ["full_attention"])}
+    masks = [mask] * len(lm.layers)  # every supported family's layers attend in full (no sliding window)
+    keyword = cache_keyword(lm.layers[0])  # read once, not per step
     step = torch.zeros((), dtype=torch.int64, device=device)
     state = hidden.clone()
     tokens = torch.zeros((rows, max_new_tokens), dtype=torch.int64, device=device)
@@ -131,7 +130,7 @@ def decode_static(model, hidden: torch.Tensor, cache, prompt: torch.Tensor, top:
             start = first_key.long()[:, None]
             mask.copy_(((columns >= start) & (columns < start + keys.long()[:, None]))[:, None, None, :])
         positions = (top + 1 + step).view(1, -1, 1).expand(3, -1, 1)
-        state.copy_(language_step(lm, embed(draw.tokens)[:, None], positions, masks, kv))
+        state.copy_(language_step(lm, embed(draw.tokens)[:, None], positions, masks, kv, keyword))
         step.add_(1)
 
     run = 0
